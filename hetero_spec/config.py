@@ -1,0 +1,197 @@
+"""Typed configuration: one pydantic model per YAML section.
+
+Every field has a default and a docstring. Unknown keys are errors that name the key path. Overrides
+(`--set a.b=v` on the CLI, `overrides={"a.b": v}` in Python) go through the same validator. Relative model
+paths are resolved against the directory of the YAML file that names them.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class TargetConfig(_Section):
+    model: Path | None = None
+    """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer)."""
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available, else CPU)."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Compute dtype. `auto` is float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity."""
+    threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads on CPU; None keeps torch's default."""
+    max_context: int | None = Field(default=None, ge=2)
+    """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("must be one of auto, cpu, cuda, cuda:N")
+
+
+class NgramConfig(_Section):
+    max_n: int = Field(default=3, ge=1)
+    """Longest suffix n-gram looked up in the context."""
+    min_n: int = Field(default=1, ge=1)
+    """Shortest suffix n-gram tried before giving up (no proposal that round)."""
+
+
+class DraftConfig(_Section):
+    kind: Literal["onnx", "ngram", "none"] = "ngram"
+    """`onnx`: an exported draft model under ONNX Runtime; `ngram`: prompt lookup; `none`: target only."""
+    model: Path | None = None
+    """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export-draft`."""
+    providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
+    """ONNX Runtime execution providers, in order of preference."""
+    threads: int = Field(default=1, ge=1)
+    """ONNX Runtime intra-op threads for the draft."""
+    ngram: NgramConfig = Field(default_factory=NgramConfig)
+    """Settings of the n-gram proposer (draft.kind = ngram)."""
+
+
+class SpeculationConfig(_Section):
+    gamma: int = Field(default=4, ge=1, le=64)
+    """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass."""
+
+
+class GenerationConfig(_Section):
+    max_new_tokens: int = Field(default=128, ge=1)
+    """Upper bound on generated tokens; never exceeded, also inside an accepted block."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 means greedy (argmax). Above 0, speculative rejection sampling keeps the target's distribution."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens (0 = off). Applied identically to target and draft."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass (1.0 = off). Applied identically to target and draft."""
+    seed: int | None = None
+    """Seed for sampled generation; runs with the same seed are reproducible. None draws one."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
+
+
+class RuntimeConfig(_Section):
+    mode: Literal["in_process"] = "in_process"
+    """`in_process`: draft and target in one process."""
+
+
+class Config(_Section):
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    """The PyTorch verifier."""
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    """The proposer."""
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    """Speculation schedule."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """Defaults of each request."""
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    """Process layout."""
+    source: str = Field(default="<dict>", exclude=True)
+    """Where this config came from (file path), for error messages."""
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+
+
+def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
+    cur = raw
+    for part in loc:
+        try:
+            cur = cur[part]
+        except (KeyError, IndexError, TypeError):
+            return "<missing>"
+    return cur
+
+
+def _set_path(raw: dict, dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    cur = raw
+    for i, part in enumerate(parts[:-1]):
+        if part not in Config.model_fields and i == 0:
+            raise ConfigError(source, dotted, value, f"unknown section {part!r}")
+        nxt = cur.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(source, ".".join(parts[: i + 1]), nxt, "is not a mapping")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=v` -> ("a.b", v) with v parsed as YAML (so 4 is an int and [x, y] a list)."""
+    if "=" not in text:
+        raise ConfigError("--set", text, text, "expected KEY.PATH=VALUE")
+    key, _, val = text.partition("=")
+    try:
+        return key.strip(), yaml.safe_load(val) if val.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError("--set", key.strip(), val, f"not valid YAML: {exc}") from None
+
+
+def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> Config:
+    """Validate a raw mapping (+ dotted overrides) into a Config; errors name source, key path, value."""
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "", raw, "the top level must be a mapping of sections")
+    raw = copy.deepcopy(raw)
+    for key, value in (overrides or {}).items():
+        _set_path(raw, key, value, source)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        value = err.get("input", _lookup(raw, loc))
+        if err["type"] == "extra_forbidden":
+            problem = "unknown key"
+        else:
+            problem = err["msg"]
+        keys = set((overrides or {}).keys())
+        where = "--set" if _fmt_loc(loc) in keys else source
+        raise ConfigError(where, _fmt_loc(loc), value, problem) from None
+    base = base_dir or Path.cwd()
+    for section in (cfg.target, cfg.draft):
+        if section.model is not None and not section.model.is_absolute():
+            section.model = (base / section.model).resolve()
+    cfg.source = source
+    return cfg
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a YAML file and validate it. Errors name the file, the key path and the value."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), "", str(path), "config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(str(path), where, path.name, f"not valid YAML: {exc}") from None
+    return build_config(raw, source=str(path), base_dir=path.parent, overrides=overrides)
+
+
+def check_paths(cfg: Config) -> None:
+    """Model directories must exist before anything heavy loads."""
+    if cfg.target.model is None:
+        raise ConfigError(cfg.source, "target.model", None, "a target model directory is required")
+    if not (cfg.target.model / "config.json").is_file():
+        raise ConfigError(cfg.source, "target.model", str(cfg.target.model),
+                          "not a Hugging Face model directory (no config.json found)")
+    if cfg.draft.kind == "onnx":
+        if cfg.draft.model is None:
+            raise ConfigError(cfg.source, "draft.model", None, "draft.kind is onnx, so a draft model is required")
+        if not (cfg.draft.model / "model.onnx").is_file():
+            raise ConfigError(cfg.source, "draft.model", str(cfg.draft.model),
+                              "no model.onnx in this directory (make one with `hetero-spec export-draft`)")

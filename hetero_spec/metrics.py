@@ -1,0 +1,57 @@
+"""Per-request statistics, collected by the decode loop from the first round on."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    """What one generate call did. Times are wall-clock seconds."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = rounds that accepted n tokens
+    time_prefill_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_total_s: float = 0.0
+    finish_reason: str = ""
+    proposer: str = "none"
+    gamma: int = 0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accept_hist) <= accepted:
+            self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.accept_hist[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_total_s if self.time_total_s > 0 else 0.0
+
+    @property
+    def time_idle_s(self) -> float:
+        """Time in the loop that was neither prefill, drafting nor verifying (bookkeeping, sampling)."""
+        busy = self.time_prefill_s + self.time_draft_s + self.time_verify_s
+        return max(0.0, self.time_total_s - busy)
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=round(self.acceptance_rate, 4), tokens_per_s=round(self.tokens_per_s, 2),
+                 time_idle_s=self.time_idle_s,
+                 tokens_per_round=round((self.new_tokens / self.rounds) if self.rounds else 0.0, 3))
+        return d

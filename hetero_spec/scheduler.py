@@ -1,0 +1,115 @@
+"""The decode loop: propose, verify, commit, stop checks, adapt. One linear loop per request.
+
+Invariants between rounds (see target/verifier.py):
+* ``ids`` = prompt + generated tokens; the target cache holds ``ids[:-1]``;
+* the proposer has been told every committed token (through ``begin`` and ``commit``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .draft.base import Draft, Proposer
+from .errors import PromptTooLongError, RequestError
+from .metrics import Stats
+from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, logits_to_probs, position_uniforms,
+                       rejection_accept, rejection_next, verify_greedy)
+from .target.verifier import TargetModel, TargetState
+
+
+@dataclass
+class Request:
+    """One generation request, resolved: token ids and every knob explicit."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    gamma: int
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def check_request(req: Request, context_len: int) -> None:
+    if not req.prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    if req.max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+    if len(req.prompt_ids) >= context_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(req.prompt_ids)} tokens but the context holds {context_len} "
+            f"(target.max_context or the model's max_position_embeddings), leaving no room for a new token")
+
+
+def verify_block(target: TargetModel, state: TargetState, params: SamplingParams, ids: list[int],
+                 draft: Draft) -> tuple[int, int]:
+    """3) verify one block in one target forward pass; returns (n_accepted, next_token).
+
+    Uniform draws are keyed by the absolute position of the token they decide, so seeded output does
+    not depend on where round boundaries fall.
+    """
+    out = target.verify(state, ids[-1], draft.ids, params.greedy)
+    if params.greedy:
+        n, nxt = verify_greedy(draft.ids, out)
+    else:
+        p = logits_to_probs(out, params)  # [k + 1, vocab]
+        base = len(ids)
+        u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0]
+                          for i in range(len(draft.ids))])
+        n = rejection_accept(draft.ids, draft.probs, p, u_acc)
+        u_tok = position_uniforms(params.seed, base + n, STREAM_TARGET)[0]
+        nxt = rejection_next(draft.ids, draft.probs, p, n, u_tok)
+    target.rollback(state, len(ids) + n)
+    return n, nxt
+
+
+def decode(target: TargetModel, proposer: Proposer | None, req: Request, stats: Stats) -> Iterator[list[int]]:
+    """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes."""
+    check_request(req, target.context_len)
+    t_start = time.perf_counter()
+    stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
+    stats.proposer = proposer.name if proposer is not None else "none"
+    state = target.new_state()
+    try:
+        target.prefill(state, req.prompt_ids)
+        if proposer is not None:
+            proposer.begin(req.prompt_ids, req.params)
+        stats.time_prefill_s = time.perf_counter() - t_start
+        ids = list(req.prompt_ids)
+        generated = 0
+        while not stats.finish_reason:
+            remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
+            k = min(req.gamma, remaining - 1) if proposer is not None else 0
+            # 1) propose (2) send is a no-op in process)
+            t = time.perf_counter()
+            draft = proposer.propose(k) if k > 0 else Draft(ids=[])
+            stats.time_draft_s += time.perf_counter() - t
+            # 3) verify
+            t = time.perf_counter()
+            n, nxt = verify_block(target, state, req.params, ids, draft)
+            stats.time_verify_s += time.perf_counter() - t
+            stats.record_round(len(draft.ids), n)
+            # 4) commit + stop checks, token by token inside the block
+            emitted: list[int] = []
+            for tok in [*draft.ids[:n], nxt]:
+                emitted.append(tok)
+                ids.append(tok)
+                generated += 1
+                if tok in req.stop_ids:
+                    stats.finish_reason = "stop"
+                elif generated >= req.max_new_tokens:
+                    stats.finish_reason = "length"
+                elif len(ids) >= target.context_len:
+                    stats.finish_reason = "context"
+                if stats.finish_reason:
+                    break
+            if not stats.finish_reason and proposer is not None:
+                proposer.commit(n, nxt)
+            stats.new_tokens = generated
+            stats.time_total_s = time.perf_counter() - t_start
+            yield emitted
+            # 5) adapt: the in-process loop keeps gamma fixed (the pipelined scheduler tunes it)
+    finally:
+        stats.time_total_s = time.perf_counter() - t_start

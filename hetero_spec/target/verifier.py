@@ -1,0 +1,135 @@
+"""PyTorch target: prefill once, verify a block of k draft tokens in one forward pass, roll back.
+
+Per-request state (KV cache and its length) lives in `TargetState`, not in the model, so several
+requests can share one loaded model and batching can be added later.
+
+Cache invariant used by the decode loop: the cache holds every committed token except the last one,
+which is fed at the start of the next forward pass together with the draft block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"target.device is {device!r} but this torch build has no CUDA device "
+                             f"(torch {torch.__version__}); use device: cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+@dataclass
+class TargetState:
+    """One request's target-side state: the KV cache and how many tokens it holds."""
+
+    cache: object
+    n_cached: int = 0
+    stats: dict = field(default_factory=dict)
+
+
+class TargetModel:
+    """A loaded Hugging Face causal LM used as the verifier."""
+
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
+                 threads: int | None = None, max_context: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ModelLoadError(f"target model directory {str(model_dir)!r} has no config.json")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        try:
+            config = AutoConfig.from_pretrained(model_dir)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load target model from {str(model_dir)!r}: {exc}") from exc
+        self.model.eval()
+        self.config = config
+        self.model_dir = model_dir
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError):
+            self.tokenizer = None
+        self.vocab_width = int(self.model.get_output_embeddings().weight.shape[0])
+        model_ctx = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.context_len = int(min(x for x in (model_ctx, max_context) if x)) if (model_ctx or max_context) \
+            else 2048
+        self.eos_token_ids = _eos_ids(self.model, config)
+
+    # -- per-request state ------------------------------------------------------------------------
+    def new_state(self) -> TargetState:
+        from transformers import DynamicCache
+
+        return TargetState(cache=DynamicCache(config=self.config))
+
+    @torch.inference_mode()
+    def forward(self, state: TargetState, tokens: list[int]) -> torch.Tensor:
+        """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device."""
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=state.cache, use_cache=True)
+        state.n_cached += len(tokens)
+        return out.logits[0]
+
+    def rollback(self, state: TargetState, n_keep: int) -> None:
+        """Drop cached positions after the first n_keep (the rejected draft tokens)."""
+        drop = state.n_cached - n_keep
+        if drop < 0:
+            raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_cached}")
+        if drop:
+            state.cache.crop(-drop)
+            state.n_cached = n_keep
+
+    def prefill(self, state: TargetState, prompt_ids: list[int]) -> None:
+        """Cache every prompt token but the last (the invariant the decode loop relies on)."""
+        if len(prompt_ids) > 1:
+            self.forward(state, prompt_ids[:-1])
+
+    def verify(self, state: TargetState, last_token: int, draft_ids: list[int],
+               greedy: bool) -> list[int] | np.ndarray:
+        """One forward pass over [last_token, *draft_ids]; k + 1 positions.
+
+        Greedy: returns the target's argmax ids, [k + 1]. Otherwise returns the raw logits as a
+        float32 numpy array [k + 1, vocab] for `sampling.logits_to_probs`.
+        """
+        logits = self.forward(state, [last_token, *draft_ids])
+        if greedy:
+            return logits.argmax(dim=-1).tolist()
+        return logits.float().cpu().numpy()
+
+
+def _eos_ids(model, config) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
