@@ -1,0 +1,25 @@
+"""`hetero-spec bench` argument parsing; the benchmark itself lives in bench.py."""
+
+from __future__ import annotations
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
+                       description="Run target-only decoding, transformers' assisted generation, "
+                                   "ONNX Runtime GenAI speculative decoding and hetero_spec on the same "
+                                   "held-out prompts, interleaved, and write bench.json, bench.md, bench.png.")
+    p.add_argument("--config", required=True, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
+    p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    p.add_argument("--prompts", type=int, default=None, help="number of held-out prompts (default 12, 4 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default 128, 64 with --quick)")
+    p.add_argument("--systems", default=None,
+                   help="comma-separated subset of systems to run (default: all available)")
+    p.add_argument("--quick", action="store_true", help="a small run that finishes in under 3 minutes")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key for the hetero_spec systems (repeatable)")
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench_cli
+
+    return run_bench_cli(args)

@@ -1,0 +1,139 @@
+"""`hetero-spec` command line. A face of the engine: it parses arguments and calls the API, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from .errors import HeteroSpecError
+
+EPILOG = """examples:
+  hetero-spec generate --config configs/cpu-demo.yaml --prompt "def parse(" --max-new-tokens 64
+  hetero-spec generate --config configs/cpu-demo.yaml --set speculation.gamma=6 --json
+  hetero-spec export-draft --model models/draft --out models/draft-onnx-int4 --precision int4
+"""
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    from .config import parse_override
+
+    return dict(parse_override(p) for p in pairs)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion with speculative decoding",
+                       description="Generate a completion. Greedy output (temperature 0) is token-identical "
+                                   "to the target model alone; sampled output keeps its distribution.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("--prompt", default=None,
+                   help="prompt text; read from standard input when omitted and stdin is not a terminal")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="most tokens to generate (default: generation.max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: generation.temperature)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k filter, 0 = off (default: generation.top_k)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass, 1 = off (default: generation.top_p)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: generation.seed)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any config key, validated like the file (repeatable), "
+                        "e.g. --set speculation.gamma=6 --set draft.kind=ngram")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids (generated only), finish_reason, stats")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+
+
+def _add_export(sub) -> None:
+    from .draft.export import PRECISIONS, PROVIDERS
+
+    p = sub.add_parser("export-draft", help="export a Hugging Face checkpoint to an ONNX draft",
+                       description="Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV "
+                                   "cache using onnxruntime-genai's model builder, optionally quantized.")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--out", required=True, help="output directory for model.onnx and genai_config.json")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
+    p.add_argument("--execution-provider", default="cpu", choices=PROVIDERS,
+                   help="execution provider the export targets (default cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetero-spec",
+        description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, a PyTorch "
+                    "target verifies them. Output is identical to the target alone (greedy).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (INFO logs the resolved config)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_export(sub)
+    from .bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _cmd_generate(args) -> int:
+    from .engine import Engine
+    from .metrics import Stats
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise HeteroSpecError("--prompt is required when standard input is a terminal")
+        prompt = sys.stdin.read()
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed)
+    with Engine.from_config(args.config, overrides=_overrides(args.overrides)) as eng:
+        if args.json:
+            out = eng.generate(prompt, **kw)
+            print(json.dumps(out.to_dict()))
+            return 0
+        stats = Stats()
+        if args.no_stream:
+            out = eng.generate(prompt, **kw)
+            print(out.text)
+            stats_d = out.stats
+        else:
+            for piece in eng.stream(prompt, stats=stats, **kw):
+                print(piece, end="", flush=True)
+            print()
+            stats_d = stats.to_dict()
+    print(f"[{stats_d['new_tokens']} tokens, {stats_d['tokens_per_s']:.1f} tok/s, "
+          f"acceptance {stats_d['acceptance_rate']:.2f}, {stats_d['rounds']} rounds, "
+          f"draft={stats_d['proposer']} gamma={stats_d['gamma']}, finish={stats_d['finish_reason']}]",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .draft.export import export_draft
+
+    out = export_draft(args.model, args.out, args.precision, args.execution_provider)
+    print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers = {"generate": _cmd_generate, "export-draft": _cmd_export}
+    try:
+        if args.command == "bench":
+            from .bench_cli import cmd_bench
+
+            return cmd_bench(args)
+        return handlers[args.command](args)
+    except HeteroSpecError as exc:
+        print(f"hetero-spec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetero-spec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

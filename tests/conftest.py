@@ -1,0 +1,76 @@
+"""Session fixtures: tiny random models (built from configs in tests/fixtures) and their ONNX exports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero_spec.draft.export import export_draft
+from tests.fixtures.tiny_models import build_model
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def llama_target(models_dir) -> Path:
+    return build_model("llama_gqa", models_dir / "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_copy_onnx(models_dir, llama_target) -> Path:
+    """The target itself exported to ONNX: a draft that agrees with the target everywhere."""
+    return export_draft(llama_target, models_dir / "llama-copy-onnx", "fp32", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def llama_random_onnx(models_dir) -> Path:
+    """An unrelated random draft with the same tokenizer: almost nothing is accepted."""
+    hf = build_model("llama_gqa", models_dir / "llama-other", seed=7, num_hidden_layers=1)
+    return export_draft(hf, models_dir / "llama-other-onnx", "fp32", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def qwen2_target(models_dir) -> Path:
+    return build_model("qwen2", models_dir / "qwen2", seed=3)
+
+
+@pytest.fixture(scope="session")
+def qwen2_copy_onnx(models_dir, qwen2_target) -> Path:
+    return export_draft(qwen2_target, models_dir / "qwen2-copy-onnx", "fp32", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def gpt2_target(models_dir) -> Path:
+    return build_model("gpt2", models_dir / "gpt2", seed=5)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int,
+              eos_token_id: int | list[int] | None = None) -> list[int]:
+    """Reference: transformers generate(do_sample=False) on the target alone, fp32; generated ids only."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(model_dir)
+    kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+_HF_CACHE: dict[Path, object] = {}
+
+
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF_CACHE:
+        _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _HF_CACHE[model_dir]

@@ -1,0 +1,55 @@
+"""The command line: --json on a copy-draft config returns exactly the target-only greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetero_spec.cli import main
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture()
+def copy_config(tmp_path, llama_target, llama_copy_onnx):
+    path = tmp_path / "copy.yaml"
+    path.write_text(f"target: {{model: {llama_target}, device: cpu, dtype: float32}}\n"
+                    f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
+                    "speculation: {gamma: 4}\ngeneration: {max_new_tokens: 30}\n")
+    return path
+
+
+def test_generate_json_copy_draft_equals_target_only(copy_config, llama_target, capsys):
+    assert main(["generate", "--config", str(copy_config), "--prompt", "def parse(text):", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(llama_target).encode("def parse(text):")
+    assert out["token_ids"] == hf_greedy(llama_target, prompt, 30)
+    assert out["stats"]["acceptance_rate"] >= 0.98
+    assert set(out) >= {"text", "token_ids", "stats"}
+
+
+def test_set_override_and_streaming_text(copy_config, capsys):
+    assert main(["generate", "--config", str(copy_config), "--prompt", "for i in",
+                 "--set", "speculation.gamma=2", "--set", "draft.kind=ngram", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "draft=ngram gamma=2" in captured.err
+
+
+def test_bad_override_is_a_clear_error(copy_config, capsys):
+    assert main(["generate", "--config", str(copy_config), "--prompt", "x", "--set", "speculation.gama=3"]) == 2
+    err = capsys.readouterr().err
+    assert "speculation.gama" in err and "unknown key" in err
+
+
+def test_help_explains_every_subcommand():
+    for args in (["--help"], ["generate", "--help"], ["export-draft", "--help"], ["bench", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "hetero_spec.cli", *args], capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage: hetero-spec" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "hetero_spec.cli", "generate", "--help"],
+                          capture_output=True, text=True)
+    for opt in ("--config", "--prompt", "--max-new-tokens", "--temperature", "--seed", "--set", "--json"):
+        assert opt in proc.stdout

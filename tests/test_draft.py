@@ -1,0 +1,94 @@
+"""Proposers: ONNX drafter rollback and agreement with the PyTorch model; the n-gram proposer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetero_spec.draft.export import ExportError, export_draft
+from hetero_spec.draft.ngram import NgramProposer
+from hetero_spec.draft.onnx_drafter import OnnxDrafter
+from hetero_spec.sampling import SamplingParams
+from tests.conftest import _hf_model
+
+SEQ = [5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11]
+
+
+def test_rewind_and_reappend_equals_fresh_run(llama_copy_onnx):
+    fresh = OnnxDrafter(llama_copy_onnx)
+    ref = fresh.append(SEQ)  # [len, vocab]
+    d = OnnxDrafter(llama_copy_onnx)
+    d.append(SEQ[:6])
+    d.append([1, 2, 3])  # tokens that will be rejected
+    d.rewind_to(6)
+    assert d.n_past == 6
+    got = d.append(SEQ[6:])
+    np.testing.assert_allclose(got, ref[6:], rtol=1e-4, atol=1e-4)
+
+
+def test_propose_commit_rolls_back_to_accepted_prefix(llama_copy_onnx):
+    d = OnnxDrafter(llama_copy_onnx)
+    d.begin(SEQ[:5], SamplingParams())
+    draft = d.propose(4)
+    assert len(draft.ids) == 4 and draft.probs is None
+    d.commit(1, 42)  # one accepted, then the target's correction
+    assert d.ids == [*SEQ[:5], draft.ids[0], 42]
+    assert d.n_past == 6  # prompt + accepted token cached; the correction is pending
+    nxt = d.propose(1).ids
+    fresh = OnnxDrafter(llama_copy_onnx)
+    logits = fresh.append(d.ids)
+    assert nxt == [int(np.argmax(logits[-1]))]
+
+
+def test_onnx_draft_matches_pytorch_logits(llama_target, llama_copy_onnx):
+    d = OnnxDrafter(llama_copy_onnx)
+    onnx_logits = d.append(SEQ)
+    with torch.no_grad():
+        torch_logits = _hf_model(llama_target)(torch.tensor([SEQ])).logits[0].numpy()
+    np.testing.assert_allclose(onnx_logits, torch_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_sampled_proposals_return_q(llama_copy_onnx):
+    d = OnnxDrafter(llama_copy_onnx)
+    d.begin(SEQ, SamplingParams(temperature=1.0, top_k=20, seed=3))
+    draft = d.propose(3)
+    assert draft.probs.shape == (3, d.vocab_width)
+    np.testing.assert_allclose(draft.probs.sum(-1), 1.0)
+    assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.ids))
+    assert all((row > 0).sum() <= 20 for row in draft.probs)
+
+
+def test_width_is_padded_to_the_target_vocabulary(llama_copy_onnx):
+    d = OnnxDrafter(llama_copy_onnx, vocab_width=400)
+    logits = d.append(SEQ[:3])
+    assert logits.shape == (3, 400) and np.isneginf(logits[:, 384:]).all()
+
+
+def test_ngram_proposer_prompt_lookup():
+    p = NgramProposer(max_n=3, min_n=1)
+    p.begin([1, 2, 3, 4, 5, 1, 2, 3], SamplingParams())
+    assert p.propose(2).ids == [4, 5]
+    p.commit(1, 9)
+    assert p.ids == [1, 2, 3, 4, 5, 1, 2, 3, 4, 9]
+    assert p.propose(3).ids == []  # 9 never occurred before
+    p.commit(0, 1)
+    assert p.propose(2).ids == [2, 3]  # matched [1] at its last earlier place
+
+
+def test_export_errors_are_clear(tmp_path, llama_target):
+    with pytest.raises(ExportError, match="no config.json"):
+        export_draft(tmp_path, tmp_path / "out")
+    nojson = tmp_path / "notok"
+    nojson.mkdir()
+    (nojson / "config.json").write_text((llama_target / "config.json").read_text())
+    with pytest.raises(ExportError, match="no tokenizer.json"):
+        export_draft(nojson, tmp_path / "out")
+    with pytest.raises(ExportError, match="--precision"):
+        export_draft(llama_target, tmp_path / "out", precision="int3")
+
+
+def test_int4_export_runs(tmp_path, llama_target):
+    out = export_draft(llama_target, tmp_path / "int4", precision="int4", quiet=True)
+    d = OnnxDrafter(out)
+    assert d.append(SEQ).shape == (len(SEQ), 384)

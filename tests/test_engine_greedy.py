@@ -1,0 +1,140 @@
+"""End-to-end greedy identity: the engine's tokens equal transformers' generate on the target alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.errors import PromptTooLongError, RequestError
+from tests.conftest import hf_greedy
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
+MAX_NEW = 40
+
+
+def _engine(target, kind, draft=None, **extra):
+    cfg = {"target": {"model": str(target), "dtype": "float32"},
+           "draft": {"kind": kind, **({"model": str(draft)} if draft else {})}}
+    for key, val in extra.items():
+        section, _, field = key.partition(".")
+        cfg.setdefault(section, {})[field] = val
+    return Engine.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def llama_engines(llama_target, llama_copy_onnx, llama_random_onnx):
+    engines = {"copy": _engine(llama_target, "onnx", llama_copy_onnx),
+               "random": _engine(llama_target, "onnx", llama_random_onnx),
+               "ngram": _engine(llama_target, "ngram"),
+               "none": _engine(llama_target, "none")}
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("draft", ["copy", "random", "ngram", "none"])
+def test_llama_gqa_greedy_identity(llama_engines, llama_target, draft, gamma):
+    eng = llama_engines[draft]
+    for prompt in PROMPTS:
+        ref = hf_greedy(llama_target, prompt, MAX_NEW)
+        out = eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, temperature=0.0)
+        assert out.token_ids == ref
+        assert out.stats["new_tokens"] == len(ref)
+        assert out.finish_reason == ("stop" if ref[-1] == 0 and len(ref) < MAX_NEW else "length")
+        if draft == "copy":
+            assert out.stats["acceptance_rate"] >= 0.98
+            assert out.stats["rounds"] <= -(-MAX_NEW // (gamma + 1)) + 1
+        if draft == "random":
+            assert out.stats["acceptance_rate"] <= 0.3
+            assert out.stats["drafted"] > 0
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_qwen2_greedy_identity(qwen2_target, qwen2_copy_onnx, gamma):
+    with _engine(qwen2_target, "onnx", qwen2_copy_onnx) as eng:
+        for prompt in PROMPTS:
+            out = eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, temperature=0.0)
+            assert out.token_ids == hf_greedy(qwen2_target, prompt, MAX_NEW)
+            assert out.stats["acceptance_rate"] >= 0.98
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_gpt2_greedy_identity_ngram(gpt2_target, gamma):
+    with _engine(gpt2_target, "ngram") as eng:
+        for prompt in PROMPTS:
+            out = eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma)
+            assert out.token_ids == hf_greedy(gpt2_target, prompt, MAX_NEW)
+
+
+def test_eos_inside_accepted_block(llama_engines, llama_target):
+    """A stop token reached inside a fully accepted block ends generation there and is kept."""
+    prompt = PROMPTS[0]
+    free = hf_greedy(llama_target, prompt, MAX_NEW)
+    pos = next(i for i in range(4, MAX_NEW) if free[i] not in free[:i] and free[i] != 0)
+    stop = free[pos]
+    ref = hf_greedy(llama_target, prompt, MAX_NEW, eos_token_id=[0, stop])
+    assert ref == free[:pos + 1]
+    for gamma in (3, 8):
+        out = llama_engines["copy"].generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, stop_token_ids=[stop])
+        assert out.token_ids == ref
+        assert out.finish_reason == "stop"
+        # it stopped inside a block: the last round proposed tokens beyond the stop token
+        assert out.stats["drafted"] > len(ref) - out.stats["rounds"]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 10, 11])
+def test_max_new_tokens_inside_block(llama_engines, llama_target, max_new):
+    out = llama_engines["copy"].generate(PROMPTS[0], max_new_tokens=max_new, gamma=8)
+    assert out.token_ids == hf_greedy(llama_target, PROMPTS[0], max_new)
+    assert len(out.token_ids) == max_new and out.finish_reason == "length"
+
+
+def test_context_limit_is_never_exceeded(llama_engines, llama_target):
+    eng = llama_engines["copy"]
+    ctx = eng.target.context_len  # 96 in the fixture config
+    prompt = list(range(10, 10 + ctx - 13))
+    out = eng.generate(prompt, max_new_tokens=100, gamma=8)
+    assert len(prompt) + len(out.token_ids) == ctx
+    assert out.finish_reason == "context"
+    assert out.token_ids == hf_greedy(llama_target, prompt, ctx - len(prompt))
+
+
+def test_prompt_over_context_is_a_clear_error(llama_engines):
+    eng = llama_engines["none"]
+    ctx = eng.target.context_len
+    with pytest.raises(PromptTooLongError, match=f"{ctx} tokens but the context holds {ctx}"):
+        eng.generate(list(range(1, ctx + 1)), max_new_tokens=4)
+
+
+def test_bad_request_arguments(llama_engines):
+    eng = llama_engines["none"]
+    with pytest.raises(RequestError, match="empty"):
+        eng.generate([], max_new_tokens=4)
+    with pytest.raises(RequestError, match="out of range"):
+        eng.generate([1, 100000], max_new_tokens=4)
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        eng.generate([1, 2], max_new_tokens=0)
+
+
+def test_text_prompt_and_stream_match_generate(llama_engines):
+    eng = llama_engines["copy"]
+    out = eng.generate("def parse(text):", max_new_tokens=20)
+    pieces = list(eng.stream("def parse(text):", max_new_tokens=20))
+    assert "".join(pieces) == out.text
+    assert out.text == eng.tokenizer.decode(out.token_ids)
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "accept_hist", "tokens_per_s",
+                "time_draft_s", "time_verify_s", "time_idle_s"):
+        assert key in out.stats
+
+
+def test_sampled_generation_is_seeded(llama_engines):
+    eng = llama_engines["random"]
+    a = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=11, gamma=3)
+    b = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=11, gamma=3)
+    c = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=12, gamma=3)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    # seeded output does not depend on the draft length: draws are keyed by position
+    d = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=11, gamma=5)
+    assert len(d.token_ids) == 24
