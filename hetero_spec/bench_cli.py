@@ -15,8 +15,14 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--systems", default=None,
                    help="comma-separated subset of systems to run (default: all available)")
     p.add_argument("--quick", action="store_true", help="a small run that finishes in under 3 minutes")
+    p.add_argument("--draft-hf", default=None, metavar="DIR",
+                   help="Hugging Face checkpoint of the draft, the assistant of the hf_assisted systems "
+                        "(default: models/draft two levels above the config, if present)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="tokens per held-out prompt (default 128)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a config key for the hetero_spec systems (repeatable)")
+                   help="override a config key, validated like the file (repeatable); target.* applies to "
+                        "every system, the rest to the hetero_spec systems")
 
 
 def cmd_bench(args) -> int:

@@ -81,9 +81,43 @@ class GenerationConfig(_Section):
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
 
 
+class GateConfig(_Section):
+    enabled: bool = True
+    """Turn speculation off while drafting + transfer costs more than verification (two_process)."""
+    probe_interval_s: float = Field(default=1.0, gt=0)
+    """While off, switch speculation back on this often to measure again."""
+    probe_rounds: int = Field(default=4, ge=1)
+    """Rounds a re-probe lasts before the gate decides again."""
+
+
 class RuntimeConfig(_Section):
-    mode: Literal["in_process"] = "in_process"
-    """`in_process`: draft and target in one process."""
+    mode: Literal["in_process", "two_process"] = "in_process"
+    """`in_process`: draft and target in one process, in turn. `two_process`: the ONNX draft runs in its
+    own worker process and drafts the next block while the target verifies the current one."""
+    transport: Literal["ipc", "tcp"] = "ipc"
+    """ZeroMQ transport between the processes. IPC (a Unix socket) by default."""
+    host: str = "127.0.0.1"
+    """TCP bind address. Anything but loopback requires `curve: true`."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port; 0 picks a free one."""
+    curve: bool = False
+    """ZeroMQ CURVE encryption + authentication; keys are generated per worker and never sent on the wire."""
+    ready_timeout_s: float = Field(default=60.0, gt=0)
+    """How long to wait for the draft worker to load its model and report ready."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """A silent worker is pinged after this long, and declared hung when the ping is not answered in time."""
+    max_ahead: int | None = Field(default=None, ge=1)
+    """Most draft tokens the worker keeps beyond the committed text; None means 2 x gamma."""
+    pin_cpus: bool = True
+    """Pin the target and the worker to disjoint cores (the worker gets the last `draft.threads` cores)."""
+    restart_backoff_s: float = Field(default=0.5, gt=0)
+    """First delay before restarting a crashed worker; doubles per failure up to 30 s."""
+    gate: GateConfig = Field(default_factory=GateConfig)
+    """The cost gate."""
+    trace: bool = False
+    """Record per-round draft and verify intervals in stats.extra.timeline (for overlap analysis)."""
+    test_draft_delay_ms: float = Field(default=0.0, ge=0)
+    """Test only: the worker sleeps this long per drafted token (an artificially slow draft)."""
 
 
 class Config(_Section):
@@ -183,7 +217,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
 
 
 def check_paths(cfg: Config) -> None:
-    """Model directories must exist before anything heavy loads."""
+    """Model directories must exist (and the modes fit together) before anything heavy loads."""
+    if cfg.runtime.mode == "two_process" and cfg.draft.kind != "onnx":
+        raise ConfigError(cfg.source, "runtime.mode", cfg.runtime.mode,
+                          f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
+                          "use runtime.mode: in_process for ngram or none")
     if cfg.target.model is None:
         raise ConfigError(cfg.source, "target.model", None, "a target model directory is required")
     if not (cfg.target.model / "config.json").is_file():
@@ -192,6 +230,6 @@ def check_paths(cfg: Config) -> None:
     if cfg.draft.kind == "onnx":
         if cfg.draft.model is None:
             raise ConfigError(cfg.source, "draft.model", None, "draft.kind is onnx, so a draft model is required")
-        if not (cfg.draft.model / "model.onnx").is_file():
+        if not (cfg.draft.model / "model.onnx").is_file():  # noqa: SIM102
             raise ConfigError(cfg.source, "draft.model", str(cfg.draft.model),
                               "no model.onnx in this directory (make one with `hetero-spec export-draft`)")

@@ -77,10 +77,23 @@ class Engine:
         from .target.verifier import TargetModel
 
         t = config.target
-        self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=t.threads,
+        self.runtime = None
+        threads = t.threads
+        if config.runtime.mode == "two_process":
+            from .runtime.engine_side import plan_cpus
+
+            threads = plan_cpus(config)
+        self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads,
                                   max_context=t.max_context)
         self.tokenizer = self.target.tokenizer
-        self.proposer = self._make_proposer(config)
+        if config.runtime.mode == "two_process":
+            from .runtime.engine_side import PipelinedRuntime
+
+            self.proposer = None
+            self._check_draft(config)
+            self.runtime = PipelinedRuntime(config, self.target.vocab_width)
+        else:
+            self.proposer = self._make_proposer(config)
 
     @classmethod
     def from_config(cls, config: str | Path | Config | dict,
@@ -109,12 +122,37 @@ class Engine:
                 raise ConfigError(config.source, "draft.ngram.min_n", d.ngram.min_n,
                                   f"must be <= draft.ngram.max_n ({d.ngram.max_n})")
             return NgramProposer(max_n=d.ngram.max_n, min_n=d.ngram.min_n)
-        from .draft.onnx_drafter import OnnxDrafter, check_providers
+        from .draft.onnx_drafter import OnnxDrafter
 
-        check_providers(d.providers, source=config.source)
-        check_vocab(config.target.model, d.model)
+        self._check_draft(config)
         return OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
                            vocab_width=self.target.vocab_width)
+
+    @staticmethod
+    def _check_draft(config: Config) -> None:
+        from .draft.onnx_drafter import check_providers
+
+        check_providers(config.draft.providers, source=config.source)
+        check_vocab(config.target.model, config.draft.model)
+
+    def _decode(self, req: Request, stats: Stats):
+        if self.runtime is not None:
+            return self.runtime.decode(self.target, req, stats)
+        return decode(self.target, self.proposer, req, stats)
+
+    def health(self) -> dict:
+        """Real probes: the target answers a one-token forward; the draft worker answers a ping."""
+        import time
+
+        t = time.perf_counter()
+        state = self.target.new_state()
+        self.target.forward(state, [0])
+        out = {"target": "ok", "target_step_ms": round((time.perf_counter() - t) * 1e3, 3)}
+        if self.runtime is not None:
+            out.update(self.runtime.sup.health())
+        else:
+            out["draft"] = "in_process" if self.proposer is not None else "none"
+        return out
 
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, prompt: str | list[int], max_new_tokens: int | None, temperature: float | None,
@@ -157,7 +195,7 @@ class Engine:
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         stats = Stats()
         ids: list[int] = []
-        for chunk in decode(self.target, self.proposer, req, stats):
+        for chunk in self._decode(req, stats):
             ids.extend(chunk)
         return GenerationOutput(text=self._decode_text(ids), token_ids=ids, stats=stats.to_dict(),
                                 finish_reason=stats.finish_reason)
@@ -171,7 +209,7 @@ class Engine:
         stats = stats if stats is not None else Stats()
         ids: list[int] = []
         sent = ""
-        for chunk in decode(self.target, self.proposer, req, stats):
+        for chunk in self._decode(req, stats):
             ids.extend(chunk)
             text = self._decode_text(ids)
             if text.endswith("\ufffd") and not stats.finish_reason:
@@ -181,8 +219,12 @@ class Engine:
             sent = text
 
     def close(self) -> None:
+        """Release the draft; in two_process mode shut the worker down cleanly (no orphans)."""
         if self.proposer is not None:
             self.proposer.close()
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
 
     def __enter__(self) -> Engine:
         return self

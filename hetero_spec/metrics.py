@@ -19,9 +19,11 @@ class Stats:
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_total_s: float = 0.0
+    time_wait_s: float = 0.0  # two-process: the target waiting for draft tokens
     finish_reason: str = ""
     proposer: str = "none"
     gamma: int = 0
+    extra: dict = field(default_factory=dict)  # runtime-specific: gate, stale proposals, restarts
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -44,6 +46,11 @@ class Stats:
         """Time in the loop that was neither prefill, drafting nor verifying (bookkeeping, sampling)."""
         busy = self.time_prefill_s + self.time_draft_s + self.time_verify_s
         return max(0.0, self.time_total_s - busy)
+
+    @property
+    def time_draft_visible_s(self) -> float:
+        """Drafting time the target saw: in process all of it; pipelined only the waits."""
+        return self.time_draft_s + self.time_wait_s
 
     @property
     def mean_accepted_per_round(self) -> float:

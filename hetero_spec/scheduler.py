@@ -65,6 +65,26 @@ def verify_block(target: TargetModel, state: TargetState, params: SamplingParams
     return n, nxt
 
 
+def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: int, context_len: int,
+                  stats: Stats) -> tuple[list[int], int]:
+    """Append a round's tokens one by one, stopping at a stop token, max_new_tokens or the context limit.
+    Returns (emitted tokens, new generated count); sets stats.finish_reason when generation ends."""
+    emitted: list[int] = []
+    for tok in tokens:
+        emitted.append(tok)
+        ids.append(tok)
+        generated += 1
+        if tok in req.stop_ids:
+            stats.finish_reason = "stop"
+        elif generated >= req.max_new_tokens:
+            stats.finish_reason = "length"
+        elif len(ids) >= context_len:
+            stats.finish_reason = "context"
+        if stats.finish_reason:
+            break
+    return emitted, generated
+
+
 def decode(target: TargetModel, proposer: Proposer | None, req: Request, stats: Stats) -> Iterator[list[int]]:
     """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes."""
     check_request(req, target.context_len)
@@ -92,19 +112,8 @@ def decode(target: TargetModel, proposer: Proposer | None, req: Request, stats: 
             stats.time_verify_s += time.perf_counter() - t
             stats.record_round(len(draft.ids), n)
             # 4) commit + stop checks, token by token inside the block
-            emitted: list[int] = []
-            for tok in [*draft.ids[:n], nxt]:
-                emitted.append(tok)
-                ids.append(tok)
-                generated += 1
-                if tok in req.stop_ids:
-                    stats.finish_reason = "stop"
-                elif generated >= req.max_new_tokens:
-                    stats.finish_reason = "length"
-                elif len(ids) >= target.context_len:
-                    stats.finish_reason = "context"
-                if stats.finish_reason:
-                    break
+            emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated,
+                                               target.context_len, stats)
             if not stats.finish_reason and proposer is not None:
                 proposer.commit(n, nxt)
             stats.new_tokens = generated

@@ -131,6 +131,13 @@ class OnnxDrafter:
         self.params = params
         self.past, self.n_past, self._proposed = [], 0, []
 
+    def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
+        """Pick the token at an absolute position: argmax, or a draw from q keyed by (seed, position)."""
+        if self.params.greedy:
+            return int(np.argmax(logits_row)), None
+        q = logits_to_probs(logits_row[None], self.params)[0]
+        return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
+
     def propose(self, k: int) -> Draft:
         k = min(k, self.context_len - len(self.ids))
         if k <= 0:
@@ -143,18 +150,36 @@ class OnnxDrafter:
         out: list[int] = []
         probs: list[np.ndarray] = []
         for i in range(k):
-            logits = self.append(pending)[-1:]
-            if self.params.greedy:
-                tok = int(np.argmax(logits[0]))
-            else:
-                q = logits_to_probs(logits, self.params)[0]
-                u = position_uniforms(self.params.seed, len(self.ids) + i, STREAM_DRAFT)[0]
-                tok = sample_from(q, u)
-                probs.append(q)
+            tok, q = self._choose(self.append(pending)[-1], len(self.ids) + i)
             out.append(tok)
+            if q is not None:
+                probs.append(q)
             pending = [tok]
         self._proposed = out
         return Draft(ids=out, probs=np.stack(probs) if probs else None)
+
+    # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
+    def extend(self, n: int) -> Draft:
+        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
+        n = min(n, self.context_len - len(self.ids))
+        out: list[int] = []
+        probs: list[np.ndarray] = []
+        for _ in range(max(n, 0)):
+            pending = self.ids[self.n_past:]
+            if not pending:
+                self.rewind_to(self.n_past - 1)
+                pending = self.ids[-1:]
+            tok, q = self._choose(self.append(pending)[-1], len(self.ids))
+            self.ids.append(tok)
+            out.append(tok)
+            if q is not None:
+                probs.append(q)
+        return Draft(ids=out, probs=np.stack(probs) if probs else None)
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens from position `length` on (and their cache entries)."""
+        del self.ids[length:]
+        self.rewind_to(min(self.n_past, length))
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)

@@ -1,0 +1,31 @@
+# hetero_spec: `make demo` and `make test` each set up their own virtual environment on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= def parse_config(path):
+
+.PHONY: demo test bench bench-quick clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/hetero-spec generate --config configs/cpu-demo.yaml --prompt "$(PROMPT)" --max-new-tokens 96
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --out bench-out
+
+bench-quick: $(VENV)/.installed
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --quick
+
+clean-venv:
+	rm -rf $(VENV)

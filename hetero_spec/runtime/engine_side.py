@@ -1,0 +1,63 @@
+"""Glue between the Engine and the two-process runtime: CPU plan, supervisor, gate per request."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..config import Config
+from ..metrics import Stats
+from ..scheduler import Request
+from ..target.verifier import TargetModel
+from ..tuning.gate import CostGate
+from .pipelined import decode_pipelined
+from .supervisor import DraftSupervisor, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def draft_cpus(config: Config) -> list[int] | None:
+    cpus = _cpus()
+    if not config.runtime.pin_cpus or len(cpus) < 2:
+        return None
+    n = min(config.draft.threads, len(cpus) - 1)
+    return cpus[-n:]
+
+
+def plan_cpus(config: Config) -> int | None:
+    """Pin this (target) process to the cores the worker does not get; returns the torch thread count."""
+    dc = draft_cpus(config)
+    if dc is None:
+        return config.target.threads
+    target = [c for c in _cpus() if c not in dc]
+    os.sched_setaffinity(0, set(target))
+    log.info("two_process: target on cpus %s, draft worker on cpus %s", target, dc)
+    return config.target.threads or len(target)
+
+
+class PipelinedRuntime:
+    """Owns the draft worker for an Engine in two_process mode."""
+
+    def __init__(self, config: Config, vocab_width: int):
+        r, d = config.runtime, config.draft
+        self.config = config
+        self.sup = DraftSupervisor(WorkerSpec(
+            model=d.model, providers=d.providers, threads=d.threads, vocab_width=vocab_width,
+            transport=r.transport, host=r.host, port=r.port, curve=r.curve, cpus=draft_cpus(config),
+            ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
+            restart_backoff_s=r.restart_backoff_s, delay_ms=r.test_draft_delay_ms))
+        self.sup.start()
+
+    def decode(self, target: TargetModel, req: Request, stats: Stats):
+        r = self.config.runtime
+        gate = CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s,
+                        probe_rounds=r.gate.probe_rounds)
+        max_ahead = r.max_ahead or 2 * req.gamma
+        return decode_pipelined(target, self.sup, req, stats, gate, max_ahead, trace=r.trace)
+
+    def close(self) -> None:
+        self.sup.close()

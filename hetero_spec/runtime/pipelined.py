@@ -1,0 +1,233 @@
+"""Target-side loop of the two-process runtime: drafting overlaps verification.
+
+While the target verifies block n, the worker already drafts block n+1 on the assumption that block n
+is accepted. After each round the target sends the committed tokens (Sync). Where they differ from the
+worker's stream (a rejection, or a bonus token that differs from the draft's continuation), the worker
+rolls its KV cache back, starts a new epoch, and drafts from the corrected context; the target drops
+proposals of stale epochs and checks every proposal against what it has committed, so output stays
+token-identical to target-only decoding.
+
+The target never waits long for the draft: at most the predicted cost of the missing tokens, capped
+at one verification step (the cost gate's `wait_budget`); otherwise it verifies what it has, or
+decodes alone. A dead or hung worker costs the request nothing but speed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..draft.base import Draft
+from ..metrics import Stats
+from ..scheduler import Request, check_request, commit_tokens, verify_block
+from ..target.verifier import TargetModel
+from ..transport.protocol import Begin, Control, End, Proposal, Sync
+from ..tuning.gate import CostGate
+from .supervisor import DraftSupervisor, Worker
+
+
+@dataclass
+class StreamBuffer:
+    """The worker's current stream as received: tokens at absolute positions [base, base + len)."""
+
+    epoch: int = -1
+    min_epoch: int = 0
+    base: int = 0
+    tokens: list[int] = field(default_factory=list)
+    probs: list[np.ndarray] = field(default_factory=list)
+    stale: int = 0
+
+    def add(self, p: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
+        if p.epoch < max(self.epoch, self.min_epoch):
+            self.stale += 1
+            return
+        if p.epoch > self.epoch:
+            if p.start != p.base:  # a new epoch must start at its base
+                self.stale += 1
+                return
+            self.epoch, self.base, self.tokens, self.probs = p.epoch, p.base, [], []
+        if p.start != self.base + len(self.tokens):
+            self.stale += 1
+            return
+        self.tokens.extend(int(t) for t in ids)
+        if probs is not None:
+            self.probs.extend(probs)
+
+    def invalidate(self) -> None:
+        self.min_epoch = self.epoch + 1
+        self.tokens, self.probs = [], []
+
+    def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
+        """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers."""
+        n = len(ids)
+        end = min(n, self.base + len(self.tokens))
+        for pos in range(self.base, end):
+            if self.tokens[pos - self.base] != ids[pos]:
+                self.invalidate()
+                return [], []
+        if end > self.base:  # drop the verified part
+            cut = end - self.base
+            self.tokens, self.probs = self.tokens[cut:], self.probs[cut:]
+            self.base = end
+        if self.base < n:  # the stream has not reached the committed length yet
+            return [], []
+        return self.tokens, self.probs
+
+
+@dataclass
+class Timeline:
+    """Per-round intervals (time.monotonic) for checking that drafting overlaps verification."""
+
+    verify: list[tuple[float, float]] = field(default_factory=list)
+    draft: list[tuple[float, float, int]] = field(default_factory=list)  # (t0, t1, start position)
+
+
+class DraftLink:
+    """One request's view of the draft worker: begin, gather proposals, sync, control, end."""
+
+    def __init__(self, sup: DraftSupervisor, req: Request, gate: CostGate, max_ahead: int,
+                 timeline: Timeline | None):
+        self.sup, self.req, self.gate, self.max_ahead, self.timeline = sup, req, gate, max_ahead, timeline
+        self.w: Worker | None = None
+        self.buf = StreamBuffer()
+        self.synced = 0
+        self.drafting = True
+        self.req_id = time.monotonic_ns()
+
+    def _worker(self, ids: list[int]) -> Worker | None:
+        w = self.sup.current()
+        if w is None:
+            return None
+        if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
+            self.w, self.buf = w, StreamBuffer()
+            p = self.req.params
+            ok = w.channel.send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
+                                      top_p=p.top_p, seed=p.seed, gamma=self.req.gamma,
+                                      max_ahead=self.max_ahead, drafting=self.drafting),
+                                np.asarray(ids, dtype=np.int32))
+            self.synced = len(ids)
+            if not ok:
+                self.sup.fail(w, "not accepting messages")
+                self.w = None
+                return None
+        return w
+
+    def begin(self, ids: list[int]) -> None:
+        self._worker(ids)
+
+    def _pump(self, w: Worker, timeout_s: float) -> bool:
+        """Receive at most one message (waiting up to timeout_s); False when nothing came."""
+        got = w.channel.recv(timeout_s)
+        if got is None:
+            return False
+        msg, arrays = got
+        self.sup.heard(w, msg)
+        if isinstance(msg, Proposal) and msg.req_id == self.req_id and arrays:
+            now = time.monotonic()
+            self.gate.observe_proposal(msg.draft_s, len(arrays[0]), now - msg.sent)
+            self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
+            if self.timeline is not None:
+                self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
+        return True
+
+    def gather(self, ids: list[int], k: int, speculate: bool) -> Draft:
+        """1) collect up to k draft tokens for positions len(ids).., waiting within the gate's budget."""
+        w = self._worker(ids)
+        if w is None:
+            return Draft(ids=[])
+        while self._pump(w, 0.0):  # drain what is queued
+            pass
+        if not speculate or k <= 0:
+            self.sup.check(w)
+            return Draft(ids=[])
+        deadline = time.monotonic() + self.gate.wait_budget(k, default=0.05)
+        while True:
+            toks, probs = self.buf.usable(ids)
+            now = time.monotonic()
+            if len(toks) >= k or now >= deadline:
+                break
+            if not self.sup.check(w):
+                self.w = None
+                return Draft(ids=[])
+            self._pump(w, min(deadline - now, 0.05))
+        toks, probs = toks[:k], probs[:k]
+        if self.req.params.greedy or not toks:
+            return Draft(ids=list(toks))
+        return Draft(ids=list(toks), probs=np.stack(probs))
+
+    def sync(self, ids: list[int]) -> None:
+        """2) announce the committed tokens (the correction, when they differ from the draft's stream)."""
+        if self.w is None or not self.drafting or self.synced >= len(ids):
+            return
+        ok = self.w.channel.send(Sync(req_id=self.req_id, pos=self.synced, epoch=self.buf.min_epoch),
+                                 np.asarray(ids[self.synced:], dtype=np.int32))
+        if ok:
+            self.synced = len(ids)
+
+    def control(self, drafting: bool, ids: list[int]) -> None:
+        if drafting == self.drafting:
+            return
+        self.drafting = drafting
+        if self.w is not None:
+            if drafting:
+                self.sync(ids)
+            self.w.channel.send(Control(req_id=self.req_id, drafting=drafting, gamma=self.req.gamma))
+
+    def end(self) -> None:
+        if self.w is not None:
+            self.w.channel.send(End(req_id=self.req_id))
+
+
+def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, stats: Stats,
+                     gate: CostGate, max_ahead: int, trace: bool = False) -> Iterator[list[int]]:
+    """Generate one request with the draft in its own process; yields each round's committed tokens."""
+    check_request(req, target.context_len)
+    t_start = time.perf_counter()
+    stats.prompt_tokens, stats.gamma, stats.proposer = len(req.prompt_ids), req.gamma, "onnx-pipelined"
+    timeline = Timeline() if trace else None
+    link = DraftLink(sup, req, gate, max_ahead, timeline)
+    failures0 = sup.failures
+    state = target.new_state()
+    ids = list(req.prompt_ids)
+    try:
+        link.begin(ids)  # the worker drafts block 1 while the target prefills
+        target.prefill(state, ids)
+        stats.time_prefill_s = time.perf_counter() - t_start
+        generated = 0
+        while not stats.finish_reason:
+            remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
+            k = min(req.gamma, remaining - 1)
+            # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
+            t = time.perf_counter()
+            draft = link.gather(ids, k, gate.on)
+            stats.time_wait_s += time.perf_counter() - t
+            # 3) verify
+            t0 = time.monotonic()
+            n, nxt = verify_block(target, state, req.params, ids, draft)
+            t1 = time.monotonic()
+            stats.time_verify_s += t1 - t0
+            gate.observe_verify(t1 - t0)
+            if timeline is not None:
+                timeline.verify.append((t0, t1))
+            stats.record_round(len(draft.ids), n)
+            # 4) commit + stop checks, token by token inside the block
+            emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)
+            if not stats.finish_reason:
+                link.sync(ids)  # the correction (or confirmation) goes out before anything else
+            stats.new_tokens = generated
+            stats.time_total_s = time.perf_counter() - t_start
+            yield emitted
+            # 5) adapt: the cost gate turns speculation off when drafting + transfer > verification
+            link.control(gate.decide(req.gamma), ids)
+    finally:
+        link.end()
+        stats.time_total_s = time.perf_counter() - t_start
+        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale,
+                           draft_failures=sup.failures - failures0, draft_restarts=sup.restarts,
+                           dropped_messages=link.w.channel.dropped if link.w is not None else 0)
+        if timeline is not None:
+            stats.extra["timeline"] = {"verify": timeline.verify, "draft": timeline.draft}
+

@@ -1,0 +1,153 @@
+"""Wire protocol between the target process and the draft worker. The one place the frame layout lives.
+
+A message is one ZeroMQ multipart message:
+
+    frame 0      header: a msgspec Struct, msgpack-encoded, tagged by its class (field "t")
+    frame 1..n   raw arrays, C-contiguous little-endian bytes; their dtype and shape are in
+                 header.arrays, in order: [ArrayMeta(dtype="int32", shape=[k]), ...]
+
+No pickle anywhere. Arrays larger than COPY_THRESHOLD bytes are sent with copy=False (zero-copy);
+smaller ones are copied, which is faster below tens of kB. A message that fails to decode, names an
+unknown tag, or whose frames do not match header.arrays is a `MalformedMessage`: the receiving loop
+drops it, counts it and logs it, and goes on.
+
+Messages, target -> worker:
+    Begin     a new request: prompt ids [n] int32 + sampling params + gamma/max_ahead
+    Sync      committed tokens ids[pos:pos+len] int32 (sent after every round); the worker rebases its
+              stream where it diverges and bumps its epoch
+    Control   drafting on/off (the cost gate), gamma
+    End       the request is over
+    Ping      health probe (answered by Pong)
+    Shutdown  exit cleanly
+Messages, worker -> target:
+    Ready     the model is loaded (sent once after connecting)
+    Proposal  draft tokens at absolute positions [start, start+k) int32 of stream `epoch` whose base
+              (first position not drafted by the worker) is `base`; + q [k, vocab] float32 when sampling
+    Pong      answer to Ping
+    Failure   the worker hit an error it reports before exiting
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+COPY_THRESHOLD = 64 * 1024
+_DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
+
+
+class MalformedMessage(Exception):
+    """A received message that does not follow this protocol."""
+
+
+class ArrayMeta(msgspec.Struct, frozen=True):
+    dtype: str
+    shape: list[int]
+
+
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
+    arrays: list[ArrayMeta] = []
+
+
+class Begin(_Msg, tag="begin"):
+    req_id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    gamma: int
+    max_ahead: int
+    drafting: bool = True
+
+
+class Sync(_Msg, tag="sync"):
+    req_id: int
+    pos: int
+    epoch: int
+
+
+class Control(_Msg, tag="control"):
+    req_id: int
+    drafting: bool
+    gamma: int
+
+
+class End(_Msg, tag="end"):
+    req_id: int
+
+
+class Ping(_Msg, tag="ping"):
+    seq: int
+    sent: float
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+class Ready(_Msg, tag="ready"):
+    pid: int
+    vocab_width: int
+    context_len: int
+    providers: list[str]
+
+
+class Proposal(_Msg, tag="proposal"):
+    req_id: int
+    epoch: int
+    base: int
+    start: int
+    draft_s: float      # worker time spent drafting these tokens
+    draft_t0: float     # time.monotonic() when drafting them began (system-wide clock on Linux)
+    sent: float         # time.monotonic() at send
+
+
+class Pong(_Msg, tag="pong"):
+    seq: int
+    sent: float
+    pid: int
+
+
+class Failure(_Msg, tag="failure"):
+    error: str
+
+
+Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Pong, Failure]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg, arrays: tuple[np.ndarray, ...] = ()) -> list:
+    """Message + arrays -> list of frames (header bytes, then array buffers)."""
+    arrs = [np.ascontiguousarray(a) for a in arrays]
+    for a in arrs:
+        if a.dtype.name not in _DTYPES:
+            raise TypeError(f"dtype {a.dtype} cannot go on the wire")
+    msg.arrays = [ArrayMeta(a.dtype.name, list(a.shape)) for a in arrs]
+    return [_ENCODER.encode(msg), *arrs]
+
+
+def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
+    """Frames -> (message, arrays). Raises MalformedMessage on anything that does not fit."""
+    if not frames:
+        raise MalformedMessage("empty message")
+    try:
+        msg = _DECODER.decode(bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"bad header: {exc}") from None
+    if len(frames) - 1 != len(msg.arrays):
+        raise MalformedMessage(f"{type(msg).__name__}: header names {len(msg.arrays)} arrays, "
+                               f"got {len(frames) - 1} frames")
+    arrays = []
+    for meta, frame in zip(msg.arrays, frames[1:]):
+        dtype = _DTYPES.get(meta.dtype)
+        if dtype is None or any(d < 0 for d in meta.shape):
+            raise MalformedMessage(f"bad array meta {meta}")
+        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        n = int(np.prod(meta.shape, dtype=np.int64))
+        if len(buf) != n * np.dtype(dtype).itemsize:
+            raise MalformedMessage(f"array frame of {len(buf)} bytes does not match {meta}")
+        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(meta.shape))
+    return msg, arrays

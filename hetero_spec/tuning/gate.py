@@ -1,0 +1,103 @@
+"""The cost gate: speculation pays only while drafting plus transfer costs less than verification.
+
+The pipelined scheduler feeds it per-round measurements (moving averages): the draft's time per
+token, the proposal transfer time, and the target's verification time. When draft + transfer for a
+block exceeds verification, speculation is switched off and the target decodes alone; every
+`probe_interval_s` it switches back on for `probe_rounds` rounds to measure again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class Ema:
+    """Exponential moving average; None until the first sample."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha, self.value = alpha, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class CostGate:
+    enabled: bool = True
+    probe_interval_s: float = 1.0
+    probe_rounds: int = 4
+    alpha: float = 0.3
+    on: bool = True
+    draft_tok_s: Ema = field(default_factory=Ema)
+    transfer_s: Ema = field(default_factory=Ema)
+    verify_s: Ema = field(default_factory=Ema)
+    switches: list[dict] = field(default_factory=list)
+    time_on_s: float = 0.0
+    time_off_s: float = 0.0
+    _since: float = field(default_factory=time.monotonic)
+    _off_at: float = 0.0
+    _probe_left: int = 0
+
+    def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float) -> None:
+        if n_tokens > 0:
+            self.draft_tok_s.add(draft_s / n_tokens)
+        self.transfer_s.add(max(0.0, transfer_s))
+
+    def observe_verify(self, seconds: float) -> None:
+        self.verify_s.add(seconds)
+
+    def block_cost(self, gamma: int) -> float | None:
+        """Predicted draft + transfer time of one block of gamma tokens (None before any sample)."""
+        if self.draft_tok_s.value is None:
+            return None
+        return gamma * self.draft_tok_s.value + (self.transfer_s.value or 0.0)
+
+    def wait_budget(self, k: int, default: float) -> float:
+        """How long the target may wait for k draft tokens: what drafting them costs, never more than
+        one verification (waiting longer than a target step would be slower than decoding alone)."""
+        cap = self.verify_s.value if self.verify_s.value is not None else default
+        cost = self.block_cost(k)
+        return min(cap, cost * 1.5 + 0.0005) if cost is not None else cap
+
+    def _switch(self, on: bool, reason: str) -> None:
+        now = time.monotonic()
+        self._account(now)
+        self.on = on
+        self.switches.append({"t": round(now, 4), "on": on, "reason": reason})
+        if not on:
+            self._off_at = now
+
+    def _account(self, now: float) -> None:
+        if self.on:
+            self.time_on_s += now - self._since
+        else:
+            self.time_off_s += now - self._since
+        self._since = now
+
+    def decide(self, gamma: int) -> bool:
+        """Update on/off after a round; returns whether the next round speculates."""
+        if not self.enabled:
+            return True
+        now = time.monotonic()
+        self._account(now)
+        cost, verify = self.block_cost(gamma), self.verify_s.value
+        if self.on:
+            if self._probe_left > 0:
+                self._probe_left -= 1
+            elif cost is not None and verify is not None and cost > verify:
+                self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > verify {verify * 1e3:.2f} ms "
+                                    f"for gamma={gamma}")
+        elif now - self._off_at >= self.probe_interval_s:
+            self._probe_left = self.probe_rounds
+            self.draft_tok_s = Ema(self.alpha)  # measure afresh: the draft may be fast again
+            self._switch(True, f"re-probe after {self.probe_interval_s:.2f} s off")
+        return self.on
+
+    def summary(self) -> dict:
+        ms = lambda e: None if e.value is None else round(e.value * 1e3, 3)  # noqa: E731
+        self._account(time.monotonic())
+        return {"on": self.on, "time_spec_on_s": round(self.time_on_s, 4),
+                "time_spec_off_s": round(self.time_off_s, 4), "switches": self.switches[-20:],
+                "n_switches": len(self.switches), "draft_ms_per_token": ms(self.draft_tok_s),
+                "transfer_ms": ms(self.transfer_s), "verify_ms": ms(self.verify_s)}
