@@ -65,6 +65,8 @@ class BenchSettings:
     overrides: dict[str, Any] = field(default_factory=dict)
     draft_hf: Path | None = None
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    ort_target: Path | None = None
+    """An existing fp32 ONNX export of the target (model builder output); None exports it under out."""
 
     @property
     def n_prompts(self) -> int:
@@ -94,6 +96,7 @@ class BenchContext:
     prompts: list[list[int]]
     max_new: int
     torch_threads: int
+    ort_target: Path | None = None
     _hf_models: dict[Path, Any] = field(default_factory=dict)
 
     @property
@@ -120,8 +123,8 @@ class System:
     """Base of a benchmarked system. Subclasses set `name` and implement setup/run (close if needed)."""
 
     name = "?"
-    #: whether the system's own statistics give a per-token acceptance rate
-    has_acceptance = False
+    #: (accepted, drafted) keys of the system's per-run stats, for a per-token acceptance rate; None: n/a
+    acceptance_keys: tuple[str, str] | None = None
 
     @staticmethod
     def unavailable(ctx: BenchContext) -> str | None:
@@ -213,6 +216,7 @@ class HfAssistedBestConst(HfAssisted):
         gc.assistant_confidence_threshold = 0.0  # a pure constant: no early stop on low draft confidence
         self.calibration: dict[int, float] = {}
         prompt = ctx.prompts[0]
+        self.run(prompt, min(WARMUP_TOKENS, ctx.max_new))  # untimed: this assistant copy is still cold
         for k in CALIBRATION_K:
             gc.num_assistant_tokens = k
             t = time.perf_counter()
@@ -231,7 +235,7 @@ class HeteroSpec(System):
     """This project's engine, in process: `Engine.generate(prompt_ids, temperature=0)`."""
 
     name = "hetero_spec"
-    has_acceptance = True
+    acceptance_keys = ("accepted", "drafted")
     runtime_overrides: dict[str, Any] = {}
 
     def setup(self, ctx: BenchContext) -> None:
@@ -293,6 +297,13 @@ def ort_target_dir(ctx: BenchContext) -> Path:
 
     out = ctx.out / "ort_models" / "target"
     stamp_path = out / "hetero_spec_source.json"
+    if ctx.ort_target is not None:  # given: link its files in (the draft goes inside, the original stays clean)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(ctx.ort_target).iterdir():
+            if f.is_file():
+                _place(f, out / f.name)
+        stamp_path.unlink(missing_ok=True)
+        return out
     stamp = _file_stamp(ctx.config.target.model)
     if (out / "model.onnx").is_file() and stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return out
@@ -395,7 +406,7 @@ class OrtGenaiSpec(_OrtGenai):
     """ONNX Runtime GenAI's own speculative decoding: the ONNX target with the config's ONNX draft."""
 
     name = "ort_genai_spec"
-    has_acceptance = True
+    acceptance_keys = ("draft_tokens_accepted", "draft_tokens_proposed")
 
     @staticmethod
     def unavailable(ctx: BenchContext) -> str | None:
@@ -449,7 +460,8 @@ def _fallback_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
         except (UnicodeDecodeError, OSError):
             continue
         if len(ids) >= 2 * prompt_tokens:
-            off = int.from_bytes(hashlib.sha1(rel.encode()).digest()[:4], "big") % (len(ids) - 2 * prompt_tokens + 1)
+            span = len(ids) - 2 * prompt_tokens + 1
+            off = int.from_bytes(hashlib.sha1(rel.encode()).digest()[:4], "big") % span
             prompts.append(ids[off:off + prompt_tokens])
         if len(prompts) >= n:
             break
@@ -485,6 +497,33 @@ class SystemResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ProcState:
+    """The process-wide knobs a system may change in setup: CPU affinity and torch's thread count.
+
+    The two-process engine pins the calling process to the target's cores; without putting each system's
+    state back before its runs, every system run after it would be measured on fewer cores.
+    """
+
+    cpus: frozenset[int] | None
+    threads: int
+
+    @classmethod
+    def capture(cls) -> ProcState:
+        import torch
+
+        cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(cpus, torch.get_num_threads())
+
+    def apply(self) -> None:
+        import torch
+
+        if self.cpus is not None and frozenset(os.sched_getaffinity(0)) != self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+
 def _resolve_systems(requested: list[str] | None) -> list[str]:
     if requested is None:
         return list(SYSTEMS)
@@ -495,9 +534,13 @@ def _resolve_systems(requested: list[str] | None) -> list[str]:
     return [s for s in SYSTEMS if s in chosen]
 
 
-def _start_systems(ctx: BenchContext, names: list[str]) -> tuple[dict[str, System], dict[str, SystemResult]]:
-    """Check, set up and warm up each system (untimed); failures become a status, not a crash."""
-    live: dict[str, System] = {}
+def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
+                   ) -> tuple[dict[str, tuple[System, ProcState]], dict[str, SystemResult]]:
+    """Check, set up and warm up each system (untimed); failures become a status, not a crash.
+
+    Each setup starts from the baseline process state; the state a system leaves is restored before its runs.
+    """
+    live: dict[str, tuple[System, ProcState]] = {}
     results = {n: SystemResult(n) for n in names}
     warm_prompt = ctx.prompts[0]
     for name in names:
@@ -508,8 +551,13 @@ def _start_systems(ctx: BenchContext, names: list[str]) -> tuple[dict[str, Syste
         system = cls()
         try:
             log.info("setting up %s", name)
+            baseline.apply()
+            t = time.perf_counter()
             system.setup(ctx)
+            res.extra["setup_s"] = round(time.perf_counter() - t, 3)
+            t = time.perf_counter()
             system.run(warm_prompt, min(WARMUP_TOKENS, ctx.max_new))
+            res.extra["warmup_s"] = round(time.perf_counter() - t, 3)
         except Exception as exc:  # any engine's failure is reported, the others still run
             if name == "target_only":
                 raise BenchError(f"the target_only baseline failed: {type(exc).__name__}: {exc}") from exc
@@ -517,7 +565,10 @@ def _start_systems(ctx: BenchContext, names: list[str]) -> tuple[dict[str, Syste
             log.warning("%s unavailable: %s", name, res.reason)
             _close(system)
             continue
-        live[name] = system
+        state = ProcState.capture()
+        res.extra.update(cpus=sorted(state.cpus) if state.cpus is not None else None, torch_threads=state.threads)
+        live[name] = (system, state)
+    baseline.apply()
     return live, results
 
 
@@ -528,9 +579,9 @@ def _close(system: System) -> None:
         log.warning("closing %s: %s", system.name, exc)
 
 
-def _interleave(ctx: BenchContext, live: dict[str, System], results: dict[str, SystemResult]) -> None:
-    """Per prompt, each live system once, in registry order; torch's thread count reset before each run."""
-    import torch
+def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
+                results: dict[str, SystemResult]) -> None:
+    """Per prompt, each live system once, in registry order, each in the process state it set up."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(ctx.prompts) * len(live), desc="bench", unit="run", file=sys.stderr,
@@ -539,16 +590,17 @@ def _interleave(ctx: BenchContext, live: dict[str, System], results: dict[str, S
         for i, prompt in enumerate(ctx.prompts):
             for name in list(live):
                 bar.set_postfix_str(f"prompt {i + 1}/{len(ctx.prompts)} {name}")
-                torch.set_num_threads(ctx.torch_threads)
+                system, state = live[name]
+                state.apply()
                 t = time.perf_counter()
                 try:
-                    out = live[name].run(prompt, ctx.max_new)
+                    out = system.run(prompt, ctx.max_new)
                 except Exception as exc:
                     if name == "target_only":
                         raise BenchError(f"target_only failed on prompt {i}: {exc}") from exc
                     res = results[name]
                     res.status, res.reason = "failed", f"prompt {i}: {type(exc).__name__}: {exc}"
-                    _close(live.pop(name))
+                    _close(live.pop(name)[0])
                     continue
                 wall = time.perf_counter() - t
                 results[name].runs.append({"wall_s": wall, "token_ids": out.token_ids, "stats": out.stats})
@@ -562,36 +614,55 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
 
     prompt_ids replaces the held-out prompts (tests use it with tiny models). Returns the bench.json dict.
     """
-    import torch
-
     config = load_config(settings.config, overrides={**settings.overrides, **CPU_FP32})
     check_paths(config)
     names = _resolve_systems(settings.systems)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     draft_hf = settings.draft_hf if settings.draft_hf is not None else default_draft_hf(settings.config)
+    t = time.perf_counter()
     if prompt_ids is None:
         prompt_ids = heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
+    log.info("%d prompts ready in %.1f s", len(prompt_ids), time.perf_counter() - t)
     prompts = [list(p) for p in prompt_ids[:settings.n_prompts]]
     if not prompts or any(not p for p in prompts):
         raise BenchError("no prompts to benchmark (or an empty prompt)")
-    threads = config.target.threads or torch.get_num_threads()
+    context = context_len(config)
+    longest = max(len(p) for p in prompts)
+    if context is not None and longest + settings.max_new > context:
+        raise BenchError(f"prompts of {longest} tokens + {settings.max_new} new tokens exceed the target's "
+                         f"context of {context}: lower --prompt-tokens or --max-new-tokens (otherwise the "
+                         "systems would stop at different lengths)")
+    original = ProcState.capture()
+    threads = config.target.threads or original.threads
     ctx = BenchContext(config=config, overrides=dict(settings.overrides), out=out, draft_hf=draft_hf,
-                       prompts=prompts, max_new=settings.max_new, torch_threads=threads)
+                       prompts=prompts, max_new=settings.max_new, torch_threads=threads,
+                       ort_target=settings.ort_target)
     from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
-    hf_logging.disable_progress_bar()
-    live, results = _start_systems(ctx, names)
+    live: dict[str, tuple[System, ProcState]] = {}
     try:
+        live, results = _start_systems(ctx, names, ProcState(original.cpus, threads))
         _interleave(ctx, live, results)
     finally:
-        for system in live.values():
-            results[system.name].extra.update(system.extra())
+        for name, (system, _) in live.items():
+            results[name].extra.update(system.extra())
             _close(system)
+        original.apply()
+        hf_logging.set_verbosity(verbosity)
     report = build_report(settings, ctx, results)
-    write_outputs(out, report, results)
+    write_outputs(out, report)
     return report
+
+
+def context_len(config: Config) -> int | None:
+    """The target's context: target.max_context or the model's max_position_embeddings (None if unknown)."""
+    raw = json.loads((config.target.model / "config.json").read_text())
+    sizes = [x for x in (raw.get("max_position_embeddings") or raw.get("n_positions"), config.target.max_context)
+             if x]
+    return int(min(sizes)) if sizes else None
 
 
 def default_draft_hf(config_path: Path) -> Path | None:
@@ -607,8 +678,7 @@ def _median(xs: list[float]) -> float | None:
 
 def _acceptance(name: str, runs: list[dict[str, Any]]) -> float | None:
     """Per-token acceptance over all prompts: accepted draft tokens / drafted tokens."""
-    keys = {"hetero_spec": ("accepted", "drafted"), "hetero_spec_pipelined": ("accepted", "drafted"),
-            "ort_genai_spec": ("draft_tokens_accepted", "draft_tokens_proposed")}.get(name)
+    keys = SYSTEMS[name].acceptance_keys if name in SYSTEMS else None
     if keys is None or not runs or any(r["stats"] is None for r in runs):
         return None
     acc = sum(r["stats"].get(keys[0], 0) for r in runs)
@@ -713,6 +783,8 @@ def command_line(settings: BenchSettings) -> str:
         parts += ["--prompt-tokens", str(settings.prompt_tokens)]
     if settings.draft_hf is not None:
         parts += ["--draft-hf", str(settings.draft_hf)]
+    if settings.ort_target is not None:
+        parts += ["--ort-target", str(settings.ort_target)]
     for k, v in settings.overrides.items():
         parts += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     return shlex.join(parts)
@@ -745,7 +817,7 @@ def _fmt(x: Any, spec: str) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
-    lines = [f"# hetero-spec bench", "",
+    lines = ["# hetero-spec bench", "",
              f"`{s['command']}`", "",
              f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, greedy, gamma {s['gamma']}, "
              f"torch threads {s['torch_threads']}, {report['machine']['cpu_count']} CPUs "
@@ -791,12 +863,12 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("speedup vs target_only (per prompt)")
     s = report["settings"]
     ax.set_title(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, greedy (median, min-max)")
-    for x, m in enumerate(med):
-        ax.annotate(f"{m:.2f}x", (x, m), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    for x, (m, (_, v)) in enumerate(zip(med, rows)):  # above the error bar, not on it
+        ax.annotate(f"{m:.2f}x", (x, max(v)), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     fig.savefig(path, dpi=120)
 
 
-def write_outputs(out: Path, report: dict[str, Any], results: dict[str, SystemResult]) -> None:
+def write_outputs(out: Path, report: dict[str, Any]) -> None:
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(render_markdown(report))
     render_plot(report, out / "bench.png")
@@ -813,7 +885,8 @@ def settings_from_args(args) -> BenchSettings:
                          max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
                          overrides=dict(parse_override(p) for p in args.overrides),
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
-                         prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS)
+                         prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
+                         ort_target=Path(args.ort_target) if args.ort_target else None)
 
 
 def run_bench_cli(args) -> int:

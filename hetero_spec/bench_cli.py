@@ -20,6 +20,9 @@ def add_bench_parser(sub) -> None:
                         "(default: models/draft two levels above the config, if present)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="tokens per held-out prompt (default 128)")
+    p.add_argument("--ort-target", default=None, metavar="DIR",
+                   help="an existing fp32 ONNX export of the target for the ort_genai systems "
+                        "(default: export it once into OUT/ort_models/target)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
                         "every system, the rest to the hetero_spec systems")

@@ -1,0 +1,140 @@
+"""`hetero-spec bench` on the tiny fixture pair: the report's schema, identity flags and files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetero_spec.bench import SYSTEMS, BenchError, BenchSettings, analytic, run_bench
+from hetero_spec.cli import main
+
+PROMPTS = [[5, 17, 33, 40, 41, 99, 100, 7], [200, 201, 202, 5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture()
+def copy_config(tmp_path, llama_target, llama_copy_onnx):
+    path = tmp_path / "copy.yaml"
+    path.write_text(f"target: {{model: {llama_target}, threads: 1}}\n"
+                    f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
+                    "speculation: {gamma: 3}\n")
+    return path
+
+
+def _entry(report: dict, name: str) -> dict:
+    return next(e for e in report["systems"] if e["name"] == name)
+
+
+def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
+    out = tmp_path / "bench"
+    settings = BenchSettings(config=copy_config, out=out, prompts=2, max_new_tokens=8,
+                             systems=["hetero_spec", "hf_assisted"], draft_hf=llama_target)
+    report = run_bench(settings, prompt_ids=PROMPTS)
+
+    on_disk = json.loads((out / "bench.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert set(on_disk) == {"machine", "versions", "config", "settings", "systems", "analytic"}
+    assert on_disk["machine"]["cpu_count"] >= 1 and isinstance(on_disk["machine"]["platform"], str)
+    for pkg in ("python", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec"):
+        assert pkg in on_disk["versions"]
+    assert on_disk["config"]["target"]["dtype"] == "float32" and on_disk["config"]["target"]["device"] == "cpu"
+    s = on_disk["settings"]
+    assert (s["prompts"], s["max_new_tokens"], s["gamma"]) == (2, 8, 3)
+    assert s["command"].startswith("hetero-spec bench --config")
+
+    # target_only is always run (the reference); the order is the registry's
+    assert [e["name"] for e in on_disk["systems"]] == ["target_only", "hf_assisted", "hetero_spec"]
+    for e in on_disk["systems"]:
+        assert e["status"] == "ok" and e["reason"] is None, e
+        assert isinstance(e["tokens_per_s"], float) and e["tokens_per_s"] > 0
+        assert isinstance(e["speedup_vs_target_only"], float) and e["speedup_vs_target_only"] > 0
+        assert e["identical_to_target_only"] is True
+        assert len(e["per_prompt"]) == 2
+        for p in e["per_prompt"]:
+            assert p["wall_s"] > 0 and 1 <= p["new_tokens"] <= 8 and p["identical_to_target_only"] is True
+    assert _entry(on_disk, "target_only")["speedup_vs_target_only"] == 1.0
+    assert _entry(on_disk, "target_only")["acceptance_rate"] is None
+    assert _entry(on_disk, "hf_assisted")["acceptance_rate"] is None
+    hs = _entry(on_disk, "hetero_spec")
+    assert hs["acceptance_rate"] == pytest.approx(1.0)  # the draft is the target itself
+    assert hs["per_prompt"][0]["stats"]["proposer"] == "onnx"
+
+    a = on_disk["analytic"]
+    assert a["available"] is True and a["gamma"] == 3
+    assert a["expected_tokens_per_round"] == pytest.approx(4.0)  # a = 1: every round yields g + 1
+    for key in ("predicted_speedup", "measured_speedup", "efficiency", "t_target_step_s",
+                "t_draft_token_s", "t_verify_block_s"):
+        assert isinstance(a[key], float) and a[key] > 0
+
+    md = (out / "bench.md").read_text()
+    assert "| system | tok/s |" in md and "| hetero_spec |" in md and "hetero-spec bench --config" in md
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_draft_checkpoint_skips_hf_assisted(tmp_path, copy_config):
+    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", prompts=1, max_new_tokens=4,
+                                     systems=["hf_assisted"], draft_hf=tmp_path / "nowhere"),
+                       prompt_ids=PROMPTS)
+    e = _entry(report, "hf_assisted")
+    assert e["status"] == "skipped" and "--draft-hf" in e["reason"]
+    assert e["tokens_per_s"] is None and e["identical_to_target_only"] is None
+    assert (tmp_path / "b" / "bench.md").read_text().count("skipped") == 1
+
+
+def test_analytic_formula():
+    runs = [{"wall_s": 1.0, "token_ids": [1] * 10, "stats": {"drafted": 8, "accepted": 4, "rounds": 2,
+                                                             "time_draft_s": 0.08, "time_verify_s": 0.4}}]
+
+    class R:  # the two fields analytic() reads
+        def __init__(self, runs):
+            self.runs = runs
+
+    a = analytic({"hetero_spec": {"status": "ok", "speedup_vs_target_only": 1.2}},
+                 {"hetero_spec": R(runs), "target_only": R([{"wall_s": 1.0, "token_ids": [1] * 10}])}, gamma=4)
+    e = (1 - 0.5 ** 5) / 0.5
+    assert a["expected_tokens_per_round"] == pytest.approx(e)
+    assert a["predicted_speedup"] == pytest.approx(e * 0.1 / (4 * 0.01 + 0.2))
+    assert a["efficiency"] == pytest.approx(1.2 / a["predicted_speedup"])
+
+
+def test_registry_has_every_system_and_pipelined_is_gated():
+    assert list(SYSTEMS)[:4] == ["target_only", "hf_assisted", "hf_assisted_best_const", "hetero_spec"]
+    assert {"hetero_spec_pipelined", "ort_genai_target_only", "ort_genai_spec"} <= set(SYSTEMS)
+
+
+def test_cli_errors_are_clear(tmp_path, copy_config, capsys):
+    assert main(["bench", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["bench", "--config", str(copy_config), "--out", str(tmp_path / "o"),
+                 "--systems", "target_only,warp_drive"]) == 2
+    err = capsys.readouterr().err
+    assert "warp_drive" in err and "hetero_spec" in err
+    assert main(["bench", "--config", str(copy_config), "--out", str(tmp_path / "o"),
+                 "--set", "speculation.gama=2"]) == 2
+    assert "speculation.gama" in capsys.readouterr().err
+    with pytest.raises(BenchError):
+        run_bench(BenchSettings(config=copy_config, out=tmp_path / "o"), prompt_ids=[[]])
+
+
+def test_ort_genai_systems_match_target_only(tmp_path, copy_config, llama_copy_onnx):
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "bench"
+    report = run_bench(BenchSettings(config=copy_config, out=out, prompts=2, max_new_tokens=8,
+                                     systems=["ort_genai_target_only", "ort_genai_spec"],
+                                     ort_target=llama_copy_onnx),  # the copy draft is the target's export
+                       prompt_ids=PROMPTS)
+    base, spec = _entry(report, "ort_genai_target_only"), _entry(report, "ort_genai_spec")
+    assert base["status"] == "ok" and spec["status"] == "ok", (base["reason"], spec["reason"])
+    assert base["identical_to_target_only"] is True and spec["identical_to_target_only"] is True
+    assert spec["identical_to_ort_genai_target_only"] is True
+    assert spec["acceptance_rate"] == pytest.approx(1.0)
+    overlay = json.loads((out / "ort_models" / "target" / "genai_config.spec.json").read_text())
+    assert overlay["speculative"] == {"max_draft_tokens": 3}
+    assert overlay["model"]["draft"]["filename"] == "draft/model.onnx"
+    assert (out / "ort_models" / "target" / "draft" / "model.onnx").is_file()
+
+
+def test_prompt_plus_new_tokens_must_fit_the_context(tmp_path, copy_config):
+    with pytest.raises(BenchError, match="context of 96"):  # llama_gqa.json: max_position_embeddings 96
+        run_bench(BenchSettings(config=copy_config, out=tmp_path / "o", prompts=1, max_new_tokens=8),
+                  prompt_ids=[[5] * 90])
