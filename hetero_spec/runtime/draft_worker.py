@@ -5,8 +5,10 @@ the last committed position it knows. Every Sync from the target carries the new
 where they differ from the worker's stream, the worker truncates its stream and KV cache there, starts a
 new epoch, and drafts on from the corrected context.
 
-Never imports torch. Exits by itself when the target process goes away (parent-death signal on Linux,
-plus a parent-pid check), on Shutdown, or on SIGTERM/SIGINT.
+Never imports torch. Exits by itself when the target process goes away (its parent pid changes; checked
+every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM/SIGINT. (Linux's parent-death
+signal is not used: it fires when the *thread* that spawned the worker exits, and restarts spawn from a
+short-lived thread.)
 
     python -m hetero_spec.runtime.draft_worker --endpoint ipc:///tmp/x.sock --model DIR
 """
@@ -14,7 +16,6 @@ plus a parent-pid check), on Shutdown, or on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -45,15 +46,6 @@ class _Request:
     sent: int = 0       # stream positions below this have been sent
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (no orphans even if the target is SIGKILLed)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Worker:
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0):
         self.ch, self.drafter, self.parent_pid, self.delay_s = channel, drafter, parent_pid, delay_s
@@ -77,7 +69,7 @@ class Worker:
         elif isinstance(msg, End) and self.req is not None and msg.req_id == self.req.req_id:
             self.req = None
         elif isinstance(msg, Ping):
-            self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid()))
+            self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.ch.dropped))
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -133,6 +125,9 @@ class Worker:
 
     def loop(self) -> None:
         while self.running:
+            if not self.parent_alive():  # checked every iteration: a getppid() call is ~0.1 us
+                log.warning("target process is gone; draft worker exits")
+                return
             n = self.want_to_draft()
             got = self.ch.recv(0.0 if n else 0.2)
             if got is not None:
@@ -140,9 +135,6 @@ class Worker:
                 continue  # drain everything queued before drafting on a possibly stale stream
             if n:
                 self.draft_once(n)
-            elif not self.parent_alive():
-                log.warning("target process is gone; draft worker exits")
-                return
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -163,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
-    _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -178,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=args.providers.split(",")))
+        for junk in os.environ.get("HETERO_SPEC_TEST_GARBAGE", "").split(",") if os.environ.get(
+                "HETERO_SPEC_TEST_GARBAGE") else []:  # test only: malformed frames at the target
+            ch.sock.send_multipart([junk.encode(), b"x"] if junk.startswith("two") else [junk.encode()])
         Worker(ch, drafter, args.parent_pid or os.getppid(), args.delay_ms / 1000.0).loop()
     except KeyboardInterrupt:
         pass

@@ -29,6 +29,9 @@ from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
 
 
+IDLE_CHECK_S = 0.05
+
+
 @dataclass
 class StreamBuffer:
     """The worker's current stream as received: tokens at absolute positions [base, base + len)."""
@@ -81,7 +84,7 @@ class StreamBuffer:
 class Timeline:
     """Per-round intervals (time.monotonic) for checking that drafting overlaps verification."""
 
-    verify: list[tuple[float, float]] = field(default_factory=list)
+    verify: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t0, t1, position, k)
     draft: list[tuple[float, float, int]] = field(default_factory=list)  # (t0, t1, start position)
 
 
@@ -96,6 +99,7 @@ class DraftLink:
         self.synced = 0
         self.drafting = True
         self.req_id = time.monotonic_ns()
+        self._last_idle_check = 0.0
 
     def _worker(self, ids: list[int]) -> Worker | None:
         w = self.sup.current()
@@ -133,21 +137,24 @@ class DraftLink:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
         return True
 
-    def gather(self, ids: list[int], k: int, speculate: bool) -> Draft:
+    def gather(self, ids: list[int], k: int, speculate: bool, first_wait_s: float) -> Draft:
         """1) collect up to k draft tokens for positions len(ids).., waiting within the gate's budget."""
+        if not speculate or k <= 0:
+            self._idle_check(ids)
+            return Draft(ids=[])
         w = self._worker(ids)
         if w is None:
             return Draft(ids=[])
         while self._pump(w, 0.0):  # drain what is queued
             pass
-        if not speculate or k <= 0:
-            self.sup.check(w)
-            return Draft(ids=[])
-        deadline = time.monotonic() + self.gate.wait_budget(k, default=0.05)
+        deadline = time.monotonic() + self.gate.wait_budget(k, default=first_wait_s)
         while True:
             toks, probs = self.buf.usable(ids)
             now = time.monotonic()
-            if len(toks) >= k or now >= deadline:
+            if len(toks) >= k:
+                break
+            if now >= deadline:
+                self.gate.observe_wait(len(toks))
                 break
             if not self.sup.check(w):
                 self.w = None
@@ -157,6 +164,18 @@ class DraftLink:
         if self.req.params.greedy or not toks:
             return Draft(ids=list(toks))
         return Draft(ids=list(toks), probs=np.stack(probs))
+
+    def _idle_check(self, ids: list[int]) -> None:
+        """While not speculating, look at the worker only every IDLE_CHECK_S (keeps the loop cheap)."""
+        now = time.monotonic()
+        if now - self._last_idle_check < IDLE_CHECK_S:
+            return
+        self._last_idle_check = now
+        w = self._worker(ids)
+        if w is not None:
+            while self._pump(w, 0.0):
+                pass
+            self.sup.check(w)
 
     def sync(self, ids: list[int]) -> None:
         """2) announce the committed tokens (the correction, when they differ from the draft's stream)."""
@@ -202,7 +221,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
             k = min(req.gamma, remaining - 1)
             # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
             t = time.perf_counter()
-            draft = link.gather(ids, k, gate.on)
+            draft = link.gather(ids, k, gate.on, first_wait_s=max(stats.time_prefill_s, 0.001))
             stats.time_wait_s += time.perf_counter() - t
             # 3) verify
             t0 = time.monotonic()
@@ -211,7 +230,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
             stats.time_verify_s += t1 - t0
             gate.observe_verify(t1 - t0)
             if timeline is not None:
-                timeline.verify.append((t0, t1))
+                timeline.verify.append((t0, t1, len(ids), len(draft.ids)))
             stats.record_round(len(draft.ids), n)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)

@@ -240,6 +240,7 @@ class DraftSupervisor:
         while time.monotonic() < deadline:
             got = w.channel.recv(deadline - time.monotonic())
             if got is not None and isinstance(got[0], Pong):
-                return {"draft": "ok", "pid": w.proc.pid, "rtt_ms": (time.monotonic() - t) * 1e3,
-                        "restarts": self.restarts}
+                return {"draft": "ok", "pid": w.proc.pid, "rtt_ms": round((time.monotonic() - t) * 1e3, 3),
+                        "restarts": self.restarts, "worker_dropped": got[0].dropped,
+                        "target_dropped": w.channel.dropped}
         return {"draft": "unresponsive", "pid": w.proc.pid}

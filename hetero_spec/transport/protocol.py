@@ -108,6 +108,7 @@ class Pong(_Msg, tag="pong"):
     seq: int
     sent: float
     pid: int
+    dropped: int = 0    # malformed messages the worker has dropped so far
 
 
 class Failure(_Msg, tag="failure"):

@@ -25,8 +25,8 @@ class Ema:
 @dataclass
 class CostGate:
     enabled: bool = True
-    probe_interval_s: float = 1.0
-    probe_rounds: int = 4
+    probe_interval_s: float = 2.0
+    probe_rounds: int = 2
     alpha: float = 0.3
     on: bool = True
     draft_tok_s: Ema = field(default_factory=Ema)
@@ -38,6 +38,8 @@ class CostGate:
     _since: float = field(default_factory=time.monotonic)
     _off_at: float = 0.0
     _probe_left: int = 0
+    misses: int = 0
+    max_misses: int = 1
 
     def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float) -> None:
         if n_tokens > 0:
@@ -46,6 +48,11 @@ class CostGate:
 
     def observe_verify(self, seconds: float) -> None:
         self.verify_s.add(seconds)
+
+    def observe_wait(self, got_tokens: int) -> None:
+        """A round that waited its whole budget and got no draft token is a miss: evidence that the
+        draft is slower than verification even before any of its timings arrive."""
+        self.misses = 0 if got_tokens else self.misses + 1
 
     def block_cost(self, gamma: int) -> float | None:
         """Predicted draft + transfer time of one block of gamma tokens (None before any sample)."""
@@ -88,9 +95,11 @@ class CostGate:
             elif cost is not None and verify is not None and cost > verify:
                 self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > verify {verify * 1e3:.2f} ms "
                                     f"for gamma={gamma}")
+            elif self.misses >= self.max_misses:
+                self._switch(False, f"no draft tokens within the wait budget for {self.misses} rounds")
+                self.misses = 0
         elif now - self._off_at >= self.probe_interval_s:
             self._probe_left = self.probe_rounds
-            self.draft_tok_s = Ema(self.alpha)  # measure afresh: the draft may be fast again
             self._switch(True, f"re-probe after {self.probe_interval_s:.2f} s off")
         return self.on
 
