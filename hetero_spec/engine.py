@@ -78,11 +78,13 @@ class Engine:
 
         t = config.target
         self.runtime = None
+        self._cpu_plan = None
         threads = t.threads
         if config.runtime.mode == "two_process":
-            from .runtime.engine_side import plan_cpus
+            from .runtime.engine_side import CpuPlan
 
-            threads = plan_cpus(config)
+            self._cpu_plan = CpuPlan(config)
+            threads = self._cpu_plan.threads
         self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads,
                                   max_context=t.max_context)
         self.tokenizer = self.target.tokenizer
@@ -225,6 +227,9 @@ class Engine:
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
+        if self._cpu_plan is not None:
+            self._cpu_plan.restore()
+            self._cpu_plan = None
 
     def __enter__(self) -> Engine:
         return self

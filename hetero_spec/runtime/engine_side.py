@@ -28,6 +28,24 @@ def draft_cpus(config: Config) -> list[int] | None:
     return cpus[-n:]
 
 
+class CpuPlan:
+    """Pins this (target) process to the cores the worker does not get, and undoes it on restore()."""
+
+    def __init__(self, config: Config):
+        import torch
+
+        self._orig_cpus = set(_cpus())
+        self._orig_threads = torch.get_num_threads()
+        self.threads = plan_cpus(config)
+
+    def restore(self) -> None:
+        import torch
+
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self._orig_cpus)
+        torch.set_num_threads(self._orig_threads)
+
+
 def plan_cpus(config: Config) -> int | None:
     """Pin this (target) process to the cores the worker does not get; returns the torch thread count."""
     dc = draft_cpus(config)

@@ -80,6 +80,9 @@ class TargetModel:
         self.context_len = int(min(x for x in (model_ctx, max_context) if x)) if (model_ctx or max_context) \
             else 2048
         self.eos_token_ids = _eos_ids(self.model, config)
+        from .staging import Staging
+
+        self.staging = Staging(self.device)
 
     # -- per-request state ------------------------------------------------------------------------
     def new_state(self) -> TargetState:
@@ -92,7 +95,7 @@ class TargetModel:
         """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device."""
         if not tokens:
             raise ValueError("forward needs at least one token")
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        ids = self.staging.tokens(tokens)  # [1, n]; pinned + async on CUDA
         out = self.model(input_ids=ids, cache=state.cache, use_cache=True)
         state.n_cached += len(tokens)
         return out.logits[0]
