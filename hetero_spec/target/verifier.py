@@ -91,12 +91,14 @@ class TargetModel:
         return TargetState(cache=DynamicCache(config=self.config))
 
     @torch.inference_mode()
-    def forward(self, state: TargetState, tokens: list[int]) -> torch.Tensor:
-        """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device."""
+    def forward(self, state: TargetState, tokens: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device
+        (only the last position's, [1, vocab], with last_only: the prefill needs none of the others)."""
         if not tokens:
             raise ValueError("forward needs at least one token")
         ids = self.staging.tokens(tokens)  # [1, n]; pinned + async on CUDA
-        out = self.model(input_ids=ids, cache=state.cache, use_cache=True)
+        extra = {"logits_to_keep": 1} if last_only else {}
+        out = self.model(input_ids=ids, cache=state.cache, use_cache=True, **extra)
         state.n_cached += len(tokens)
         return out.logits[0]
 
@@ -112,7 +114,7 @@ class TargetModel:
     def prefill(self, state: TargetState, prompt_ids: list[int]) -> None:
         """Cache every prompt token but the last (the invariant the decode loop relies on)."""
         if len(prompt_ids) > 1:
-            self.forward(state, prompt_ids[:-1])
+            self.forward(state, prompt_ids[:-1], last_only=True)
 
     def verify(self, state: TargetState, last_token: int, draft_ids: list[int],
                greedy: bool) -> list[int] | np.ndarray:
