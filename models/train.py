@@ -37,11 +37,11 @@ REAL = dict(
     draft=dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4,
                num_key_value_heads=2, tie_word_embeddings=True),
 )
-TINY = dict(
+TINY = dict(  # head_dim 16: the smallest the ONNX Runtime GroupQueryAttention CPU kernel accepts
     vocab=300, seq_len=64, batch=4,
-    target=dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
-                num_key_value_heads=1, tie_word_embeddings=False),
-    draft=dict(hidden_size=16, num_hidden_layers=1, intermediate_size=32, num_attention_heads=2,
+    target=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False),
+    draft=dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
                num_key_value_heads=1, tie_word_embeddings=True),
 )
 
