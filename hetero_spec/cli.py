@@ -13,7 +13,7 @@ from .errors import HeteroSpecError
 EPILOG = """examples:
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "def parse(" --max-new-tokens 64
   hetero-spec generate --config configs/cpu-demo.yaml --set speculation.gamma=6 --json
-  hetero-spec export-draft --model models/draft --out models/draft-onnx-int4 --precision int4
+  hetero-spec export-draft --model models/draft --out /tmp/draft-int4 --precision int4 --block-size 128
 """
 
 
@@ -57,6 +57,8 @@ def _add_export(sub) -> None:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
     p.add_argument("--execution-provider", default="cpu", choices=PROVIDERS,
                    help="execution provider the export targets (default cpu)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +114,8 @@ def _cmd_generate(args) -> int:
 def _cmd_export(args) -> int:
     from .draft.export import export_draft
 
-    out = export_draft(args.model, args.out, args.precision, args.execution_provider)
+    out = export_draft(args.model, args.out, args.precision, args.execution_provider,
+                       block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider})")
     return 0
 

@@ -24,8 +24,11 @@ class ExportError(HeteroSpecError):
 
 
 def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "fp32",
-                 execution_provider: str = "cpu", quiet: bool = False) -> Path:
-    """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx."""
+                 execution_provider: str = "cpu", quiet: bool = False, block_size: int | None = None) -> Path:
+    """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx.
+
+    block_size: quantization block of int4/int8 weights (16/32/64/128/256; the builder's default is 32).
+    """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if precision not in PRECISIONS:
         raise ExportError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -41,6 +44,10 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     with tempfile.TemporaryDirectory(prefix="hetero-spec-export-") as cache:
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir),
                "-o", str(out_dir), "-p", precision, "-e", execution_provider, "-c", cache]
+        if block_size is not None:
+            if block_size not in (16, 32, 64, 128, 256):
+                raise ExportError(f"--block-size {block_size}: choose one of 16, 32, 64, 128, 256")
+            cmd += ["--extra_options", f"block_size={block_size}"]
         proc = subprocess.run(cmd, capture_output=quiet, text=True)
     if proc.returncode != 0 or not (out_dir / "model.onnx").is_file():
         tail = (proc.stderr or "")[-2000:] if quiet else "(see the builder's output above)"
