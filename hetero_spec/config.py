@@ -84,10 +84,9 @@ class GenerationConfig(_Section):
 class GateConfig(_Section):
     enabled: bool = True
     """Turn speculation off while drafting + transfer costs more than verification (two_process)."""
-    probe_interval_s: float = Field(default=2.0, gt=0)
-    """While off, switch speculation back on this often to measure again."""
-    probe_rounds: int = Field(default=2, ge=1)
-    """Rounds a re-probe lasts before the gate decides again."""
+    probe_interval_s: float = Field(default=0.5, gt=0)
+    """While off, let the worker draft in the background this often to measure it again (the target
+    does not wait for it while probing, so a probe costs the target nothing)."""
 
 
 class RuntimeConfig(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,7 @@ class OnnxDrafter:
         self.past: list[np.ndarray] = []
         self.n_past = 0
         self._proposed: list[int] = []
+        self.last_catchup_s = 0.0
 
     def _setup_io(self, model_dir: Path) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -164,12 +166,17 @@ class OnnxDrafter:
         n = min(n, self.context_len - len(self.ids))
         out: list[int] = []
         probs: list[np.ndarray] = []
+        self.last_catchup_s = 0.0
         for _ in range(max(n, 0)):
             pending = self.ids[self.n_past:]
             if not pending:
                 self.rewind_to(self.n_past - 1)
                 pending = self.ids[-1:]
-            tok, q = self._choose(self.append(pending)[-1], len(self.ids))
+            t0 = time.perf_counter() if len(pending) > 2 else 0.0
+            logits = self.append(pending)[-1]
+            if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
+                self.last_catchup_s = time.perf_counter() - t0
+            tok, q = self._choose(logits, len(self.ids))
             self.ids.append(tok)
             out.append(tok)
             if q is not None:

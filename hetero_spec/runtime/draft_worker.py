@@ -112,6 +112,7 @@ class Worker:
         t1 = time.monotonic()
         if not draft.ids:
             return
+        t0 += self.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
         arrays = [np.asarray(draft.ids, dtype=np.int32)]
         if draft.probs is not None:
             arrays.append(draft.probs.astype(np.float32))
@@ -134,7 +135,10 @@ class Worker:
                 self.handle(*got)
                 continue  # drain everything queued before drafting on a possibly stale stream
             if n:
-                self.draft_once(n)
+                # one token at a time, looking at the socket in between: a correction that arrives
+                # mid-block stops drafting on the stale stream at once, and the target receives each
+                # token (and its timing) as soon as it exists
+                self.draft_once(1)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

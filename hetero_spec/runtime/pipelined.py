@@ -123,7 +123,10 @@ class DraftLink:
         self._worker(ids)
 
     def _pump(self, w: Worker, timeout_s: float) -> bool:
-        """Receive at most one message (waiting up to timeout_s); False when nothing came."""
+        """Receive at most one message (waiting up to timeout_s); False when nothing came.
+
+        Transfer time is sampled only for messages that arrive while we wait: a message that sat in the
+        queue while the target was busy verifying measures the queueing, not the transfer."""
         got = w.channel.recv(timeout_s)
         if got is None:
             return False
@@ -131,7 +134,7 @@ class DraftLink:
         self.sup.heard(w, msg)
         if isinstance(msg, Proposal) and msg.req_id == self.req_id and arrays:
             now = time.monotonic()
-            self.gate.observe_proposal(msg.draft_s, len(arrays[0]), now - msg.sent)
+            self.gate.observe_proposal(msg.draft_s, len(arrays[0]), now - msg.sent if timeout_s > 0 else None)
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
@@ -240,7 +243,8 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
             stats.time_total_s = time.perf_counter() - t_start
             yield emitted
             # 5) adapt: the cost gate turns speculation off when drafting + transfer > verification
-            link.control(gate.decide(req.gamma), ids)
+            gate.decide(req.gamma)
+            link.control(gate.drafting, ids)
     finally:
         link.end()
         stats.time_total_s = time.perf_counter() - t_start

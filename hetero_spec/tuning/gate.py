@@ -1,9 +1,13 @@
 """The cost gate: speculation pays only while drafting plus transfer costs less than verification.
 
-The pipelined scheduler feeds it per-round measurements (moving averages): the draft's time per
-token, the proposal transfer time, and the target's verification time. When draft + transfer for a
-block exceeds verification, speculation is switched off and the target decodes alone; every
-`probe_interval_s` it switches back on for `probe_rounds` rounds to measure again.
+The pipelined scheduler feeds it measurements (moving averages): the draft's time per token, the
+proposal transfer time, and the target's verification time. States:
+
+* ON: the target waits (within a budget) for draft tokens and verifies them.
+* OFF: when draft + transfer for a block exceeds verification (or the draft misses rounds entirely),
+  the target decodes alone and the worker is paused.
+* PROBING: every `probe_interval_s` the worker drafts again in the background while the target keeps
+  decoding alone (probing costs the target nothing); the first fresh timings decide ON or OFF.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ class Ema:
 class CostGate:
     enabled: bool = True
     probe_interval_s: float = 2.0
-    probe_rounds: int = 2
     alpha: float = 0.3
     on: bool = True
     draft_tok_s: Ema = field(default_factory=Ema)
@@ -37,14 +40,20 @@ class CostGate:
     time_off_s: float = 0.0
     _since: float = field(default_factory=time.monotonic)
     _off_at: float = 0.0
-    _probe_left: int = 0
+    probing: bool = False
+    _probe_t0: float = 0.0
+    _probe_samples0: int = 0
     misses: int = 0
-    max_misses: int = 1
+    n_draft_samples: int = 0
+    min_samples: int = 3
+    max_misses: int = 2
 
-    def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float) -> None:
+    def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
         if n_tokens > 0:
             self.draft_tok_s.add(draft_s / n_tokens)
-        self.transfer_s.add(max(0.0, transfer_s))
+            self.n_draft_samples += 1
+        if transfer_s is not None:
+            self.transfer_s.add(max(0.0, transfer_s))
 
     def observe_verify(self, seconds: float) -> None:
         self.verify_s.add(seconds)
@@ -62,16 +71,19 @@ class CostGate:
 
     def wait_budget(self, k: int, default: float) -> float:
         """How long the target may wait for k draft tokens: what drafting them costs, never more than
-        one verification (waiting longer than a target step would be slower than decoding alone)."""
+        one verification (waiting longer than a target step would be slower than decoding alone).
+        Before any draft timing has arrived: half a verification, so that a draft too slow to report
+        costs at most `max_misses` half-steps before the gate turns speculation off."""
         cap = self.verify_s.value if self.verify_s.value is not None else default
         cost = self.block_cost(k)
-        return min(cap, cost * 1.5 + 0.0005) if cost is not None else cap
+        return min(cap, cost * 1.5 + 0.0005) if cost is not None else 0.5 * cap
 
     def _switch(self, on: bool, reason: str) -> None:
         now = time.monotonic()
         self._account(now)
         self.on = on
         self.switches.append({"t": round(now, 4), "on": on, "reason": reason})
+        self.misses = 0
         if not on:
             self._off_at = now
 
@@ -82,31 +94,47 @@ class CostGate:
             self.time_off_s += now - self._since
         self._since = now
 
+    @property
+    def drafting(self) -> bool:
+        """Whether the worker should draft (ON, or PROBING in the background)."""
+        return self.on or self.probing
+
     def decide(self, gamma: int) -> bool:
-        """Update on/off after a round; returns whether the next round speculates."""
+        """Update the state after a round; returns whether the next round speculates (waits for drafts)."""
         if not self.enabled:
             return True
         now = time.monotonic()
         self._account(now)
         cost, verify = self.block_cost(gamma), self.verify_s.value
+        too_slow = cost is not None and verify is not None and cost > verify
         if self.on:
-            if self._probe_left > 0:
-                self._probe_left -= 1
-            elif cost is not None and verify is not None and cost > verify:
+            if too_slow and self.n_draft_samples >= self.min_samples:
                 self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > verify {verify * 1e3:.2f} ms "
                                     f"for gamma={gamma}")
             elif self.misses >= self.max_misses:
                 self._switch(False, f"no draft tokens within the wait budget for {self.misses} rounds")
-                self.misses = 0
+        elif self.probing:
+            if self.n_draft_samples > self._probe_samples0:
+                self.probing = False
+                if too_slow:
+                    self._off_at = now
+                else:
+                    self._switch(True, f"probe: draft+transfer {cost * 1e3:.2f} ms <= verify "
+                                       f"{verify * 1e3:.2f} ms for gamma={gamma}")
+            elif now - self._probe_t0 >= self.probe_interval_s:
+                self.probing = False
+                self._off_at = now
         elif now - self._off_at >= self.probe_interval_s:
-            self._probe_left = self.probe_rounds
-            self._switch(True, f"re-probe after {self.probe_interval_s:.2f} s off")
+            self.probing = True
+            self._probe_t0 = now
+            self._probe_samples0 = self.n_draft_samples
+            self.draft_tok_s = Ema(self.alpha)  # measure afresh: the draft may be fast again
         return self.on
 
     def summary(self) -> dict:
         ms = lambda e: None if e.value is None else round(e.value * 1e3, 3)  # noqa: E731
         self._account(time.monotonic())
-        return {"on": self.on, "time_spec_on_s": round(self.time_on_s, 4),
+        return {"on": self.on, "probing": self.probing, "time_spec_on_s": round(self.time_on_s, 4),
                 "time_spec_off_s": round(self.time_off_s, 4), "switches": self.switches[-20:],
                 "n_switches": len(self.switches), "draft_ms_per_token": ms(self.draft_tok_s),
                 "transfer_ms": ms(self.transfer_s), "verify_ms": ms(self.verify_s)}
