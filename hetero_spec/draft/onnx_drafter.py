@@ -69,6 +69,7 @@ class OnnxDrafter:
         self.n_past = 0
         self._proposed: list[int] = []
         self.last_catchup_s = 0.0
+        self.alts: dict[int, int] = {}  # position -> the draft's runner-up token there (greedy only)
 
     def _setup_io(self, model_dir: Path) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -132,6 +133,7 @@ class OnnxDrafter:
         self.ids = list(prompt_ids)
         self.params = params
         self.past, self.n_past, self._proposed = [], 0, []
+        self.alts = {}
 
     def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
         """Pick the token at an absolute position: argmax, or a draw from q keyed by (seed, position)."""
@@ -177,6 +179,9 @@ class OnnxDrafter:
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids))
+            if self.params.greedy and logits.shape[-1] > 1:  # runner-up, for branch pre-drafting
+                top2 = np.argpartition(logits, -2)[-2:]
+                self.alts[len(self.ids)] = int(top2[0] if top2[0] != tok else top2[1])
             self.ids.append(tok)
             out.append(tok)
             if q is not None:
@@ -187,6 +192,24 @@ class OnnxDrafter:
         """Forget tokens from position `length` on (and their cache entries)."""
         del self.ids[length:]
         self.rewind_to(min(self.n_past, length))
+
+    def branch(self, position: int, token: int, n: int) -> tuple[list[int], list[np.ndarray], int]:
+        """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
+        Returns (tokens, past, n_past) for `adopt`. The past arrays are never mutated in place, so
+        slicing them here is free and the stream's own cache stays valid."""
+        saved = (list(self.ids), self.past, self.n_past, dict(self.alts))
+        self.truncate(position)
+        self.ids.append(token)
+        tokens = self.extend(n).ids
+        result = (tokens, self.past, self.n_past)
+        self.ids[:], self.past, self.n_past, self.alts = saved
+        return result
+
+    def adopt(self, position: int, token: int, branch: tuple[list[int], list[np.ndarray], int]) -> None:
+        """Replace the stream from `position` on by a pre-drafted branch that starts with `token`."""
+        tokens, past, n_past = branch
+        self.ids[position:] = [token, *tokens]
+        self.past, self.n_past = past, n_past
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)

@@ -47,10 +47,15 @@ class _Request:
 
 
 class Worker:
-    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0):
+    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0,
+                 branches: bool = True):
         self.ch, self.drafter, self.parent_pid, self.delay_s = channel, drafter, parent_pid, delay_s
         self.req: _Request | None = None
         self.running = True
+        self.use_branches = branches
+        # (position, token) -> pre-drafted continuation if the target puts `token` at `position`
+        self.branches: dict[tuple[int, int], tuple[list[int], list, int]] = {}
+        self.branch_hits = 0
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
@@ -74,22 +79,31 @@ class Worker:
             self.running = False
 
     def _sync(self, pos: int, tokens: list[int]) -> None:
-        """Merge committed tokens ids[pos:]; rebase the stream where it diverges."""
+        """Merge committed tokens ids[pos:]; rebase the stream where it diverges (onto a pre-drafted
+        branch when the target's correction is the one the worker guessed)."""
         req, ids = self.req, self.drafter.ids
         if pos > req.committed:
             log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, req.committed)
             return
         diverged = False
+        branches, self.branches = self.branches, {}
         for p, tok in enumerate(tokens, start=pos):
             if p < req.committed:
                 continue
             if p < len(ids) and ids[p] == tok:
                 continue
+            hit = branches.get((p, tok)) if p == pos + len(tokens) - 1 else None
+            diverged = True
+            if hit is not None:  # the correction is the last committed token: take the branch
+                self.drafter.adopt(p, tok, hit)
+                self.branch_hits += 1
+                break
             if p < len(ids):
                 self.drafter.truncate(p)
             ids.append(tok)
-            diverged = True
         req.committed = max(req.committed, pos + len(tokens))
+        for p in [p for p in self.drafter.alts if p < req.committed]:
+            del self.drafter.alts[p]
         if diverged:
             req.epoch += 1
             req.base = req.sent = req.committed
@@ -121,6 +135,33 @@ class Worker:
         self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
                               draft_s=t1 - t0, draft_t0=t0, sent=time.monotonic()), *arrays)
 
+    def pre_draft_branch(self) -> bool:
+        """Idle time (at max_ahead, waiting for the target): pre-draft the continuation after the
+        draft's runner-up token at the earliest speculative position without one. Greedy only."""
+        req, d = self.req, self.drafter
+        if not self.use_branches or req is None or not req.drafting or not d.params.greedy:
+            return False
+        # the block under verification and its bonus position: where the next correction will land
+        for p in range(req.committed, min(len(d.ids), req.committed + req.gamma + 1)):
+            alt = d.alts.get(p)
+            if alt is None or (p, alt) in self.branches:
+                continue
+            self.branches[(p, alt)] = d.branch(p, alt, req.gamma)
+            return True
+        return False
+
+    def flush(self) -> None:
+        """Send stream tokens the target has not been sent yet (after adopting a branch)."""
+        req = self.req
+        if req is None or req.sent >= len(self.drafter.ids):
+            return
+        toks = self.drafter.ids[req.sent:]
+        start = req.sent
+        req.sent = len(self.drafter.ids)
+        now = time.monotonic()
+        self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start, draft_s=0.0,
+                              draft_t0=now, sent=now, branch=True), np.asarray(toks, dtype=np.int32))
+
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
 
@@ -130,10 +171,17 @@ class Worker:
                 log.warning("target process is gone; draft worker exits")
                 return
             n = self.want_to_draft()
-            got = self.ch.recv(0.0 if n else 0.2)
+            busy = n or (self.req is not None and self.req.drafting and self.drafter.params.greedy
+                         and self.use_branches and len(self.branches) <= self.req.gamma)
+            got = self.ch.recv(0.0 if busy else 0.2)
             if got is not None:
                 self.handle(*got)
                 continue  # drain everything queued before drafting on a possibly stale stream
+            if self.req is not None and self.req.sent < len(self.drafter.ids):
+                self.flush()
+                continue
+            if not n and self.pre_draft_branch():
+                continue
             if n:
                 # one token at a time, looking at the socket in between: a correction that arrives
                 # mid-block stops drafting on the stale stream at once, and the target receives each

@@ -100,6 +100,7 @@ class DraftLink:
         self.drafting = True
         self.req_id = time.monotonic_ns()
         self._last_idle_check = 0.0
+        self.branch_hits = 0
 
     def _worker(self, ids: list[int]) -> Worker | None:
         w = self.sup.current()
@@ -136,6 +137,7 @@ class DraftLink:
             now = time.monotonic()
             self.gate.observe_proposal(msg.draft_s, len(arrays[0]), now - msg.sent if timeout_s > 0 else None)
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
+            self.branch_hits += int(msg.branch)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
         return True
@@ -248,7 +250,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
     finally:
         link.end()
         stats.time_total_s = time.perf_counter() - t_start
-        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale,
+        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.branch_hits,
                            draft_failures=sup.failures - failures0, draft_restarts=sup.restarts,
                            dropped_messages=link.w.channel.dropped if link.w is not None else 0)
         if timeline is not None:

@@ -102,6 +102,7 @@ class Proposal(_Msg, tag="proposal"):
     draft_s: float      # worker time spent drafting these tokens
     draft_t0: float     # time.monotonic() when drafting them began (system-wide clock on Linux)
     sent: float         # time.monotonic() at send
+    branch: bool = False  # the tokens come from a branch pre-drafted on the target's correction
 
 
 class Pong(_Msg, tag="pong"):
