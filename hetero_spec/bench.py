@@ -732,14 +732,19 @@ def analytic(entries: dict[str, dict[str, Any]], results: dict[str, SystemResult
                                                             "time_draft_s", "time_verify_s")}
     if not tot["drafted"] or not tot["rounds"]:
         return {"available": False, "reason": "hetero_spec drafted no tokens (no proposer?)"}
-    a, g = tot["accepted"] / tot["drafted"], gamma
+    # per-token acceptance: every round is a run of accepted tokens ended by a rejection, unless the
+    # whole block was accepted; accepted/drafted would undercount (tokens after a rejection are never
+    # tested). Rounds with full acceptance are those whose accepted count equals what was drafted.
+    rejections = sum(sum(c for n, c in enumerate(r["stats"]["accept_hist"]) if n < gamma) for r in hs.runs)
+    a, g = tot["accepted"] / max(1, tot["accepted"] + rejections), gamma
     e = (g + 1.0) if a >= 1.0 else (1 - a ** (g + 1)) / (1 - a)
     t_draft = tot["time_draft_s"] / tot["drafted"]
     t_verify = tot["time_verify_s"] / tot["rounds"]
     t_target = sum(r["wall_s"] for r in ref.runs) / max(1, sum(len(r["token_ids"]) for r in ref.runs))
     predicted = e * t_target / (g * t_draft + t_verify)
     measured = entry["speedup_vs_target_only"]
-    return {"available": True, "acceptance_rate": a, "gamma": g, "expected_tokens_per_round": e,
+    return {"available": True, "acceptance_rate": tot["accepted"] / tot["drafted"],
+            "per_token_acceptance": a, "gamma": g, "expected_tokens_per_round": e,
             "t_target_step_s": t_target, "t_draft_token_s": t_draft, "t_verify_block_s": t_verify,
             "predicted_speedup": predicted, "measured_speedup": measured,
             "efficiency": measured / predicted if predicted else None,
@@ -833,7 +838,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     a = report["analytic"]
     lines.append("")
     if a.get("available"):
-        lines.append(f"Analytic expectation for hetero_spec: acceptance a = {a['acceptance_rate']:.3f}, "
+        lines.append(f"Analytic expectation for hetero_spec: per-token acceptance a = "
+                     f"{a['per_token_acceptance']:.3f} (accepted/drafted {a['acceptance_rate']:.3f}), "
                      f"E = {a['expected_tokens_per_round']:.2f} tokens/round, predicted "
                      f"{a['predicted_speedup']:.2f}x, measured {_fmt(a['measured_speedup'], '.2f')}x, "
                      f"efficiency {_fmt(a['efficiency'], '.2f')} ({a['formula']}).")

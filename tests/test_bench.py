@@ -83,7 +83,8 @@ def test_missing_draft_checkpoint_skips_hf_assisted(tmp_path, copy_config):
 
 def test_analytic_formula():
     runs = [{"wall_s": 1.0, "token_ids": [1] * 10, "stats": {"drafted": 8, "accepted": 4, "rounds": 2,
-                                                             "time_draft_s": 0.08, "time_verify_s": 0.4}}]
+                                                             "time_draft_s": 0.08, "time_verify_s": 0.4,
+                                                             "accept_hist": [1, 0, 0, 0, 1]}}]
 
     class R:  # the two fields analytic() reads
         def __init__(self, runs):
@@ -91,7 +92,9 @@ def test_analytic_formula():
 
     a = analytic({"hetero_spec": {"status": "ok", "speedup_vs_target_only": 1.2}},
                  {"hetero_spec": R(runs), "target_only": R([{"wall_s": 1.0, "token_ids": [1] * 10}])}, gamma=4)
-    e = (1 - 0.5 ** 5) / 0.5
+    # one round accepted all 4, one rejected its first token: per-token acceptance 4 / (4 + 1)
+    assert a["per_token_acceptance"] == pytest.approx(0.8) and a["acceptance_rate"] == pytest.approx(0.5)
+    e = (1 - 0.8 ** 5) / 0.2
     assert a["expected_tokens_per_round"] == pytest.approx(e)
     assert a["predicted_speedup"] == pytest.approx(e * 0.1 / (4 * 0.01 + 0.2))
     assert a["efficiency"] == pytest.approx(1.2 / a["predicted_speedup"])
