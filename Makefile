@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PROMPT ?= def parse_config(path):
+PROMPT ?= def read_lines(filename):
 
 .PHONY: demo test bench bench-quick clean-venv
 

@@ -100,6 +100,7 @@ def _cmd_generate(args) -> int:
             print(out.text)
             stats_d = out.stats
         else:
+            print(prompt, end="", flush=True)  # echo the prompt, then stream the completion after it
             for piece in eng.stream(prompt, stats=stats, **kw):
                 print(piece, end="", flush=True)
             print()
