@@ -163,13 +163,16 @@ class OnnxDrafter:
         return Draft(ids=out, probs=np.stack(probs) if probs else None)
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
-    def extend(self, n: int) -> Draft:
-        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
+    def extend(self, n: int, stop=None) -> Draft:
+        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted.
+        `stop()` (optional) is asked before every token after the first; True ends the run early."""
         n = min(n, self.context_len - len(self.ids))
         out: list[int] = []
         probs: list[np.ndarray] = []
         self.last_catchup_s = 0.0
-        for _ in range(max(n, 0)):
+        for i in range(max(n, 0)):
+            if i and stop is not None and stop():
+                break
             pending = self.ids[self.n_past:]
             if not pending:
                 self.rewind_to(self.n_past - 1)
@@ -193,14 +196,14 @@ class OnnxDrafter:
         del self.ids[length:]
         self.rewind_to(min(self.n_past, length))
 
-    def branch(self, position: int, token: int, n: int) -> tuple[list[int], list[np.ndarray], int]:
+    def branch(self, position: int, token: int, n: int, stop=None) -> tuple[list[int], list[np.ndarray], int]:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
         Returns (tokens, past, n_past) for `adopt`. The past arrays are never mutated in place, so
         slicing them here is free and the stream's own cache stays valid."""
         saved = (list(self.ids), self.past, self.n_past, dict(self.alts))
         self.truncate(position)
         self.ids.append(token)
-        tokens = self.extend(n).ids
+        tokens = self.extend(n, stop=stop).ids
         result = (tokens, self.past, self.n_past)
         self.ids[:], self.past, self.n_past, self.alts = saved
         return result

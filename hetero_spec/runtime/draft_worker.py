@@ -146,7 +146,8 @@ class Worker:
             alt = d.alts.get(p)
             if alt is None or (p, alt) in self.branches:
                 continue
-            self.branches[(p, alt)] = d.branch(p, alt, req.gamma)
+            # a message (most likely the target's Sync) ends the branch early: answering it comes first
+            self.branches[(p, alt)] = d.branch(p, alt, req.gamma, stop=lambda: self.ch.sock.poll(0) != 0)
             return True
         return False
 
