@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from typing import Any
 
 from .errors import HeteroSpecError
@@ -121,8 +123,14 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds `with Engine(...)`, which shuts the draft worker down
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "export-draft": _cmd_export}
     try:

@@ -196,3 +196,42 @@ def test_two_process_needs_an_onnx_draft(llama_target):
     with pytest.raises(ConfigError, match="runtime.mode"):
         Engine.from_config(build_config({"target": {"model": str(llama_target)},
                                          "draft": {"kind": "ngram"}, "runtime": {"mode": "two_process"}}))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_cli_killed_leaves_no_orphan(tmp_path, llama_target, llama_copy_onnx, sig):
+    """SIGTERM / Ctrl-C shut the worker down through the engine; even SIGKILL of the CLI leaves no
+    orphan, because the worker exits when its parent is gone."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "tp.yaml"
+    cfg.write_text(f"target: {{model: {llama_target}, dtype: float32}}\n"
+                   f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
+                   "runtime: {mode: two_process, pin_cpus: false, test_draft_delay_ms: 50,"
+                   " gate: {enabled: false}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_spec.cli", "generate", "--config", str(cfg),
+                             "--prompt", "def f(x):", "--max-new-tokens", "80"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while time.monotonic() < deadline and not workers:
+        workers = _children(proc.pid)
+        time.sleep(0.1)
+    assert workers, "the draft worker never started"
+    time.sleep(1.0)  # let generation get going
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    alive = [w for w in workers if _alive(w)]
+    assert alive == [], f"orphaned draft worker(s) {alive} after {sig!r}"
+
+
+def _alive(pid: int) -> bool:
+    """True while pid runs (a zombie or a vanished process is not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
