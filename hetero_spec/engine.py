@@ -210,15 +210,18 @@ class Engine:
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         stats = stats if stats is not None else Stats()
         ids: list[int] = []
-        sent = ""
+        # Incremental detokenization (as vLLM does): decode only from prefix_off, so each round costs
+        # O(round) instead of re-decoding the whole output. ids[prefix_off:read_off] has been emitted.
+        prefix_off = read_off = 0
         for chunk in self._decode(req, stats):
             ids.extend(chunk)
-            text = self._decode_text(ids)
+            prefix = self._decode_text(ids[prefix_off:read_off])
+            text = self._decode_text(ids[prefix_off:])
             if text.endswith("\ufffd") and not stats.finish_reason:
                 continue  # an incomplete UTF-8 sequence: wait for the next tokens
-            if len(text) > len(sent) and text.startswith(sent):
-                yield text[len(sent):]
-            sent = text
+            if len(text) > len(prefix):
+                yield text[len(prefix):]
+            prefix_off, read_off = read_off, len(ids)
 
     def close(self) -> None:
         """Release the draft; in two_process mode shut the worker down cleanly (no orphans)."""

@@ -47,14 +47,6 @@ class Stats:
         busy = self.time_prefill_s + self.time_draft_s + self.time_verify_s
         return max(0.0, self.time_total_s - busy)
 
-    @property
-    def time_draft_visible_s(self) -> float:
-        """Drafting time the target saw: in process all of it; pipelined only the waits."""
-        return self.time_draft_s + self.time_wait_s
-
-    @property
-    def mean_accepted_per_round(self) -> float:
-        return self.accepted / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -10,7 +10,7 @@ which is fed at the start of the next forward pass together with the draft block
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,6 @@ class TargetState:
 
     cache: object
     n_cached: int = 0
-    stats: dict = field(default_factory=dict)
 
 
 class TargetModel:
