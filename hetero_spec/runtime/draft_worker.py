@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=args.providers.split(",")))
-        for junk in os.environ.get("HETERO_SPEC_TEST_GARBAGE", "").split(",") if os.environ.get(
-                "HETERO_SPEC_TEST_GARBAGE") else []:  # test only: malformed frames at the target
+        garbage = os.environ.get("HETERO_SPEC_TEST_GARBAGE", "")
+        for junk in garbage.split(",") if garbage else []:  # test only: malformed frames at the target
             ch.sock.send_multipart([junk.encode(), b"x"] if junk.startswith("two") else [junk.encode()])
         Worker(ch, drafter, args.parent_pid or os.getppid(), args.delay_ms / 1000.0).loop()
     except KeyboardInterrupt:
