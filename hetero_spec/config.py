@@ -106,7 +106,8 @@ class RuntimeConfig(_Section):
     heartbeat_s: float = Field(default=2.0, gt=0)
     """A silent worker is pinged after this long, and declared hung when the ping is not answered in time."""
     max_ahead: int | None = Field(default=None, ge=1)
-    """Most draft tokens the worker keeps beyond the committed text; None means 2 x gamma."""
+    """Most draft tokens the worker keeps beyond the committed text; None means 2 x gamma + 1 (the block
+    under verification, its bonus position, and the whole next block)."""
     pin_cpus: bool = True
     """Pin the target and the worker to disjoint cores (the worker gets the last `draft.threads` cores)."""
     restart_backoff_s: float = Field(default=0.5, gt=0)

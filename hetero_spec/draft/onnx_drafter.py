@@ -25,6 +25,17 @@ log = logging.getLogger(__name__)
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
+def _alternatives(logits: np.ndarray, top: int) -> tuple[float, tuple[int, int]]:
+    """The draft's top-1 probability and its 2nd and 3rd choices, for branch pre-drafting."""
+    rest = logits.copy()  # three argmax passes beat argpartition on a vocabulary row
+    rest[top] = -np.inf
+    second = int(np.argmax(rest))
+    rest[second] = -np.inf
+    third = int(np.argmax(rest))
+    z = float(np.exp(logits - logits[top]).sum())
+    return 1.0 / z, (second, third)
+
+
 def check_providers(providers: list[str], source: str = "<config>", key: str = "draft.providers") -> None:
     """Every requested execution provider must exist in this onnxruntime build."""
     available = ort.get_available_providers()
@@ -69,7 +80,8 @@ class OnnxDrafter:
         self.n_past = 0
         self._proposed: list[int] = []
         self.last_catchup_s = 0.0
-        self.alts: dict[int, int] = {}  # position -> the draft's runner-up token there (greedy only)
+        # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
+        self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
 
     def _setup_io(self, model_dir: Path) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -182,9 +194,8 @@ class OnnxDrafter:
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids))
-            if self.params.greedy and logits.shape[-1] > 1:  # runner-up, for branch pre-drafting
-                top2 = np.argpartition(logits, -2)[-2:]
-                self.alts[len(self.ids)] = int(top2[0] if top2[0] != tok else top2[1])
+            if self.params.greedy and logits.shape[-1] > 3:  # for branch pre-drafting
+                self.alts[len(self.ids)] = _alternatives(logits, tok)
             self.ids.append(tok)
             out.append(tok)
             if q is not None:
@@ -200,19 +211,22 @@ class OnnxDrafter:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
         Returns (tokens, past, n_past) for `adopt`. The past arrays are never mutated in place, so
         slicing them here is free and the stream's own cache stays valid."""
-        saved = (list(self.ids), self.past, self.n_past, dict(self.alts))
+        saved = (list(self.ids), self.past, self.n_past, self.alts)
         self.truncate(position)
         self.ids.append(token)
+        self.alts = {}
         tokens = self.extend(n, stop=stop).ids
-        result = (tokens, self.past, self.n_past)
+        result = (tokens, self.past, self.n_past, self.alts)
         self.ids[:], self.past, self.n_past, self.alts = saved
         return result
 
-    def adopt(self, position: int, token: int, branch: tuple[list[int], list[np.ndarray], int]) -> None:
+    def adopt(self, position: int, token: int, branch: tuple) -> None:
         """Replace the stream from `position` on by a pre-drafted branch that starts with `token`."""
-        tokens, past, n_past = branch
+        tokens, past, n_past, alts = branch
         self.ids[position:] = [token, *tokens]
         self.past, self.n_past = past, n_past
+        self.alts = {p: a for p, a in self.alts.items() if p < position}
+        self.alts.update(alts)
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)

@@ -28,10 +28,13 @@ import numpy as np
 from ..draft.onnx_drafter import OnnxDrafter
 from ..sampling import SamplingParams
 from ..transport.channel import Channel
-from ..transport.protocol import (Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown,
-                                  Sync)
+from ..transport.protocol import (Begin, Branch, Control, End, Failure, Ping, Pong, Proposal, Ready,
+                                  Shutdown, Sync)
+from .branches import BranchPlanner
 
 log = logging.getLogger("hetero_spec.draft_worker")
+
+FLUSH_S = 0.002  # longest a drafted token waits to be sent
 
 
 @dataclass
@@ -54,11 +57,15 @@ class Worker:
         self.running = True
         self.use_branches = branches
         # (position, token) -> pre-drafted continuation if the target puts `token` at `position`
-        self.branches: dict[tuple[int, int], tuple[list[int], list, int]] = {}
+        self.branches: dict[tuple[int, int], tuple] = {}
         self.branch_hits = 0
+        self.planner = BranchPlanner()
+        self._reset_unsent()
+        self.plan_exhausted = False  # nothing worth pre-drafting until the next message or token
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
+        self.plan_exhausted = False
         if isinstance(msg, Begin):
             if len(arrays) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
                 log.warning("Begin without a prompt frame; ignored")
@@ -67,8 +74,10 @@ class Worker:
             self.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed))
             self.req = _Request(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, committed=len(prompt),
                                 base=len(prompt), sent=len(prompt))
+            self.branches = {}
+            self._reset_unsent()
         elif isinstance(msg, Sync) and self.req is not None and msg.req_id == self.req.req_id:
-            self._sync(msg.pos, arrays[0].astype(np.int64).tolist() if arrays else [])
+            self._sync(msg.pos, arrays[0].astype(np.int64).tolist() if arrays else [], msg.epoch)
         elif isinstance(msg, Control) and self.req is not None and msg.req_id == self.req.req_id:
             self.req.drafting, self.req.gamma = msg.drafting, max(1, msg.gamma)
         elif isinstance(msg, End) and self.req is not None and msg.req_id == self.req.req_id:
@@ -78,15 +87,18 @@ class Worker:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _sync(self, pos: int, tokens: list[int]) -> None:
+    def _sync(self, pos: int, tokens: list[int], epoch: int = 0) -> None:
         """Merge committed tokens ids[pos:]; rebase the stream where it diverges (onto a pre-drafted
-        branch when the target's correction is the one the worker guessed)."""
+        branch when the target's correction is the one the worker guessed). `epoch` is the oldest
+        stream the target still accepts: a newer one than the worker's means the target dropped the
+        worker's stream, which then starts over (re-sent from the committed length) in that epoch."""
         req, ids = self.req, self.drafter.ids
         if pos > req.committed:
             log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, req.committed)
             return
         diverged = False
         branches, self.branches = self.branches, {}
+        self._learn(pos, tokens)
         for p, tok in enumerate(tokens, start=pos):
             if p < req.committed:
                 continue
@@ -104,9 +116,28 @@ class Worker:
         req.committed = max(req.committed, pos + len(tokens))
         for p in [p for p in self.drafter.alts if p < req.committed]:
             del self.drafter.alts[p]
-        if diverged:
-            req.epoch += 1
+        if diverged or epoch > req.epoch:
+            if not diverged:  # the target dropped our stream: draft it again in the new epoch
+                self.drafter.truncate(req.committed)
+            req.epoch = max(req.epoch + 1, epoch) if diverged else epoch
             req.base = req.sent = req.committed
+            self._reset_unsent()
+
+    def _learn(self, pos: int, tokens: list[int]) -> None:
+        """Teach the branch planner from the target's verdict on the newly committed positions."""
+        ids, alts = self.drafter.ids, self.drafter.alts
+        for p, tok in enumerate(tokens, start=pos):
+            if p < self.req.committed:
+                continue
+            info = alts.get(p)
+            if info is None or p >= len(ids):
+                return
+            if ids[p] == tok:
+                self.planner.observe(info[0], True)
+                continue
+            choices = info[1]
+            self.planner.observe(info[0], False, choices.index(tok) + 2 if tok in choices else 0)
+            return
 
     # -- drafting -----------------------------------------------------------------------------------
     def want_to_draft(self) -> int:
@@ -118,7 +149,8 @@ class Worker:
         return max(0, min(req.gamma, req.max_ahead - ahead, room))
 
     def draft_once(self, n: int) -> None:
-        req = self.req
+        """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `loop`)."""
+        self.plan_exhausted = False  # new tokens, new places to branch
         t0 = time.monotonic()
         draft = self.drafter.extend(n)
         if self.delay_s:
@@ -127,41 +159,73 @@ class Worker:
         if not draft.ids:
             return
         t0 += self.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
-        arrays = [np.asarray(draft.ids, dtype=np.int32)]
+        if self.unsent_t0 is None:
+            self.unsent_t0 = t0
+        self.unsent_s += t1 - t0
+        self.unsent_timed += len(draft.ids)
         if draft.probs is not None:
-            arrays.append(draft.probs.astype(np.float32))
-        start = req.sent
-        req.sent = start + len(draft.ids)
-        self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
-                              draft_s=t1 - t0, draft_t0=t0, sent=time.monotonic()), *arrays)
+            self.unsent_probs.extend(draft.probs.astype(np.float32))
 
     def pre_draft_branch(self) -> bool:
-        """Idle time (at max_ahead, waiting for the target): pre-draft the continuation after the
-        draft's runner-up token at the earliest speculative position without one. Greedy only."""
+        """Idle time (at max_ahead, waiting for the target): pre-draft the continuation after the most
+        likely correction (see branches.py) and offer it to the target. Greedy only."""
         req, d = self.req, self.drafter
-        if not self.use_branches or req is None or not req.drafting or not d.params.greedy:
+        if (not self.use_branches or self.plan_exhausted or req is None or not req.drafting
+                or not d.params.greedy):
             return False
         # the block under verification and its bonus position: where the next correction will land
-        for p in range(req.committed, min(len(d.ids), req.committed + req.gamma + 1)):
-            alt = d.alts.get(p)
-            if alt is None or (p, alt) in self.branches:
-                continue
-            # a message (most likely the target's Sync) ends the branch early: answering it comes first
-            self.branches[(p, alt)] = d.branch(p, alt, req.gamma, stop=lambda: self.ch.sock.poll(0) != 0)
-            return True
-        return False
+        pick = self.planner.best(d.alts, req.committed, min(len(d.ids), req.committed + req.gamma + 1),
+                                 set(self.branches))
+        if pick is None:
+            self.plan_exhausted = True
+            return False
+        p, alt = pick
+        t0 = time.monotonic()
+        # a message (most likely the target's Sync) ends the branch early: answering it comes first
+        branch = d.branch(p, alt, req.gamma, stop=lambda: self.ch.sock.poll(0) != 0)
+        self.branches[(p, alt)] = branch
+        if branch[0]:
+            self.ch.send(Branch(req_id=req.req_id, epoch=req.epoch, pos=p, token=alt,
+                                draft_s=time.monotonic() - t0), np.asarray(branch[0], dtype=np.int32))
+        return True
+
+    def _reset_unsent(self) -> None:
+        self.unsent_t0, self.unsent_s, self.unsent_timed, self.unsent_probs = None, 0.0, 0, []
 
     def flush(self) -> None:
-        """Send stream tokens the target has not been sent yet (after adopting a branch)."""
+        """Send the stream tokens the target has not been sent yet, in one Proposal."""
         req = self.req
         if req is None or req.sent >= len(self.drafter.ids):
             return
         toks = self.drafter.ids[req.sent:]
+        arrays = [np.asarray(toks, dtype=np.int32)]
+        if not self.drafter.params.greedy:  # sampled: every token travels with its draft distribution
+            if len(self.unsent_probs) != len(toks):
+                log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks),
+                            len(self.unsent_probs))
+                self.drafter.truncate(req.sent)
+                self._reset_unsent()
+                return
+            arrays.append(np.stack(self.unsent_probs))
         start = req.sent
         req.sent = len(self.drafter.ids)
         now = time.monotonic()
-        self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start, draft_s=0.0,
-                              draft_t0=now, sent=now, branch=True), np.asarray(toks, dtype=np.int32))
+        self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
+                              draft_s=self.unsent_s, timed=self.unsent_timed,
+                              draft_t0=self.unsent_t0 if self.unsent_t0 is not None else now, sent=now,
+                              branch=self.unsent_timed < len(toks)), *arrays)
+        self._reset_unsent()
+
+    def should_flush(self, n: int) -> bool:
+        """Batch the sends: one message when the target's next block is complete, one when drafting
+        stops at max_ahead, and otherwise one per FLUSH_S (a slow draft still streams). Each message
+        wakes both processes' I/O threads, so a message per token costs the cores real time."""
+        req = self.req
+        if req is None or req.sent >= len(self.drafter.ids):
+            return False
+        if req.sent < req.committed + req.gamma <= len(self.drafter.ids) or not n:
+            return True
+        return self.unsent_t0 is not None and time.monotonic() - self.unsent_t0 >= FLUSH_S
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -173,20 +237,19 @@ class Worker:
                 return
             n = self.want_to_draft()
             busy = n or (self.req is not None and self.req.drafting and self.drafter.params.greedy
-                         and self.use_branches and len(self.branches) <= self.req.gamma)
+                         and self.use_branches and not self.plan_exhausted)
             got = self.ch.recv(0.0 if busy else 0.2)
             if got is not None:
                 self.handle(*got)
                 continue  # drain everything queued before drafting on a possibly stale stream
-            if self.req is not None and self.req.sent < len(self.drafter.ids):
+            if self.should_flush(n):
                 self.flush()
                 continue
             if not n and self.pre_draft_branch():
                 continue
             if n:
                 # one token at a time, looking at the socket in between: a correction that arrives
-                # mid-block stops drafting on the stale stream at once, and the target receives each
-                # token (and its timing) as soon as it exists
+                # mid-block stops drafting on the stale stream at once
                 self.draft_once(1)
 
 

@@ -24,7 +24,7 @@ from ..draft.base import Draft
 from ..metrics import Stats
 from ..scheduler import Request, check_request, commit_tokens, verify_block
 from ..target.verifier import TargetModel
-from ..transport.protocol import Begin, Control, End, Proposal, Sync
+from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
 from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
 
@@ -34,16 +34,23 @@ IDLE_CHECK_S = 0.05
 
 @dataclass
 class StreamBuffer:
-    """The worker's current stream as received: tokens at absolute positions [base, base + len)."""
+    """The worker's current stream as received: tokens at absolute positions [base, base + len), plus
+    the correction branches it offered: (position, token) -> the continuation after that correction."""
 
     epoch: int = -1
     min_epoch: int = 0
     base: int = 0
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray] = field(default_factory=list)
+    branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     stale: int = 0
+    branch_hits: int = 0
+    sampled: bool = False  # then every token must come with its draft distribution
 
     def add(self, p: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
+        if self.sampled and (probs is None or len(probs) != len(ids)):
+            self.stale += 1
+            return
         if p.epoch < max(self.epoch, self.min_epoch):
             self.stale += 1
             return
@@ -51,26 +58,46 @@ class StreamBuffer:
             if p.start != p.base:  # a new epoch must start at its base
                 self.stale += 1
                 return
-            self.epoch, self.base, self.tokens, self.probs = p.epoch, p.base, [], []
-        if p.start != self.base + len(self.tokens):
+            self.epoch, self.base, self.tokens, self.probs, self.branches = p.epoch, p.base, [], [], {}
+        end = self.base + len(self.tokens)
+        if p.start > end:  # a gap: something in between was lost
             self.stale += 1
             return
-        self.tokens.extend(int(t) for t in ids)
+        skip = max(0, self.base - p.start)  # positions already verified and dropped
+        at = p.start + skip - self.base
+        # within one epoch the worker only appends, so an overlap is a resend (after the worker adopted
+        # a branch we took already) or, if it differs, the worker's word over a branch it did not take
+        self.tokens[at:] = [int(t) for t in ids[skip:]]
         if probs is not None:
-            self.probs.extend(probs)
+            self.probs[at:] = list(probs[skip:])
+
+    def add_branch(self, b: Branch, ids: np.ndarray) -> None:
+        if b.epoch != self.epoch or b.epoch < self.min_epoch:
+            self.stale += 1
+            return
+        self.branches[(b.pos, b.token)] = [int(t) for t in ids]
 
     def invalidate(self) -> None:
         self.min_epoch = self.epoch + 1
-        self.tokens, self.probs = [], []
+        self.tokens, self.probs, self.branches = [], [], {}
 
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
-        """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers."""
+        """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers.
+        Where the last committed token is a correction the worker pre-drafted a branch for, the branch
+        becomes the stream (the worker adopts the same branch when it sees our Sync: one epoch on)."""
         n = len(ids)
         end = min(n, self.base + len(self.tokens))
         for pos in range(self.base, end):
             if self.tokens[pos - self.base] != ids[pos]:
-                self.invalidate()
-                return [], []
+                branch = self.branches.get((pos, ids[pos])) if pos == n - 1 else None
+                if branch is None:
+                    self.invalidate()
+                    return [], []
+                self.epoch += 1
+                self.min_epoch = self.epoch
+                self.base, self.tokens, self.probs, self.branches = n, list(branch), [], {}
+                self.branch_hits += 1
+                return self.tokens, self.probs
         if end > self.base:  # drop the verified part
             cut = end - self.base
             self.tokens, self.probs = self.tokens[cut:], self.probs[cut:]
@@ -95,19 +122,18 @@ class DraftLink:
                  timeline: Timeline | None):
         self.sup, self.req, self.gate, self.max_ahead, self.timeline = sup, req, gate, max_ahead, timeline
         self.w: Worker | None = None
-        self.buf = StreamBuffer()
+        self.buf = StreamBuffer(sampled=not req.params.greedy)
         self.synced = 0
         self.drafting = True
         self.req_id = time.monotonic_ns()
         self._last_idle_check = 0.0
-        self.branch_hits = 0
 
     def _worker(self, ids: list[int]) -> Worker | None:
         w = self.sup.current()
         if w is None:
             return None
         if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
-            self.w, self.buf = w, StreamBuffer()
+            self.w, self.buf = w, StreamBuffer(sampled=not self.req.params.greedy)
             p = self.req.params
             ok = w.channel.send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
                                       top_p=p.top_p, seed=p.seed, gamma=self.req.gamma,
@@ -135,11 +161,12 @@ class DraftLink:
         self.sup.heard(w, msg)
         if isinstance(msg, Proposal) and msg.req_id == self.req_id and arrays:
             now = time.monotonic()
-            self.gate.observe_proposal(msg.draft_s, len(arrays[0]), now - msg.sent if timeout_s > 0 else None)
+            self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if timeout_s > 0 else None)
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
-            self.branch_hits += int(msg.branch)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
+        elif isinstance(msg, Branch) and msg.req_id == self.req_id and arrays:
+            self.buf.add_branch(msg, arrays[0])
         return True
 
     def gather(self, ids: list[int], k: int, speculate: bool, first_wait_s: float) -> Draft:
@@ -165,9 +192,12 @@ class DraftLink:
                 self.w = None
                 return Draft(ids=[])
             self._pump(w, min(deadline - now, 0.05))
+        if self.req.params.greedy:
+            return Draft(ids=list(toks[:k]))
+        k = min(k, len(toks), len(probs))  # a sampled draft token is usable only with its distribution
         toks, probs = toks[:k], probs[:k]
-        if self.req.params.greedy or not toks:
-            return Draft(ids=list(toks))
+        if not toks:
+            return Draft(ids=[])
         return Draft(ids=list(toks), probs=np.stack(probs))
 
     def _idle_check(self, ids: list[int]) -> None:
@@ -250,7 +280,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
     finally:
         link.end()
         stats.time_total_s = time.perf_counter() - t_start
-        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.branch_hits,
+        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.buf.branch_hits,
                            draft_failures=sup.failures - failures0, draft_restarts=sup.restarts,
                            dropped_messages=link.w.channel.dropped if link.w is not None else 0)
         if timeline is not None:

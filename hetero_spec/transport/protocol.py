@@ -23,6 +23,9 @@ Messages, worker -> target:
     Ready     the model is loaded (sent once after connecting)
     Proposal  draft tokens at absolute positions [start, start+k) int32 of stream `epoch` whose base
               (first position not drafted by the worker) is `base`; + q [k, vocab] float32 when sampling
+    Branch    a pre-drafted correction branch: if the target commits `token` at `pos` (a rejection there),
+              these tokens [k] int32 are the draft's continuation at pos+1.. (greedy only). The target
+              may verify them at once; its Sync then makes the worker adopt the same branch
     Pong      answer to Ping
     Failure   the worker hit an error it reports before exiting
 """
@@ -99,10 +102,19 @@ class Proposal(_Msg, tag="proposal"):
     epoch: int
     base: int
     start: int
-    draft_s: float      # worker time spent drafting these tokens
+    draft_s: float      # worker time spent drafting the last `timed` of these tokens
     draft_t0: float     # time.monotonic() when drafting them began (system-wide clock on Linux)
     sent: float         # time.monotonic() at send
+    timed: int = 0      # tokens that draft_s covers (the others were sent before, or drafted as a branch)
     branch: bool = False  # the tokens come from a branch pre-drafted on the target's correction
+
+
+class Branch(_Msg, tag="branch"):
+    req_id: int
+    epoch: int          # the stream this branch forks from
+    pos: int
+    token: int
+    draft_s: float
 
 
 class Pong(_Msg, tag="pong"):
@@ -116,7 +128,7 @@ class Failure(_Msg, tag="failure"):
     error: str
 
 
-Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Pong, Failure]
+Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Branch, Pong, Failure]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
