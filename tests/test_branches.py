@@ -1,0 +1,225 @@
+"""Correction branches and batched streaming in the two-process runtime: the planner, the target's
+stream buffer, the worker's protocol side (driven in-process with a fake channel), CPU pinning, and
+an end-to-end run on the shipped demo pair where branches are really taken."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.draft.onnx_drafter import OnnxDrafter
+from hetero_spec.runtime.branches import BranchPlanner
+from hetero_spec.runtime.draft_worker import Worker
+from hetero_spec.runtime.pipelined import StreamBuffer
+from hetero_spec.transport.protocol import Begin, Branch, Proposal, Sync
+from tests.conftest import hf_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the planner ------------------------------------------------------------------------------------
+def test_planner_learns_acceptance_by_confidence_and_rank():
+    pl = BranchPlanner()
+    assert pl.p_accept(0.03) == pytest.approx(pl.p_accept(0.8))  # both at the prior
+    for _ in range(50):
+        pl.observe(0.8, True)
+        pl.observe(0.03, False, target_rank=3)
+    assert pl.p_accept(0.8) > 0.95 and pl.p_accept(0.03) < 0.1
+    assert pl.p_rank(3) > pl.p_rank(2)
+
+
+def test_planner_picks_the_likeliest_correction():
+    pl = BranchPlanner()
+    for _ in range(40):
+        pl.observe(0.8, True)
+        pl.observe(0.03, False, target_rank=2)
+    alts = {10: (0.8, (1, 2)), 11: (0.8, (3, 4)), 12: (0.03, (5, 6)), 13: (0.8, (7, 8))}
+    assert pl.best(alts, 10, 14, set()) == (12, 5)  # the unsure position, the draft's 2nd choice
+    assert pl.best(alts, 10, 14, {(12, 5)}) == (12, 6)  # next: the 3rd choice there
+    assert pl.best(alts, 10, 12, set()) is None  # sure positions are not worth the core's time
+    pl.min_score = 0.001
+    assert pl.best(alts, 10, 12, set()) == (10, 1)  # ... unless the bar is lower
+    assert pl.best({}, 10, 14, set()) is None
+
+
+# -- the target's stream buffer -------------------------------------------------------------------
+def _prop(epoch, base, start, toks, probs=None):
+    return Proposal(req_id=1, epoch=epoch, base=base, start=start, draft_s=0.0, draft_t0=0.0, sent=0.0), \
+        np.asarray(toks, dtype=np.int32), probs
+
+
+def test_stream_buffer_takes_a_branch_without_a_round_trip():
+    buf = StreamBuffer()
+    buf.add(*_prop(0, 10, 10, [1, 2, 3, 4]))
+    buf.add_branch(Branch(req_id=1, epoch=0, pos=11, token=9, draft_s=0.0), np.asarray([20, 21, 22], np.int32))
+    ids = list(range(10)) + [1, 9]  # the target accepted 1, then corrected 2 -> 9 at position 11
+    assert buf.usable(ids) == ([20, 21, 22], [])
+    assert (buf.epoch, buf.base, buf.branch_hits) == (1, 12, 1)
+    # the worker adopts the same branch (epoch 1) and re-sends it with more tokens: no loss, no dup
+    buf.add(*_prop(1, 12, 12, [20, 21, 22, 23]))
+    assert buf.usable(ids) == ([20, 21, 22, 23], []) and buf.stale == 0
+    # had the worker not taken the branch, its word replaces ours for the epoch
+    buf.add(*_prop(1, 12, 12, [30, 31]))
+    assert buf.usable(ids)[0] == [30, 31]
+
+
+def test_stream_buffer_without_matching_branch_invalidates():
+    buf = StreamBuffer()
+    buf.add(*_prop(0, 10, 10, [1, 2, 3]))
+    buf.add_branch(Branch(req_id=1, epoch=0, pos=11, token=9, draft_s=0.0), np.asarray([20], np.int32))
+    assert buf.usable(list(range(10)) + [1, 8]) == ([], [])  # corrected to 8: no branch for it
+    assert buf.min_epoch == 1 and buf.branch_hits == 0
+    buf.add_branch(Branch(req_id=1, epoch=0, pos=12, token=9, draft_s=0.0), np.asarray([20], np.int32))
+    assert buf.stale == 1  # a branch of a dropped stream
+    buf.add(*_prop(0, 10, 13, [4]))
+    assert buf.stale == 2  # a proposal of a dropped stream
+
+
+def test_sampled_stream_needs_a_distribution_per_token():
+    buf = StreamBuffer(sampled=True)
+    buf.add(*_prop(0, 5, 5, [1, 2]))
+    assert buf.stale == 1 and buf.tokens == []
+    q = np.full((2, 4), 0.25, np.float32)
+    buf.add(*_prop(0, 5, 5, [1, 2], q))
+    toks, probs = buf.usable(list(range(5)))
+    assert toks == [1, 2] and len(probs) == 2
+
+
+# -- the worker, driven in-process -----------------------------------------------------------------
+class _Sock:
+    def poll(self, timeout=0):
+        return 0
+
+
+class FakeChannel:
+    def __init__(self):
+        self.sock, self.sent, self.dropped = _Sock(), [], 0
+
+    def send(self, msg, *arrays):
+        self.sent.append((msg, [np.array(a) for a in arrays]))
+        return True
+
+    def recv(self, timeout_s):
+        return None
+
+    def take(self, kind):
+        out = [(m, a) for m, a in self.sent if isinstance(m, kind)]
+        self.sent = [(m, a) for m, a in self.sent if not isinstance(m, kind)]
+        return out
+
+
+def _run_until_idle(w: Worker, limit: int = 500) -> None:
+    """The worker loop's decisions, without the socket: flush, branch, draft, until nothing is left."""
+    for _ in range(limit):
+        n = w.want_to_draft()
+        if w.should_flush(n):
+            w.flush()
+        elif not n and w.pre_draft_branch():
+            continue
+        elif n:
+            w.draft_once(1)
+        else:
+            return
+    raise AssertionError("worker never went idle")
+
+
+@pytest.fixture()
+def worker(llama_target, llama_copy_onnx):
+    ch = FakeChannel()
+    w = Worker(ch, OnnxDrafter(llama_copy_onnx), parent_pid=os.getppid())
+    return w, ch
+
+
+def test_worker_batches_sends_and_offers_branches(worker):
+    w, ch = worker
+    prompt = [5, 17, 33, 2, 99]
+    gamma = 4
+    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=gamma,
+                   max_ahead=2 * gamma + 1), [np.asarray(prompt, np.int32)])
+    _run_until_idle(w)
+    props = ch.take(Proposal)
+    stream = [t for _, a in props for t in a[0].tolist()]
+    assert len(stream) == 2 * gamma + 1
+    assert len(props) <= 3, [m.start for m, _ in props]  # batched, not one message per token
+    assert [m.start for m, _ in props][0] == len(prompt)
+    branches = ch.take(Branch)
+    assert branches, "idle time went unused"
+    ref = OnnxDrafter(w.drafter.model_dir)
+    for msg, arrays in branches:
+        assert msg.pos >= len(prompt) and msg.token != w.drafter.ids[msg.pos]
+        # the branch is what the draft says after the correction
+        ref.begin(w.drafter.ids[:msg.pos] + [msg.token], w.drafter.params)
+        assert ref.extend(len(arrays[0])).ids == arrays[0].tolist()
+    # the target corrects at a branch point: the worker adopts the branch and re-sends it in epoch 1
+    msg, arrays = branches[0]
+    committed = w.drafter.ids[len(prompt):msg.pos] + [msg.token]
+    w.handle(Sync(req_id=1, pos=len(prompt), epoch=1), [np.asarray(committed, np.int32)])
+    assert w.branch_hits == 1 and w.req.epoch == 1
+    assert w.drafter.ids[msg.pos + 1:msg.pos + 1 + len(arrays[0])] == arrays[0].tolist()
+    _run_until_idle(w)
+    first = ch.take(Proposal)[0][0]
+    assert (first.epoch, first.base, first.start, first.branch) == (1, msg.pos + 1, msg.pos + 1, True)
+
+
+def test_worker_restarts_its_stream_when_the_target_dropped_it(worker):
+    w, ch = worker
+    prompt = [40, 41, 42, 43]
+    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=3, max_ahead=7),
+             [np.asarray(prompt, np.int32)])
+    _run_until_idle(w)
+    ch.sent.clear()
+    accepted = w.drafter.ids[len(prompt):len(prompt) + 2]
+    # no divergence, but the target asks for epoch 3: the worker re-drafts from the committed length
+    w.handle(Sync(req_id=1, pos=len(prompt), epoch=3), [np.asarray(accepted, np.int32)])
+    assert w.req.epoch == 3 and len(w.drafter.ids) == len(prompt) + 2
+    _run_until_idle(w)
+    first = ch.take(Proposal)[0][0]
+    assert (first.epoch, first.start, first.base) == (3, len(prompt) + 2, len(prompt) + 2)
+
+
+# -- CPU placement ---------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_pinning_moves_zmq_io_thread_and_restores_the_decode_thread():
+    import zmq
+
+    from hetero_spec.runtime.engine_side import pin_zmq_io_threads, pinned_thread
+
+    cpus = sorted(os.sched_getaffinity(0))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)  # the first socket starts the context's I/O thread
+    try:
+        assert pin_zmq_io_threads([cpus[-1]]) >= 1
+        io = [t for t in Path("/proc/self/task").iterdir() if (t / "comm").read_text().startswith("ZMQbg/IO")]
+        assert all(os.sched_getaffinity(int(t.name)) == {cpus[-1]} for t in io)
+        tid = threading.get_native_id()
+        before = os.sched_getaffinity(tid)
+        with pinned_thread([cpus[0]]):
+            assert os.sched_getaffinity(tid) == {cpus[0]}
+        assert os.sched_getaffinity(tid) == before
+    finally:
+        sock.close(linger=0)
+        pin_zmq_io_threads(cpus)
+
+
+# -- end to end on the demo pair ---------------------------------------------------------------------
+def test_demo_pair_two_process_takes_branches_and_stays_identical():
+    """The shipped pair accepts most tokens but not all: corrections happen, the worker's branches
+    are taken by the target, and the output is still the target's own greedy output."""
+    cfg = ROOT / "configs" / "cpu-demo-pipelined.yaml"
+    prompt = "def read_config(path):\n    with open(path) as f:\n"
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(ROOT / "models" / "target" / "tokenizer.json")).encode(prompt).ids
+    with Engine.from_config(cfg, overrides={"runtime.gate.enabled": False}) as eng:
+        out = eng.generate(ids, max_new_tokens=96)
+    assert out.token_ids == hf_greedy(ROOT / "models" / "target", list(ids), 96)[:len(out.token_ids)]
+    assert len(out.token_ids) == 96 or out.finish_reason == "stop"
+    extra = out.stats["extra"]
+    assert out.stats["rounds"] > out.stats["accept_hist"][-1]  # some blocks were corrected
+    assert extra["branch_hits"] >= 1, extra
