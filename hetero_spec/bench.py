@@ -812,7 +812,20 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
                      "command": command_line(settings)},
         "systems": list(entries.values()),
         "analytic": analytic(entries, results, ctx.gamma),
+        "pipelined_vs_in_process": pipelined_vs_in_process(entries),
     }
+
+
+def pipelined_vs_in_process(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two-process runtime against the in-process engine, prompt by prompt (same prompts, same
+    interleaved pass): median of in-process wall time / two-process wall time, and how many prompts
+    the two-process runtime was faster on."""
+    a, b = entries.get("hetero_spec"), entries.get("hetero_spec_pipelined")
+    if not a or not b or not a["per_prompt"] or len(a["per_prompt"]) != len(b["per_prompt"]):
+        return {"available": False}
+    ratios = [x["wall_s"] / y["wall_s"] for x, y in zip(a["per_prompt"], b["per_prompt"]) if y["wall_s"] > 0]
+    return {"available": True, "median_speedup": round(_median(ratios), 4),
+            "prompts_faster": sum(r > 1.0 for r in ratios), "prompts": len(ratios)}
 
 
 # -- outputs -------------------------------------------------------------------------------------------
@@ -845,6 +858,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"efficiency {_fmt(a['efficiency'], '.2f')} ({a['formula']}).")
     else:
         lines.append(f"Analytic expectation: not available ({a.get('reason')}).")
+    pv = report.get("pipelined_vs_in_process", {})
+    if pv.get("available"):
+        lines.append("")
+        lines.append(f"hetero_spec_pipelined vs hetero_spec (in-process), per prompt: median "
+                     f"{pv['median_speedup']:.3f}x, faster on {pv['prompts_faster']} of {pv['prompts']} prompts.")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from hetero_spec.bench import SYSTEMS, BenchError, BenchSettings, analytic, run_bench
+from hetero_spec.bench import (SYSTEMS, BenchError, BenchSettings, analytic, pipelined_vs_in_process,
+                               run_bench)
 from hetero_spec.cli import main
 
 PROMPTS = [[5, 17, 33, 40, 41, 99, 100, 7], [200, 201, 202, 5, 6, 7, 8, 9, 10, 11]]
@@ -33,7 +34,9 @@ def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
 
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
-    assert set(on_disk) == {"machine", "versions", "config", "settings", "systems", "analytic"}
+    assert set(on_disk) == {"machine", "versions", "config", "settings", "systems", "analytic",
+                            "pipelined_vs_in_process"}
+    assert on_disk["pipelined_vs_in_process"] == {"available": False}  # no two-process run here
     assert on_disk["machine"]["cpu_count"] >= 1 and isinstance(on_disk["machine"]["platform"], str)
     for pkg in ("python", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec"):
         assert pkg in on_disk["versions"]
@@ -141,3 +144,11 @@ def test_prompt_plus_new_tokens_must_fit_the_context(tmp_path, copy_config):
     with pytest.raises(BenchError, match="context of 96"):  # llama_gqa.json: max_position_embeddings 96
         run_bench(BenchSettings(config=copy_config, out=tmp_path / "o", prompts=1, max_new_tokens=8),
                   prompt_ids=[[5] * 90])
+
+
+def test_pipelined_vs_in_process_is_per_prompt():
+    def e(*walls):
+        return {"per_prompt": [{"wall_s": w} for w in walls]}
+    pv = pipelined_vs_in_process({"hetero_spec": e(1.0, 2.0, 3.0), "hetero_spec_pipelined": e(0.5, 2.5, 2.0)})
+    assert pv == {"available": True, "median_speedup": 1.5, "prompts_faster": 2, "prompts": 3}
+    assert pipelined_vs_in_process({"hetero_spec": e(1.0)}) == {"available": False}
