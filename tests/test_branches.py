@@ -63,9 +63,15 @@ def test_stream_buffer_takes_a_branch_without_a_round_trip():
     # the worker adopts the same branch (epoch 1) and re-sends it with more tokens: no loss, no dup
     buf.add(*_prop(1, 12, 12, [20, 21, 22, 23]))
     assert buf.usable(ids) == ([20, 21, 22, 23], []) and buf.stale == 0
+    buf.add(*_prop(1, 12, 12, [20, 21]))  # a shorter resend keeps what we have
+    assert buf.usable(ids)[0] == [20, 21, 22, 23]
     # had the worker not taken the branch, its word replaces ours for the epoch
     buf.add(*_prop(1, 12, 12, [30, 31]))
     assert buf.usable(ids)[0] == [30, 31]
+    # once verified, a late copy of the past changes nothing
+    ids = ids + [30, 31]
+    buf.add(*_prop(1, 12, 12, [30]))
+    assert buf.usable(ids) == ([], []) and (buf.base, buf.stale) == (14, 0)
 
 
 def test_stream_buffer_without_matching_branch_invalidates():

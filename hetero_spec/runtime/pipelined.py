@@ -7,6 +7,12 @@ rolls its KV cache back, starts a new epoch, and drafts from the corrected conte
 proposals of stale epochs and checks every proposal against what it has committed, so output stays
 token-identical to target-only decoding.
 
+With its idle time the worker also pre-drafts the continuations after the likeliest corrections
+(runtime/branches.py) and offers them as Branch messages. When the token the target commits after a
+rejection is one of them, the target verifies that branch at once instead of waiting for the worker to
+hear of the correction and draft again; the worker adopts the same branch from our Sync. A branch is
+just another draft: verification decides every token, so this changes speed, never output.
+
 The target never waits long for the draft: at most the predicted cost of the missing tokens, capped
 at one verification step (the cost gate's `wait_budget`); otherwise it verifies what it has, or
 decodes alone. A dead or hung worker costs the request nothing but speed.
@@ -64,12 +70,22 @@ class StreamBuffer:
             self.stale += 1
             return
         skip = max(0, self.base - p.start)  # positions already verified and dropped
+        if skip >= len(ids):
+            return  # all of it verified already
         at = p.start + skip - self.base
+        new = [int(t) for t in ids[skip:]]
+        have = self.tokens[at:at + len(new)]
         # within one epoch the worker only appends, so an overlap is a resend (after the worker adopted
-        # a branch we took already) or, if it differs, the worker's word over a branch it did not take
-        self.tokens[at:] = [int(t) for t in ids[skip:]]
-        if probs is not None:
-            self.probs[at:] = list(probs[skip:])
+        # a branch we took already), which only adds what is new; or, if it differs, the worker's word
+        # over a branch it did not take, which replaces ours
+        if have == new[:len(have)]:
+            self.tokens.extend(new[len(have):])
+            if probs is not None:
+                self.probs.extend(probs[skip + len(have):])
+        else:
+            self.tokens[at:] = new
+            if probs is not None:
+                self.probs[at:] = list(probs[skip:])
 
     def add_branch(self, b: Branch, ids: np.ndarray) -> None:
         if b.epoch != self.epoch or b.epoch < self.min_epoch:
