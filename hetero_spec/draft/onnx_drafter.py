@@ -209,7 +209,7 @@ class OnnxDrafter:
 
     def branch(self, position: int, token: int, n: int, stop=None) -> tuple[list[int], list[np.ndarray], int]:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
-        Returns (tokens, past, n_past) for `adopt`. The past arrays are never mutated in place, so
+        Returns (tokens, past, n_past, alts) for `adopt`. The past arrays are never mutated in place, so
         slicing them here is free and the stream's own cache stays valid."""
         saved = (list(self.ids), self.past, self.n_past, self.alts)
         self.truncate(position)
