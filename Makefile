@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/hetero-spec generate --config configs/cpu-demo.yaml --prompt "$(PROMPT)" --max-new-tokens 96
-	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec
+	$(VENV)/bin/hetero-spec generate --config configs/cpu-demo-pipelined.yaml --prompt "$(PROMPT)" --max-new-tokens 96
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec,hetero_spec_pipelined
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
