@@ -1,4 +1,4 @@
-"""`hetero-spec bench` argument parsing; the benchmark itself lives in bench.py."""
+"""`hetero-spec bench` argument parsing; the benchmark itself lives in the bench package."""
 
 from __future__ import annotations
 

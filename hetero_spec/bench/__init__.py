@@ -1,0 +1,35 @@
+"""`hetero-spec bench`: the engine side by side with its baselines, on the same prompts and machine.
+
+Modules: context (settings, shared context), systems (the registry; transformers and hetero_spec
+systems), ort_genai (ONNX Runtime GenAI systems), prompts, run (interleaving), report (summaries and
+outputs), cli.
+
+Every system decodes the same held-out prompts (token ids, so every system sees identical inputs) greedily,
+interleaved per prompt (A B C A B C ...) so that machine noise hits all systems alike. Each system gets one
+untimed warm-up first. Results land in DIR/bench.json (schema below), DIR/bench.md and DIR/bench.png.
+
+Systems are a registry: a name -> a small class with `setup(ctx)`, `run(prompt_ids, max_new) -> RunOutput`
+and `close()`, plus `unavailable(ctx)`, which says why the system cannot run here (or None). Adding a
+system is registering one more class.
+
+bench.json, top level: machine, versions, config (resolved), settings, systems (a list, one entry per
+system, in run order), analytic, pipelined_vs_in_process. Each system entry:
+    name, status ("ok" | "skipped" | "unavailable" | "failed"), reason (why not ok, else null),
+    tokens_per_s (median over prompts), speedup_vs_target_only (median of per-prompt time ratios),
+    acceptance_rate (null where meaningless), identical_to_target_only, per_prompt (raw: wall_s,
+    new_tokens, tokens_per_s, speedup_vs_target_only, identical_to_target_only, stats), extra.
+ORT GenAI systems also carry identical_to_ort_genai_target_only.
+"""
+
+from __future__ import annotations
+
+from . import ort_genai as _ort_genai  # noqa: F401  (registers its systems after the others)
+from .cli import run_bench_cli, settings_from_args
+from .context import BenchContext, BenchError, BenchSettings, RunOutput
+from .report import analytic, build_report, pipelined_vs_in_process, render_markdown, summarize
+from .run import SystemResult, run_bench
+from .systems import SYSTEMS, System, register
+
+__all__ = ["SYSTEMS", "BenchContext", "BenchError", "BenchSettings", "RunOutput", "System", "SystemResult",
+           "analytic", "build_report", "pipelined_vs_in_process", "register", "render_markdown", "run_bench",
+           "run_bench_cli", "settings_from_args", "summarize"]

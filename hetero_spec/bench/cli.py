@@ -1,0 +1,36 @@
+"""`hetero-spec bench` arguments -> settings -> run."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..config import parse_override
+from .context import DEFAULT_PROMPT_TOKENS, BenchError, BenchSettings
+from .report import render_markdown
+from .run import run_bench
+
+
+def settings_from_args(args) -> BenchSettings:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    for name, val in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                      ("--prompt-tokens", args.prompt_tokens)):
+        if val is not None and val < 1:
+            raise BenchError(f"{name} must be >= 1, got {val}")
+    return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=args.prompts,
+                         max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
+                         overrides=dict(parse_override(p) for p in args.overrides),
+                         draft_hf=Path(args.draft_hf) if args.draft_hf else None,
+                         prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
+                         ort_target=Path(args.ort_target) if args.ort_target else None)
+
+
+def run_bench_cli(args) -> int:
+    settings = settings_from_args(args)
+    t = time.perf_counter()
+    report = run_bench(settings)
+    print(render_markdown(report), end="")
+    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {settings.out / 'bench.json'}, bench.md, bench.png]",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,89 @@
+"""Settings, the shared context every system sees, and the bench's constants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..errors import HeteroSpecError
+
+
+DEFAULT_PROMPTS, DEFAULT_MAX_NEW = 12, 128
+QUICK_PROMPTS, QUICK_MAX_NEW = 4, 64
+DEFAULT_PROMPT_TOKENS = 128
+WARMUP_TOKENS = 16
+CALIBRATION_K = (2, 4, 6)
+# The bench compares against transformers fp32 on CPU; the hetero_spec systems must run the same way.
+CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}
+
+
+class BenchError(HeteroSpecError):
+    """The benchmark cannot run as asked (bad system list, no prompts, the baseline failed)."""
+
+
+@dataclass
+class BenchSettings:
+    """What to run. None means the default (12 prompts x 128 tokens; 4 x 64 with quick)."""
+
+    config: Path
+    out: Path
+    prompts: int | None = None
+    max_new_tokens: int | None = None
+    systems: list[str] | None = None
+    quick: bool = False
+    overrides: dict[str, Any] = field(default_factory=dict)
+    draft_hf: Path | None = None
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    ort_target: Path | None = None
+    """An existing fp32 ONNX export of the target (model builder output); None exports it under out."""
+
+    @property
+    def n_prompts(self) -> int:
+        return self.prompts or (QUICK_PROMPTS if self.quick else DEFAULT_PROMPTS)
+
+    @property
+    def max_new(self) -> int:
+        return self.max_new_tokens or (QUICK_MAX_NEW if self.quick else DEFAULT_MAX_NEW)
+
+
+@dataclass
+class RunOutput:
+    """What one system produced for one prompt: generated ids only (no prompt), and its own statistics."""
+
+    token_ids: list[int]
+    stats: dict[str, Any] | None = None
+
+
+@dataclass
+class BenchContext:
+    """Everything systems share: the resolved config, paths, prompts, and models loaded once."""
+
+    config: Config
+    overrides: dict[str, Any]
+    out: Path
+    draft_hf: Path | None
+    prompts: list[list[int]]
+    max_new: int
+    torch_threads: int
+    ort_target: Path | None = None
+    _hf_models: dict[Path, Any] = field(default_factory=dict)
+
+    @property
+    def gamma(self) -> int:
+        return self.config.speculation.gamma
+
+    def hf_model(self, model_dir: Path):
+        """A transformers causal LM in fp32 on CPU, loaded once per bench and shared by the baselines."""
+        model_dir = Path(model_dir)
+        if model_dir not in self._hf_models:
+            self._hf_models[model_dir] = load_hf(model_dir)
+        return self._hf_models[model_dir]
+
+
+def load_hf(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

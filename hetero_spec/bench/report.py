@@ -1,0 +1,243 @@
+"""Summaries (medians, identity, the analytic expectation) and the outputs: JSON, Markdown, plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .context import DEFAULT_PROMPT_TOKENS, BenchContext, BenchSettings
+from .systems import SYSTEMS
+
+if TYPE_CHECKING:
+    from .run import SystemResult
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _acceptance(name: str, runs: list[dict[str, Any]]) -> float | None:
+    """Per-token acceptance over all prompts: accepted draft tokens / drafted tokens."""
+    keys = SYSTEMS[name].acceptance_keys if name in SYSTEMS else None
+    if keys is None or not runs or any(r["stats"] is None for r in runs):
+        return None
+    acc = sum(r["stats"].get(keys[0], 0) for r in runs)
+    drafted = sum(r["stats"].get(keys[1], 0) for r in runs)
+    return acc / drafted if drafted else None
+
+
+def summarize(res: SystemResult, ref: SystemResult, ort_ref: SystemResult | None) -> dict[str, Any]:
+    """One system's bench.json entry; per-prompt ratios are taken against the same prompt's reference."""
+    entry: dict[str, Any] = {"name": res.name, "status": res.status, "reason": res.reason,
+                             "tokens_per_s": None, "speedup_vs_target_only": None, "acceptance_rate": None,
+                             "identical_to_target_only": None, "per_prompt": [], "extra": res.extra}
+    if res.name.startswith("ort_genai"):
+        entry["identical_to_ort_genai_target_only"] = None
+    complete = res.status == "ok" and len(res.runs) == len(ref.runs)
+    if not complete:
+        return entry
+    for run, base in zip(res.runs, ref.runs):
+        n = len(run["token_ids"])
+        entry["per_prompt"].append({
+            "wall_s": round(run["wall_s"], 6), "new_tokens": n,
+            "tokens_per_s": round(n / run["wall_s"], 3) if run["wall_s"] > 0 else None,
+            "speedup_vs_target_only": round(base["wall_s"] / run["wall_s"], 4),
+            "identical_to_target_only": run["token_ids"] == base["token_ids"],
+            "stats": run["stats"]})
+    pp = entry["per_prompt"]
+    entry["tokens_per_s"] = _median([p["tokens_per_s"] for p in pp if p["tokens_per_s"] is not None])
+    entry["speedup_vs_target_only"] = _median([p["speedup_vs_target_only"] for p in pp])
+    entry["acceptance_rate"] = _acceptance(res.name, res.runs)
+    entry["identical_to_target_only"] = all(p["identical_to_target_only"] for p in pp)
+    if "identical_to_ort_genai_target_only" in entry and ort_ref is not None and ort_ref.status == "ok" \
+            and len(ort_ref.runs) == len(res.runs):
+        entry["identical_to_ort_genai_target_only"] = all(
+            a["token_ids"] == b["token_ids"] for a, b in zip(res.runs, ort_ref.runs))
+    return entry
+
+
+def analytic(entries: dict[str, dict[str, Any]], results: dict[str, SystemResult], gamma: int) -> dict[str, Any]:
+    """Expected speedup of hetero_spec from its own measured acceptance and stage costs.
+
+    With per-token acceptance a and gamma g, a round yields E = (1 - a^(g+1)) / (1 - a) tokens; it costs
+    g draft steps plus one verify block, against E target steps without speculation:
+        predicted = E * t_target_step / (g * t_draft_token + t_verify_block).
+    t_target_step is target_only's wall time per generated token (prefill included), summed over prompts.
+    """
+    hs, ref = results.get("hetero_spec"), results["target_only"]
+    entry = entries.get("hetero_spec")
+    if hs is None or entry is None or entry["status"] != "ok" or not hs.runs:
+        return {"available": False, "reason": "hetero_spec did not run"}
+    tot = {k: sum(r["stats"][k] for r in hs.runs) for k in ("drafted", "accepted", "rounds",
+                                                            "time_draft_s", "time_verify_s")}
+    if not tot["drafted"] or not tot["rounds"]:
+        return {"available": False, "reason": "hetero_spec drafted no tokens (no proposer?)"}
+    # per-token acceptance: every round is a run of accepted tokens ended by a rejection, unless the
+    # whole block was accepted; accepted/drafted would undercount (tokens after a rejection are never
+    # tested). Rounds with full acceptance are those whose accepted count equals what was drafted.
+    rejections = sum(sum(c for n, c in enumerate(r["stats"]["accept_hist"]) if n < gamma) for r in hs.runs)
+    a, g = tot["accepted"] / max(1, tot["accepted"] + rejections), gamma
+    e = (g + 1.0) if a >= 1.0 else (1 - a ** (g + 1)) / (1 - a)
+    t_draft = tot["time_draft_s"] / tot["drafted"]
+    t_verify = tot["time_verify_s"] / tot["rounds"]
+    t_target = sum(r["wall_s"] for r in ref.runs) / max(1, sum(len(r["token_ids"]) for r in ref.runs))
+    predicted = e * t_target / (g * t_draft + t_verify)
+    measured = entry["speedup_vs_target_only"]
+    return {"available": True, "acceptance_rate": tot["accepted"] / tot["drafted"],
+            "per_token_acceptance": a, "gamma": g, "expected_tokens_per_round": e,
+            "t_target_step_s": t_target, "t_draft_token_s": t_draft, "t_verify_block_s": t_verify,
+            "predicted_speedup": predicted, "measured_speedup": measured,
+            "efficiency": measured / predicted if predicted else None,
+            "formula": "E = (1 - a^(g+1)) / (1 - a); predicted = E * t_target_step / "
+                       "(g * t_draft_token + t_verify_block)"}
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    model = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu_model": model}
+
+
+def command_line(settings: BenchSettings) -> str:
+    parts = ["hetero-spec", "bench", "--config", str(settings.config), "--out", str(settings.out),
+             "--prompts", str(settings.n_prompts), "--max-new-tokens", str(settings.max_new)]
+    if settings.systems:
+        parts += ["--systems", ",".join(settings.systems)]
+    if settings.quick:
+        parts.append("--quick")
+    if settings.prompt_tokens != DEFAULT_PROMPT_TOKENS:
+        parts += ["--prompt-tokens", str(settings.prompt_tokens)]
+    if settings.draft_hf is not None:
+        parts += ["--draft-hf", str(settings.draft_hf)]
+    if settings.ort_target is not None:
+        parts += ["--ort-target", str(settings.ort_target)]
+    for k, v in settings.overrides.items():
+        parts += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    return shlex.join(parts)
+
+
+def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, SystemResult]) -> dict[str, Any]:
+    ref = results["target_only"]
+    ort_ref = results.get("ort_genai_target_only")
+    entries = {n: summarize(r, ref, ort_ref if n != "ort_genai_target_only" else None)
+               for n, r in results.items()}
+    return {
+        "machine": _machine(),
+        "versions": _versions(),
+        "config": {"source": ctx.config.source, **ctx.config.model_dump(mode="json")},
+        "settings": {"prompts": len(ctx.prompts), "max_new_tokens": ctx.max_new, "gamma": ctx.gamma,
+                     "prompt_tokens": [len(p) for p in ctx.prompts], "quick": settings.quick,
+                     "overrides": ctx.overrides, "torch_threads": ctx.torch_threads,
+                     "draft_hf": str(ctx.draft_hf) if ctx.draft_hf else None,
+                     "order": "interleaved per prompt, registry order; one untimed warm-up per system",
+                     "command": command_line(settings)},
+        "systems": list(entries.values()),
+        "analytic": analytic(entries, results, ctx.gamma),
+        "pipelined_vs_in_process": pipelined_vs_in_process(entries),
+    }
+
+
+def pipelined_vs_in_process(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two-process runtime against the in-process engine, prompt by prompt (same prompts, same
+    interleaved pass): median of in-process wall time / two-process wall time, and how many prompts
+    the two-process runtime was faster on."""
+    a, b = entries.get("hetero_spec"), entries.get("hetero_spec_pipelined")
+    if not a or not b or not a["per_prompt"] or len(a["per_prompt"]) != len(b["per_prompt"]):
+        return {"available": False}
+    ratios = [x["wall_s"] / y["wall_s"] for x, y in zip(a["per_prompt"], b["per_prompt"]) if y["wall_s"] > 0]
+    return {"available": True, "median_speedup": round(_median(ratios), 4),
+            "prompts_faster": sum(r > 1.0 for r in ratios), "prompts": len(ratios)}
+
+
+# -- outputs -------------------------------------------------------------------------------------------
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = ["# hetero-spec bench", "",
+             f"`{s['command']}`", "",
+             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, greedy, gamma {s['gamma']}, "
+             f"torch threads {s['torch_threads']}, {report['machine']['cpu_count']} CPUs "
+             f"({report['machine']['cpu_model']}); {s['order']}.", "",
+             "| system | tok/s | speedup vs target_only | acceptance | identical | status |",
+             "|---|---:|---:|---:|:---:|---|"]
+    for e in report["systems"]:
+        ident = {True: "yes", False: "**no**", None: "-"}[e["identical_to_target_only"]]
+        status = e["status"] if e["status"] == "ok" else f"{e['status']}: {e['reason']}"
+        lines.append(f"| {e['name']} | {_fmt(e['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(e['speedup_vs_target_only'], '.2f')}x | {_fmt(e['acceptance_rate'], '.3f')} | "
+                     f"{ident} | {status} |")
+    a = report["analytic"]
+    lines.append("")
+    if a.get("available"):
+        lines.append(f"Analytic expectation for hetero_spec: per-token acceptance a = "
+                     f"{a['per_token_acceptance']:.3f} (accepted/drafted {a['acceptance_rate']:.3f}), "
+                     f"E = {a['expected_tokens_per_round']:.2f} tokens/round, predicted "
+                     f"{a['predicted_speedup']:.2f}x, measured {_fmt(a['measured_speedup'], '.2f')}x, "
+                     f"efficiency {_fmt(a['efficiency'], '.2f')} ({a['formula']}).")
+    else:
+        lines.append(f"Analytic expectation: not available ({a.get('reason')}).")
+    pv = report.get("pipelined_vs_in_process", {})
+    if pv.get("available"):
+        lines.append("")
+        lines.append(f"hetero_spec_pipelined vs hetero_spec (in-process), per prompt: median "
+                     f"{pv['median_speedup']:.3f}x, faster on {pv['prompts_faster']} of {pv['prompts']} prompts.")
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(report: dict[str, Any], path: Path) -> None:
+    """Bars: median per-prompt speedup vs target_only; error bars span min to max."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [(e["name"], [p["speedup_vs_target_only"] for p in e["per_prompt"]])
+            for e in report["systems"] if e["per_prompt"]]
+    fig = Figure(figsize=(max(5.0, 1.3 * len(rows) + 1.5), 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    med = [statistics.median(v) for _, v in rows]
+    lo = [m - min(v) for m, (_, v) in zip(med, rows)]
+    hi = [max(v) - m for m, (_, v) in zip(med, rows)]
+    colors = ["#888888" if n == "target_only" else "#2a7ab9" if n.startswith("hetero_spec") else "#e0a030"
+              for n, _ in rows]
+    ax.bar(range(len(rows)), med, yerr=[lo, hi], capsize=4, color=colors)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=25, ha="right")
+    ax.set_ylabel("speedup vs target_only (per prompt)")
+    s = report["settings"]
+    ax.set_title(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, greedy (median, min-max)")
+    for x, (m, (_, v)) in enumerate(zip(med, rows)):  # above the error bar, not on it
+        ax.annotate(f"{m:.2f}x", (x, max(v)), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(out: Path, report: dict[str, Any]) -> None:
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(render_markdown(report))
+    render_plot(report, out / "bench.png")

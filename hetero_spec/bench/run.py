@@ -1,0 +1,203 @@
+"""The run: start the systems, interleave them per prompt, collect their outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, check_paths, load_config
+from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings
+from .prompts import heldout_prompt_ids
+from .report import build_report, write_outputs
+from .systems import SYSTEMS, System
+
+log = logging.getLogger("hetero_spec.bench")
+
+
+@dataclass
+class SystemResult:
+    name: str
+    status: str = "ok"
+    reason: str | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)  # per prompt: wall_s, token_ids, stats
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcState:
+    """The process-wide knobs a system may change in setup: CPU affinity and torch's thread count.
+
+    The two-process engine pins the calling process to the target's cores; without putting each system's
+    state back before its runs, every system run after it would be measured on fewer cores.
+    """
+
+    cpus: frozenset[int] | None
+    threads: int
+
+    @classmethod
+    def capture(cls) -> ProcState:
+        import torch
+
+        cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(cpus, torch.get_num_threads())
+
+    def apply(self) -> None:
+        import torch
+
+        if self.cpus is not None and frozenset(os.sched_getaffinity(0)) != self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+
+def _resolve_systems(requested: list[str] | None) -> list[str]:
+    if requested is None:
+        return list(SYSTEMS)
+    unknown = [s for s in requested if s not in SYSTEMS]
+    if unknown:
+        raise BenchError(f"--systems: unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    chosen = set(requested) | {"target_only"}  # every speedup and identity is measured against it
+    return [s for s in SYSTEMS if s in chosen]
+
+
+def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
+                   ) -> tuple[dict[str, tuple[System, ProcState]], dict[str, SystemResult]]:
+    """Check, set up and warm up each system (untimed); failures become a status, not a crash.
+
+    Each setup starts from the baseline process state; the state a system leaves is restored before its runs.
+    """
+    live: dict[str, tuple[System, ProcState]] = {}
+    results = {n: SystemResult(n) for n in names}
+    warm_prompt = ctx.prompts[0]
+    for name in names:
+        cls, res = SYSTEMS[name], results[name]
+        if reason := cls.unavailable(ctx):
+            res.status, res.reason = "skipped", reason
+            continue
+        system = cls()
+        try:
+            log.info("setting up %s", name)
+            baseline.apply()
+            t = time.perf_counter()
+            system.setup(ctx)
+            res.extra["setup_s"] = round(time.perf_counter() - t, 3)
+            t = time.perf_counter()
+            system.run(warm_prompt, min(WARMUP_TOKENS, ctx.max_new))
+            res.extra["warmup_s"] = round(time.perf_counter() - t, 3)
+        except Exception as exc:  # any engine's failure is reported, the others still run
+            if name == "target_only":
+                raise BenchError(f"the target_only baseline failed: {type(exc).__name__}: {exc}") from exc
+            res.status, res.reason = "unavailable", f"{type(exc).__name__}: {exc}"
+            log.warning("%s unavailable: %s", name, res.reason)
+            _close(system)
+            continue
+        state = ProcState.capture()
+        res.extra.update(cpus=sorted(state.cpus) if state.cpus is not None else None, torch_threads=state.threads)
+        live[name] = (system, state)
+    baseline.apply()
+    return live, results
+
+
+def _close(system: System) -> None:
+    try:
+        system.close()
+    except Exception as exc:  # closing must never hide the results
+        log.warning("closing %s: %s", system.name, exc)
+
+
+def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
+                results: dict[str, SystemResult]) -> None:
+    """Per prompt, each live system once, in registry order, each in the process state it set up."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(ctx.prompts) * len(live), desc="bench", unit="run", file=sys.stderr,
+               dynamic_ncols=True)
+    try:
+        for i, prompt in enumerate(ctx.prompts):
+            for name in list(live):
+                bar.set_postfix_str(f"prompt {i + 1}/{len(ctx.prompts)} {name}")
+                system, state = live[name]
+                state.apply()
+                t = time.perf_counter()
+                try:
+                    out = system.run(prompt, ctx.max_new)
+                except Exception as exc:
+                    if name == "target_only":
+                        raise BenchError(f"target_only failed on prompt {i}: {exc}") from exc
+                    res = results[name]
+                    res.status, res.reason = "failed", f"prompt {i}: {type(exc).__name__}: {exc}"
+                    _close(live.pop(name)[0])
+                    continue
+                wall = time.perf_counter() - t
+                results[name].runs.append({"wall_s": wall, "token_ids": out.token_ids, "stats": out.stats})
+                bar.update(1)
+    finally:
+        bar.close()
+
+
+def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """Run the benchmark and write bench.json, bench.md and bench.png under settings.out.
+
+    prompt_ids replaces the held-out prompts (tests use it with tiny models). Returns the bench.json dict.
+    """
+    config = load_config(settings.config, overrides={**settings.overrides, **CPU_FP32})
+    check_paths(config)
+    names = _resolve_systems(settings.systems)
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft_hf = settings.draft_hf if settings.draft_hf is not None else default_draft_hf(settings.config)
+    t = time.perf_counter()
+    if prompt_ids is None:
+        prompt_ids = heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
+    log.info("%d prompts ready in %.1f s", len(prompt_ids), time.perf_counter() - t)
+    prompts = [list(p) for p in prompt_ids[:settings.n_prompts]]
+    if not prompts or any(not p for p in prompts):
+        raise BenchError("no prompts to benchmark (or an empty prompt)")
+    context = context_len(config)
+    longest = max(len(p) for p in prompts)
+    if context is not None and longest + settings.max_new > context:
+        raise BenchError(f"prompts of {longest} tokens + {settings.max_new} new tokens exceed the target's "
+                         f"context of {context}: lower --prompt-tokens or --max-new-tokens (otherwise the "
+                         "systems would stop at different lengths)")
+    original = ProcState.capture()
+    threads = config.target.threads or original.threads
+    ctx = BenchContext(config=config, overrides=dict(settings.overrides), out=out, draft_hf=draft_hf,
+                       prompts=prompts, max_new=settings.max_new, torch_threads=threads,
+                       ort_target=settings.ort_target)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
+    live: dict[str, tuple[System, ProcState]] = {}
+    try:
+        live, results = _start_systems(ctx, names, ProcState(original.cpus, threads))
+        _interleave(ctx, live, results)
+    finally:
+        for name, (system, _) in live.items():
+            results[name].extra.update(system.extra())
+            _close(system)
+        original.apply()
+        hf_logging.set_verbosity(verbosity)
+    report = build_report(settings, ctx, results)
+    write_outputs(out, report)
+    return report
+
+
+def context_len(config: Config) -> int | None:
+    """The target's context: target.max_context or the model's max_position_embeddings (None if unknown)."""
+    raw = json.loads((config.target.model / "config.json").read_text())
+    sizes = [x for x in (raw.get("max_position_embeddings") or raw.get("n_positions"), config.target.max_context)
+             if x]
+    return int(min(sizes)) if sizes else None
+
+
+def default_draft_hf(config_path: Path) -> Path | None:
+    """models/draft two levels above the config (configs/cpu-demo.yaml -> models/draft), if present."""
+    cand = Path(config_path).resolve().parent.parent / "models" / "draft"
+    return cand if (cand / "config.json").is_file() else None
