@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
+import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import Config, check_paths, load_config
-from .errors import ConfigError, RequestError, VocabMismatchError
+from .errors import ConfigError, EngineClosedError, RequestError, VocabMismatchError
 from .metrics import Stats
 from .sampling import SamplingParams
 from .scheduler import Request, decode
+from .validation import check_stop_ids, prompt_token_ids, request_args
 
 log = logging.getLogger("hetero_spec")
 
@@ -49,28 +53,59 @@ def _tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
     return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
 
 
-def check_vocab(target_dir: Path, draft_dir: Path) -> None:
+def check_vocab(target_dir: Path, draft_dir: Path, source: str = "<config>") -> None:
     """The draft must emit the same token ids as the target: same tokenizer vocabulary.
 
     Logit widths may differ (transformers pads some vocabularies); what matters is the ids the
     tokenizers define. A draft directory without a tokenizer.json cannot be checked and is trusted.
+    The error names the config (source), both keys and, in plain words, which tokens differ.
     """
     tv, dv = _tokenizer_vocab(target_dir), _tokenizer_vocab(draft_dir)
-    if tv is None or dv is None:
+    if tv is None or dv is None or tv == dv:
         return
-    if len(tv) != len(dv):
-        raise VocabMismatchError(f"draft vocabulary has {len(dv)} tokens ({draft_dir}) but the target's has "
-                                 f"{len(tv)} ({target_dir}): the draft must use the target's tokenizer")
-    if tv != dv:
-        diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
-        raise VocabMismatchError(f"draft and target vocabularies both have {len(tv)} tokens but assign "
-                                 f"different ids (e.g. {diff}): the draft must use the target's tokenizer")
+    raise VocabMismatchError(f"{source}: draft.model = {str(draft_dir)!r}: its tokenizer differs from the one "
+                             f"of target.model ({target_dir}): {_vocab_diff(tv, dv)}; the draft must use "
+                             "the target's tokenizer")
+
+
+def _vocab_diff(tv: dict[str, int], dv: dict[str, int], examples: int = 3) -> str:
+    """Sizes when they differ, then the first few tokens (by target id) whose ids differ."""
+    out = [] if len(tv) == len(dv) else [f"the target's has {len(tv)} tokens, the draft's {len(dv)}"]
+    diffs = []
+    for tok, i in sorted(tv.items(), key=lambda kv: kv[1]):
+        j = dv.get(tok)
+        if j != i:
+            where = "missing from the draft's" if j is None else f"id {j} in the draft's"
+            diffs.append(f"token {tok!r} is id {i} in the target's tokenizer but {where}")
+    diffs += [f"token {tok!r} is id {j} in the draft's tokenizer but missing from the target's"
+              for tok, j in sorted(dv.items(), key=lambda kv: kv[1]) if tok not in tv]
+    if diffs:
+        out.append(f"{len(diffs)} tokens differ, e.g. " + "; ".join(diffs[:examples]))
+    return "; ".join(out)
+
+
+def _release(parts: dict[str, Any]) -> None:
+    """Shut down what an Engine holds: the draft, the worker process, the CPU plan. Runs once (it is
+    the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
+    if parts.get("proposer") is not None:
+        parts["proposer"].close()
+    if parts.get("runtime") is not None:
+        parts["runtime"].close()
+    if parts.get("cpu_plan") is not None:
+        parts["cpu_plan"].restore()
+    parts.clear()
 
 
 class Engine:
-    """Speculative decoding engine: a PyTorch target verifying proposals of a draft."""
+    """Speculative decoding engine: a PyTorch target verifying proposals of a draft.
+
+    Thread-safe: `generate`/`stream` may be called from many threads; requests queue and run one at
+    a time. `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
+    """
 
     def __init__(self, config: Config):
+        self._draft_checked: Config | None = None
+        self._check_draft(config)  # preflight: fail on paths, host, providers, vocabulary before loading
         check_paths(config)
         self.config = config
         log.info("resolved config (%s): %s", config.source, config.model_dump_json())
@@ -78,24 +113,36 @@ class Engine:
 
         t = config.target
         self.runtime = None
+        self.proposer = None
         self._cpu_plan = None
+        # Requests on one Engine queue here and run one at a time (until batched serving): the draft
+        # (in-process drafter or the worker's channel) holds one request's state.
+        self._lock = threading.Lock()
+        self._closed = False
+        # What close() releases; also released when the Engine is garbage-collected or at exit.
+        self._parts: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _release, self._parts)
         threads = t.threads
-        if config.runtime.mode == "two_process":
-            from .runtime.engine_side import CpuPlan
+        try:
+            if config.runtime.mode == "two_process":
+                from .runtime.engine_side import CpuPlan
 
-            self._cpu_plan = CpuPlan(config)
-            threads = self._cpu_plan.threads
-        self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads,
-                                  max_context=t.max_context)
-        self.tokenizer = self.target.tokenizer
-        if config.runtime.mode == "two_process":
-            from .runtime.engine_side import PipelinedRuntime
+                self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
+                threads = self._cpu_plan.threads
+            self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads,
+                                      max_context=t.max_context)
+            self.tokenizer = self.target.tokenizer
+            if config.runtime.mode == "two_process":
+                from .runtime.engine_side import PipelinedRuntime
 
-            self.proposer = None
-            self._check_draft(config)
-            self.runtime = PipelinedRuntime(config, self.target.vocab_width)
-        else:
-            self.proposer = self._make_proposer(config)
+                self._check_draft(config)
+                self.runtime = self._parts["runtime"] = PipelinedRuntime(
+                    config, self.target.vocab_width, context_len=self.target.context_len)
+            else:
+                self.proposer = self._parts["proposer"] = self._make_proposer(config)
+        except BaseException:
+            self._finalizer()
+            raise
 
     @classmethod
     def from_config(cls, config: str | Path | Config | dict,
@@ -130,59 +177,98 @@ class Engine:
         return OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
                            vocab_width=self.target.vocab_width)
 
-    @staticmethod
-    def _check_draft(config: Config) -> None:
-        from .draft.onnx_drafter import check_providers
+    def _check_draft(self, config: Config) -> None:
+        """Preflight, before anything heavy loads (the target takes seconds to minutes): model paths, the
+        worker's TCP bind address, the draft's execution providers and vocabulary. Runs once per config;
+        the calls after the target has loaded find it done."""
+        if self._draft_checked is config:
+            return
+        check_paths(config)
+        rt = config.runtime
+        if rt.mode == "two_process" and rt.transport == "tcp":
+            from .transport.channel import check_bind_host
 
-        check_providers(config.draft.providers, source=config.source)
-        check_vocab(config.target.model, config.draft.model)
+            why = check_bind_host(rt.host, rt.curve_keys is not None)
+            if why:
+                raise ConfigError(config.source, "runtime.host", rt.host, why)
+        if config.draft.kind == "onnx":
+            from .draft.onnx_drafter import check_providers
 
-    def _decode(self, req: Request, stats: Stats):
-        if self.runtime is not None:
-            return self.runtime.decode(self.target, req, stats)
-        return decode(self.target, self.proposer, req, stats)
+            check_providers(config.draft.providers, source=config.source)
+            check_vocab(config.target.model, config.draft.model, source=config.source)
+        self._draft_checked = config
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
+
+    def _decode(self, req: Request, stats: Stats) -> Iterator[list[int]]:
+        """Run one request when the Engine is free (requests queue on the lock, one at a time)."""
+        try:
+            with self._lock:
+                self._check_open()
+                if self.runtime is not None:
+                    yield from self.runtime.decode(self.target, req, stats)
+                else:
+                    yield from decode(self.target, self.proposer, req, stats)
+        finally:
+            if self._closed:  # close() came while this request ran: release now that it is over
+                self._finalizer()
 
     def health(self) -> dict:
-        """Real probes: the target answers a one-token forward; the draft worker answers a ping."""
-        import time
+        """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a
+        ping. While a request runs, the probes would disturb it, so the answer comes from what the
+        request loop knows (the worker process alive and heard from within the heartbeat).
+        `draft_restarts`/`draft_failures` are running totals over the Engine's life."""
+        self._check_open()
+        if not self._lock.acquire(blocking=False):
+            out: dict[str, Any] = {"target": "ok", "busy": True}
+            if self.runtime is not None:
+                out.update(self._draft_totals(self.runtime.sup.status()))
+            else:
+                out["draft"] = "in_process" if self.proposer is not None else "none"
+            return out
+        try:
+            t = time.perf_counter()
+            state = self.target.new_state()
+            self.target.forward(state, [0])
+            out = {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3)}
+            if self.runtime is not None:
+                out.update(self._draft_totals(self.runtime.sup.health()))
+            else:
+                out["draft"] = "in_process" if self.proposer is not None else "none"
+            return out
+        finally:
+            self._lock.release()
 
-        t = time.perf_counter()
-        state = self.target.new_state()
-        self.target.forward(state, [0])
-        out = {"target": "ok", "target_step_ms": round((time.perf_counter() - t) * 1e3, 3)}
-        if self.runtime is not None:
-            out.update(self.runtime.sup.health())
-        else:
-            out["draft"] = "in_process" if self.proposer is not None else "none"
-        return out
+    @staticmethod
+    def _draft_totals(d: dict) -> dict:
+        d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
+        return d
 
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, prompt: str | list[int], max_new_tokens: int | None, temperature: float | None,
                  top_k: int | None, top_p: float | None, seed: int | None,
                  stop_token_ids: list[int] | None, gamma: int | None) -> Request:
+        """Validate a request (each argument like the config field it overrides; None takes the config's
+        value) and tokenize its prompt. RequestError names the argument and the value."""
         g = self.config.generation
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"the target directory {self.target.model_dir} has no tokenizer; "
-                                   "pass the prompt as a list of token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_width]
-            if bad:
-                raise RequestError(f"prompt token ids out of range [0, {self.target.vocab_width}): {bad[:5]}")
-        temperature = g.temperature if temperature is None else float(temperature)
-        top_p = g.top_p if top_p is None else float(top_p)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        seed = seed if seed is not None else g.seed if g.seed is not None else secrets.randbits(48)
+        a = request_args(self.config, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, gamma=gamma)
+        vocab = self.target.vocab_width
+        if [t for t in g.stop_token_ids if t >= vocab]:
+            raise ConfigError(self.config.source, "generation.stop_token_ids", g.stop_token_ids,
+                              f"ids outside the target's vocabulary [0, {vocab})")
+        if stop_token_ids is not None:
+            check_stop_ids(a["stop_token_ids"], vocab)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.target.vocab_width, self.target.model_dir)
+        temperature, top_k, top_p = a["temperature"], a["top_k"], a["top_p"]
+        seed = a["seed"] if a["seed"] is not None else secrets.randbits(48)
         params = SamplingParams(temperature=temperature, top_k=g.top_k if top_k is None else int(top_k),
-                                top_p=top_p, seed=int(seed))
+                                top_p=top_p, seed=int(seed), sampling=self.config.speculation.sampling)
         stops = set(self.target.eos_token_ids) | set(g.stop_token_ids) | set(stop_token_ids or [])
-        return Request(prompt_ids=prompt_ids,
-                       max_new_tokens=g.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
-                       params=params, gamma=gamma or self.config.speculation.gamma,
-                       stop_ids=frozenset(stops))
+        return Request(prompt_ids=prompt_ids, max_new_tokens=a["max_new_tokens"], params=params,
+                       gamma=a["gamma"], stop_ids=frozenset(stops))
 
     def _decode_text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -206,33 +292,39 @@ class Engine:
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, stop_token_ids: list[int] | None = None,
                gamma: int | None = None, stats: Stats | None = None) -> Iterator[str]:
-        """Yield text pieces as rounds commit tokens. Pass a Stats object to read the statistics after."""
+        """An iterator of text pieces as rounds commit tokens. Pass a Stats object to read the statistics
+        after. The request is validated here, when stream() is called (RequestError at once, before any
+        output), not at the iterator's first next()."""
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         stats = stats if stats is not None else Stats()
-        ids: list[int] = []
-        # Incremental detokenization (as vLLM does): decode only from prefix_off, so each round costs
-        # O(round) instead of re-decoding the whole output. ids[prefix_off:read_off] has been emitted.
-        prefix_off = read_off = 0
-        for chunk in self._decode(req, stats):
-            ids.extend(chunk)
-            prefix = self._decode_text(ids[prefix_off:read_off])
-            text = self._decode_text(ids[prefix_off:])
-            if text.endswith("\ufffd") and not stats.finish_reason:
-                continue  # an incomplete UTF-8 sequence: wait for the next tokens
-            if len(text) > len(prefix):
-                yield text[len(prefix):]
-            prefix_off, read_off = read_off, len(ids)
 
-    def close(self) -> None:
-        """Release the draft; in two_process mode shut the worker down cleanly (no orphans)."""
-        if self.proposer is not None:
-            self.proposer.close()
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
-        if self._cpu_plan is not None:
-            self._cpu_plan.restore()
-            self._cpu_plan = None
+        def pieces() -> Iterator[str]:
+            ids: list[int] = []
+            # Incremental detokenization (as vLLM does): decode only from prefix_off, so each round costs
+            # O(round) instead of re-decoding the whole output. ids[prefix_off:read_off] has been emitted.
+            prefix_off = read_off = 0
+            for chunk in self._decode(req, stats):
+                ids.extend(chunk)
+                prefix = self._decode_text(ids[prefix_off:read_off])
+                text = self._decode_text(ids[prefix_off:])
+                if text.endswith("\ufffd") and not stats.finish_reason:
+                    continue  # an incomplete UTF-8 sequence: wait for the next tokens
+                if len(text) > len(prefix):
+                    yield text[len(prefix):]
+                prefix_off, read_off = read_off, len(ids)
+
+        return pieces()
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Release the draft; in two_process mode shut the worker down cleanly (no orphans). A request
+        running in another thread finishes first (up to wait_s; otherwise it releases everything when
+        it ends). Later calls raise EngineClosedError. Safe to call twice."""
+        self._closed = True
+        if self._lock.acquire(timeout=wait_s):
+            try:
+                self._finalizer()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> Engine:
         return self

@@ -32,3 +32,7 @@ class PromptTooLongError(HeteroSpecError):
 
 class RequestError(HeteroSpecError):
     """A generation request has an invalid argument."""
+
+
+class EngineClosedError(HeteroSpecError):
+    """A request reached an Engine after close()."""

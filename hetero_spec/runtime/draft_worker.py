@@ -6,9 +6,13 @@ where they differ from the worker's stream, the worker truncates its stream and 
 new epoch, and drafts on from the corrected context.
 
 Never imports torch. Exits by itself when the target process goes away (its parent pid changes; checked
-every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM/SIGINT. (Linux's parent-death
-signal is not used: it fires when the *thread* that spawned the worker exits, and restarts spawn from a
-short-lived thread.)
+every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM. It ignores SIGINT: Ctrl-C at a
+terminal reaches the whole process group, and the target process decides how to shut the worker down.
+(Linux's parent-death signal is not used: it fires when the *thread* that spawned the worker exits, and
+restarts spawn from a short-lived thread.)
+
+CURVE keys, when the link uses them, arrive as one JSON line on stdin (`--keys-stdin`): a pipe only this
+process can read, unlike argv or the environment.
 
     python -m hetero_spec.runtime.draft_worker --endpoint ipc:///tmp/x.sock --model DIR
 """
@@ -16,6 +20,7 @@ short-lived thread.)
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -49,10 +54,24 @@ class _Request:
     sent: int = 0       # stream positions below this have been sent
 
 
+def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
+    """The token ids of a Begin/Sync frame, or None unless it is one 1-D array of ids in [0, vocab)."""
+    if len(arrays) != 1 or arrays[0].ndim != 1:
+        return None
+    a = arrays[0]
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab):
+        return None
+    return a.astype(np.int64).tolist()
+
+
 class Worker:
+    """The worker's protocol side. `step()` does one unit of work; `loop()` runs it until Shutdown.
+    `clock` is a seam for tests (the send-batching deadline)."""
+
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0,
-                 branches: bool = True):
+                 branches: bool = True, clock=time.monotonic):
         self.ch, self.drafter, self.parent_pid, self.delay_s = channel, drafter, parent_pid, delay_s
+        self.clock = clock
         self.req: _Request | None = None
         self.running = True
         self.use_branches = branches
@@ -67,17 +86,22 @@ class Worker:
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
         self.plan_exhausted = False
         if isinstance(msg, Begin):
-            if len(arrays) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
-                log.warning("Begin without a prompt frame; ignored")
+            prompt = _valid_ids(arrays, self.drafter.vocab_width)
+            if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
+                self.ch.reject("Begin without a valid prompt, gamma or max_ahead")
                 return
-            prompt = arrays[0].astype(np.int64).tolist()
-            self.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed))
+            self.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
+                                                     sampling="coupled" if msg.coupled else "rejection"))
             self.req = _Request(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, committed=len(prompt),
                                 base=len(prompt), sent=len(prompt))
             self.branches = {}
             self._reset_unsent()
         elif isinstance(msg, Sync) and self.req is not None and msg.req_id == self.req.req_id:
-            self._sync(msg.pos, arrays[0].astype(np.int64).tolist() if arrays else [], msg.epoch)
+            tokens = _valid_ids(arrays, self.drafter.vocab_width)
+            if tokens is None or msg.pos < 0:
+                self.ch.reject("Sync without valid token ids")
+                return
+            self._sync(msg.pos, tokens, msg.epoch)
         elif isinstance(msg, Control) and self.req is not None and msg.req_id == self.req.req_id:
             self.req.drafting, self.req.gamma = msg.drafting, max(1, msg.gamma)
         elif isinstance(msg, End) and self.req is not None and msg.req_id == self.req.req_id:
@@ -151,11 +175,11 @@ class Worker:
     def draft_once(self, n: int) -> None:
         """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `loop`)."""
         self.plan_exhausted = False  # new tokens, new places to branch
-        t0 = time.monotonic()
+        t0 = self.clock()
         draft = self.drafter.extend(n)
         if self.delay_s:
             time.sleep(self.delay_s * len(draft.ids))  # test-only: an artificially slow draft
-        t1 = time.monotonic()
+        t1 = self.clock()
         if not draft.ids:
             return
         t0 += self.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
@@ -180,13 +204,13 @@ class Worker:
             self.plan_exhausted = True
             return False
         p, alt = pick
-        t0 = time.monotonic()
+        t0 = self.clock()
         # a message (most likely the target's Sync) ends the branch early: answering it comes first
-        branch = d.branch(p, alt, req.gamma, stop=lambda: self.ch.sock.poll(0) != 0)
+        branch = d.branch(p, alt, req.gamma, stop=self.ch.poll)
         self.branches[(p, alt)] = branch
         if branch[0]:
             self.ch.send(Branch(req_id=req.req_id, epoch=req.epoch, pos=p, token=alt,
-                                draft_s=time.monotonic() - t0), np.asarray(branch[0], dtype=np.int32))
+                                draft_s=self.clock() - t0), np.asarray(branch[0], dtype=np.int32))
         return True
 
     def _reset_unsent(self) -> None:
@@ -199,7 +223,8 @@ class Worker:
             return
         toks = self.drafter.ids[req.sent:]
         arrays = [np.asarray(toks, dtype=np.int32)]
-        if not self.drafter.params.greedy:  # sampled: every token travels with its draft distribution
+        p = self.drafter.params
+        if not (p.greedy or p.coupled):  # rejection sampling: each token travels with its distribution
             if len(self.unsent_probs) != len(toks):
                 log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks),
                             len(self.unsent_probs))
@@ -209,7 +234,7 @@ class Worker:
             arrays.append(np.stack(self.unsent_probs))
         start = req.sent
         req.sent = len(self.drafter.ids)
-        now = time.monotonic()
+        now = self.clock()
         self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
                               draft_s=self.unsent_s, timed=self.unsent_timed,
                               draft_t0=self.unsent_t0 if self.unsent_t0 is not None else now, sent=now,
@@ -225,32 +250,39 @@ class Worker:
             return False
         if req.sent < req.committed + req.gamma <= len(self.drafter.ids) or not n:
             return True
-        return self.unsent_t0 is not None and time.monotonic() - self.unsent_t0 >= FLUSH_S
+        return self.unsent_t0 is not None and self.clock() - self.unsent_t0 >= FLUSH_S
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
+
+    def step(self, idle_wait_s: float = 0.2) -> bool:
+        """One unit of work: handle a message, send, pre-draft a branch, or draft one token. Waits up
+        to idle_wait_s for a message only when there is nothing else to do; False when it did nothing."""
+        n = self.want_to_draft()
+        busy = n or (self.req is not None and self.req.drafting and self.drafter.params.greedy
+                     and self.use_branches and not self.plan_exhausted)
+        got = self.ch.recv(0.0 if busy else idle_wait_s)
+        if got is not None:
+            self.handle(*got)
+            return True  # drain everything queued before drafting on a possibly stale stream
+        if self.should_flush(n):
+            self.flush()
+            return True
+        if not n and self.pre_draft_branch():
+            return True
+        if n:
+            # one token at a time, looking at the socket in between: a correction that arrives
+            # mid-block stops drafting on the stale stream at once
+            self.draft_once(1)
+            return True
+        return False
 
     def loop(self) -> None:
         while self.running:
             if not self.parent_alive():  # checked every iteration: a getppid() call is ~0.1 us
                 log.warning("target process is gone; draft worker exits")
                 return
-            n = self.want_to_draft()
-            busy = n or (self.req is not None and self.req.drafting and self.drafter.params.greedy
-                         and self.use_branches and not self.plan_exhausted)
-            got = self.ch.recv(0.0 if busy else 0.2)
-            if got is not None:
-                self.handle(*got)
-                continue  # drain everything queued before drafting on a possibly stale stream
-            if self.should_flush(n):
-                self.flush()
-                continue
-            if not n and self.pre_draft_branch():
-                continue
-            if n:
-                # one token at a time, looking at the socket in between: a correction that arrives
-                # mid-block stops drafting on the stale stream at once
-                self.draft_once(1)
+            self.step()
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -264,6 +296,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--delay-ms", type=float, default=0.0, help="test only: sleep per drafted token")
+    p.add_argument("--keys-stdin", action="store_true",
+                   help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
+    p.add_argument("--max-msg-bytes", type=int, default=256 << 20, help="largest frame accepted")
     return p.parse_args(argv)
 
 
@@ -272,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the target process's to handle
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    ch = Channel.connect(args.endpoint)
+    keys = json.loads(sys.stdin.readline()) if args.keys_stdin else None
+    ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes)
     try:
         try:
             drafter = OnnxDrafter(args.model, providers=args.providers.split(","), threads=args.threads,
@@ -285,9 +322,6 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=args.providers.split(",")))
-        garbage = os.environ.get("HETERO_SPEC_TEST_GARBAGE", "")
-        for junk in garbage.split(",") if garbage else []:  # test only: malformed frames at the target
-            ch.sock.send_multipart([junk.encode(), b"x"] if junk.startswith("two") else [junk.encode()])
         Worker(ch, drafter, args.parent_pid or os.getppid(), args.delay_ms / 1000.0).loop()
     except KeyboardInterrupt:
         pass

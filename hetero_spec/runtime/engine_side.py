@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import threading
+import time
 from contextlib import contextmanager
 
 from ..config import Config
@@ -59,21 +59,20 @@ def plan_cpus(config: Config) -> int | None:
     return config.target.threads or len(target)
 
 
-def pin_zmq_io_threads(cpus: list[int]) -> int:
-    """Move this process's ZeroMQ I/O threads onto `cpus` (the worker's cores); returns how many moved.
+def pin_threads(thread_ids: list[int], cpus: list[int]) -> int:
+    """Move the given threads of this process (an engine's own ZeroMQ I/O and reaper threads) onto
+    `cpus` (the worker's cores); returns how many moved.
 
     Every message wakes the I/O thread. Left to float, it lands on the target's compute core in the
     middle of a verification (measured on 2 cores: verification about 10 % slower); inheriting the
     target's pinning instead makes each send wait for a context switch (about 2 ms). On the worker's
-    core it only takes short slices from drafting, which the worker has to spare."""
+    core it only takes short slices from drafting, which the worker has to spare. Only this engine's
+    threads are touched (found when its context started), never another engine's."""
     moved = 0
-    for task in glob.glob("/proc/self/task/*"):
+    for tid in thread_ids:
         try:
-            with open(os.path.join(task, "comm")) as f:
-                name = f.read().strip()
-            if name.startswith("ZMQbg/IO"):
-                os.sched_setaffinity(int(os.path.basename(task)), set(cpus))
-                moved += 1
+            os.sched_setaffinity(tid, set(cpus))
+            moved += 1
         except OSError:  # the thread is gone, or this system does not allow it
             continue
     return moved
@@ -94,30 +93,42 @@ def pinned_thread(cpus: list[int] | None):
         os.sched_setaffinity(tid, before)
 
 
-class PipelinedRuntime:
-    """Owns the draft worker for an Engine in two_process mode."""
+def max_msg_bytes(vocab_width: int, context_len: int, max_ahead_cap: int) -> int:
+    """Largest frame either side may send: a prompt of context_len ids, or the distributions of up to
+    max_ahead_cap draft tokens (sampled requests); with room for the header."""
+    return max(4 * context_len, 4 * vocab_width * max_ahead_cap) + (1 << 16)
 
-    def __init__(self, config: Config, vocab_width: int):
+
+class PipelinedRuntime:
+    """Owns the draft worker for an Engine in two_process mode. `launcher`, `clock` and `make_gate`
+    are seams for tests (an in-memory worker, a fake clock, a gate held in one state)."""
+
+    def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, launcher=None,
+                 clock=time.monotonic):
         r, d = config.runtime, config.draft
         self.config = config
-        self.sup = DraftSupervisor(WorkerSpec(
-            model=d.model, providers=d.providers, threads=d.threads, vocab_width=vocab_width,
-            transport=r.transport, host=r.host, port=r.port, curve=r.curve, cpus=draft_cpus(config),
-            ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
-            restart_backoff_s=r.restart_backoff_s, delay_ms=r.test_draft_delay_ms))
+        self.clock = clock
+        self.make_gate = lambda: CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s)
         self.draft_cpus = draft_cpus(config)
         self.target_cpus = [c for c in _cpus() if c not in self.draft_cpus] if self.draft_cpus else None
-        self.sup.start()  # binds the socket, which starts ZeroMQ's I/O thread
+        cap = r.max_ahead or 2 * 64 + 1  # gamma <= 64 (speculation.gamma)
+        self.sup = DraftSupervisor(WorkerSpec(
+            model=d.model, providers=d.providers, threads=d.threads, vocab_width=vocab_width,
+            transport=r.transport, host=r.host, port=r.port, curve=r.curve, curve_keys=r.curve_keys,
+            cpus=self.draft_cpus, ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
+            restart_backoff_s=r.restart_backoff_s, delay_ms=r.test_draft_delay_ms,
+            max_msg_bytes=max_msg_bytes(vocab_width, context_len, cap)), launcher=launcher, clock=clock)
         if self.draft_cpus and hasattr(os, "sched_setaffinity"):
-            pin_zmq_io_threads(self.draft_cpus)
+            pin_threads(self.sup.thread_ids, self.draft_cpus)
+        self.sup.start()
 
     def decode(self, target: TargetModel, req: Request, stats: Stats):
         """The decode loop's thread runs on the target's cores while it serves the request."""
         r = self.config.runtime
-        gate = CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s)
         max_ahead = r.max_ahead or 2 * req.gamma + 1  # this block, its bonus token, the next block
         with pinned_thread(self.target_cpus):
-            yield from decode_pipelined(target, self.sup, req, stats, gate, max_ahead, trace=r.trace)
+            yield from decode_pipelined(target, self.sup, req, stats, self.make_gate(), max_ahead,
+                                        trace=r.trace, clock=self.clock)
 
     def close(self) -> None:
         self.sup.close()

@@ -132,35 +132,68 @@ class Timeline:
 
 
 class DraftLink:
-    """One request's view of the draft worker: begin, gather proposals, sync, control, end."""
+    """One request's view of the draft worker: begin, gather proposals, sync, control, end.
+
+    Every exchange with the worker goes through `_worker` (which (re)starts the request on a new
+    worker) and `_send` (which treats a failed send as a possible death). Whatever state the request
+    is in (speculating, gate off, probing, mid-Begin, mid-branch), a dead worker only sets `self.w` to
+    None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req: Request, gate: CostGate, max_ahead: int,
-                 timeline: Timeline | None):
+                 timeline: Timeline | None, vocab_width: int, clock=time.monotonic):
         self.sup, self.req, self.gate, self.max_ahead, self.timeline = sup, req, gate, max_ahead, timeline
+        self.vocab_width, self.clock = vocab_width, clock
         self.w: Worker | None = None
-        self.buf = StreamBuffer(sampled=not req.params.greedy)
+        self.sampled = not (req.params.greedy or req.params.coupled)  # q travels with each token
+        self.buf = StreamBuffer(sampled=self.sampled)
         self.synced = 0
         self.drafting = True
         self.req_id = time.monotonic_ns()
-        self._last_idle_check = 0.0
+        self.rejected = 0  # messages of this request refused for bad contents (ids out of range, ...)
+        self.dropped = 0   # malformed messages seen by this request's channels
+        self._last_idle_check = -IDLE_CHECK_S
+        self._dropped_base = 0
+
+    def _leave(self, w: Worker | None) -> None:
+        """Stop using w; count what its channel dropped while this request used it."""
+        if w is not None and w is self.w:
+            self.dropped += w.channel.dropped - self._dropped_base
+            self.w = None
+
+    def _lose(self, w: Worker, reason: str) -> None:
+        self._leave(w)
+        self.sup.fail(w, reason)
+
+    def _send(self, msg, *arrays) -> bool:
+        """Send to the current worker; a failed send on a dead (or reaped) worker drops it."""
+        w = self.w
+        if w is None:
+            return False
+        if w.channel.send(msg, *arrays):
+            return True
+        if w.channel.closed or not self.sup.check(w):
+            self._leave(w)
+        return False
 
     def _worker(self, ids: list[int]) -> Worker | None:
         w = self.sup.current()
-        if w is None:
+        if w is None or w.channel.closed:
+            self._leave(self.w)
             return None
         if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
-            self.w, self.buf = w, StreamBuffer(sampled=not self.req.params.greedy)
+            self._leave(self.w)
+            self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
             p = self.req.params
-            ok = w.channel.send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, seed=p.seed, gamma=self.req.gamma,
-                                      max_ahead=self.max_ahead, drafting=self.drafting),
-                                np.asarray(ids, dtype=np.int32))
             self.synced = len(ids)
-            if not ok:
-                self.sup.fail(w, "not accepting messages")
-                self.w = None
+            if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
+                                    top_p=p.top_p, seed=p.seed, gamma=self.req.gamma,
+                                    max_ahead=self.max_ahead, drafting=self.drafting,
+                                    coupled=p.coupled),
+                              np.asarray(ids, dtype=np.int32)):
+                if self.w is w:  # alive but not reading: treat it as hung
+                    self._lose(w, "not accepting messages")
                 return None
-        return w
+        return self.w
 
     def begin(self, ids: list[int]) -> None:
         self._worker(ids)
@@ -175,15 +208,30 @@ class DraftLink:
             return False
         msg, arrays = got
         self.sup.heard(w, msg)
-        if isinstance(msg, Proposal) and msg.req_id == self.req_id and arrays:
-            now = time.monotonic()
+        if isinstance(msg, (Proposal, Branch)) and msg.req_id == self.req_id:
+            why = self._check_arrays(arrays)
+            if why:
+                w.channel.reject(f"{type(msg).__name__}: {why}")
+                self.rejected += 1
+                return True
+        if isinstance(msg, Proposal) and msg.req_id == self.req_id:
+            now = self.clock()
             self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if timeout_s > 0 else None)
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
-        elif isinstance(msg, Branch) and msg.req_id == self.req_id and arrays:
+        elif isinstance(msg, Branch) and msg.req_id == self.req_id:
             self.buf.add_branch(msg, arrays[0])
         return True
+
+    def _check_arrays(self, arrays: list[np.ndarray]) -> str:
+        """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert)."""
+        ids = arrays[0]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_width):
+            return f"token ids outside [0, {self.vocab_width})"
+        if len(arrays) > 1 and arrays[1].shape[1] != self.vocab_width:
+            return f"distributions {arrays[1].shape[1]} wide, the vocabulary is {self.vocab_width}"
+        return ""
 
     def gather(self, ids: list[int], k: int, speculate: bool, first_wait_s: float) -> Draft:
         """1) collect up to k draft tokens for positions len(ids).., waiting within the gate's budget."""
@@ -195,20 +243,20 @@ class DraftLink:
             return Draft(ids=[])
         while self._pump(w, 0.0):  # drain what is queued
             pass
-        deadline = time.monotonic() + self.gate.wait_budget(k, default=first_wait_s)
+        deadline = self.clock() + self.gate.wait_budget(k, default=first_wait_s)
         while True:
             toks, probs = self.buf.usable(ids)
-            now = time.monotonic()
+            now = self.clock()
             if len(toks) >= k:
                 break
             if now >= deadline:
                 self.gate.observe_wait(len(toks))
                 break
             if not self.sup.check(w):
-                self.w = None
+                self._leave(w)
                 return Draft(ids=[])
             self._pump(w, min(deadline - now, 0.05))
-        if self.req.params.greedy:
+        if not self.sampled:
             return Draft(ids=list(toks[:k]))
         k = min(k, len(toks), len(probs))  # a sampled draft token is usable only with its distribution
         toks, probs = toks[:k], probs[:k]
@@ -217,24 +265,26 @@ class DraftLink:
         return Draft(ids=list(toks), probs=np.stack(probs))
 
     def _idle_check(self, ids: list[int]) -> None:
-        """While not speculating, look at the worker only every IDLE_CHECK_S (keeps the loop cheap)."""
-        now = time.monotonic()
+        """While not speculating, look at the worker only every IDLE_CHECK_S (keeps the loop cheap):
+        drain its messages (probe timings), and notice a death (then restart it)."""
+        now = self.clock()
         if now - self._last_idle_check < IDLE_CHECK_S:
             return
         self._last_idle_check = now
         w = self._worker(ids)
-        if w is not None:
-            while self._pump(w, 0.0):
-                pass
-            self.sup.check(w)
+        if w is None:
+            return
+        while self._pump(w, 0.0):
+            pass
+        if not self.sup.check(w):
+            self._leave(w)
 
     def sync(self, ids: list[int]) -> None:
         """2) announce the committed tokens (the correction, when they differ from the draft's stream)."""
         if self.w is None or not self.drafting or self.synced >= len(ids):
             return
-        ok = self.w.channel.send(Sync(req_id=self.req_id, pos=self.synced, epoch=self.buf.min_epoch),
-                                 np.asarray(ids[self.synced:], dtype=np.int32))
-        if ok:
+        if self._send(Sync(req_id=self.req_id, pos=self.synced, epoch=self.buf.min_epoch),
+                      np.asarray(ids[self.synced:], dtype=np.int32)):
             self.synced = len(ids)
 
     def control(self, drafting: bool, ids: list[int]) -> None:
@@ -244,22 +294,23 @@ class DraftLink:
         if self.w is not None:
             if drafting:
                 self.sync(ids)
-            self.w.channel.send(Control(req_id=self.req_id, drafting=drafting, gamma=self.req.gamma))
+            self._send(Control(req_id=self.req_id, drafting=drafting, gamma=self.req.gamma))
 
     def end(self) -> None:
-        if self.w is not None:
-            self.w.channel.send(End(req_id=self.req_id))
+        self._send(End(req_id=self.req_id))
+        self._leave(self.w)
 
 
 def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, stats: Stats,
-                     gate: CostGate, max_ahead: int, trace: bool = False) -> Iterator[list[int]]:
+                     gate: CostGate, max_ahead: int, trace: bool = False,
+                     clock=time.monotonic) -> Iterator[list[int]]:
     """Generate one request with the draft in its own process; yields each round's committed tokens."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()
     stats.prompt_tokens, stats.gamma, stats.proposer = len(req.prompt_ids), req.gamma, "onnx-pipelined"
     timeline = Timeline() if trace else None
-    link = DraftLink(sup, req, gate, max_ahead, timeline)
-    failures0 = sup.failures
+    link = DraftLink(sup, req, gate, max_ahead, timeline, target.vocab_width, clock=clock)
+    failures0, restarts0 = sup.failures, sup.restarts
     state = target.new_state()
     ids = list(req.prompt_ids)
     try:
@@ -297,8 +348,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
         link.end()
         stats.time_total_s = time.perf_counter() - t_start
         stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.buf.branch_hits,
-                           draft_failures=sup.failures - failures0, draft_restarts=sup.restarts,
-                           dropped_messages=link.w.channel.dropped if link.w is not None else 0)
+                           draft_failures=sup.failures - failures0, draft_restarts=sup.restarts - restarts0,
+                           dropped_messages=link.dropped, rejected_messages=link.rejected)
         if timeline is not None:
             stats.extra["timeline"] = {"verify": timeline.verify, "draft": timeline.draft}
-

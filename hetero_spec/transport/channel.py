@@ -1,14 +1,25 @@
-"""A ZeroMQ PAIR channel carrying protocol messages. IPC by default; TCP bound to loopback unless
-configured otherwise, and then only with CURVE authentication (keys never travel on the wire)."""
+"""ZeroMQ PAIR channels carrying protocol messages. IPC by default; every TCP link is authenticated
+with ZeroMQ CURVE (keys never travel on the wire).
+
+Contexts: each engine owns one `ServerContext`: its own ZeroMQ context (so its own I/O thread, which
+the runtime pins), at most one ZAP authenticator admitting a *set* of client keys (ZeroMQ allows one
+authenticator per context: it binds the fixed address inproc://zeromq.zap.01), and a private directory
+(mode 0700) for IPC sockets and worker logs. `close()` ends all of it, so two engines in one process never
+share an address or a file, and closing then re-binding at once cannot collide.
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
+import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -16,6 +27,8 @@ import zmq
 from .protocol import COPY_THRESHOLD, MalformedMessage, decode, encode
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MSG_BYTES = 256 << 20  # per frame; the runtime sets a bound from the vocabulary and context
 
 
 @dataclass
@@ -33,10 +46,37 @@ class CurveKeys:
         cp, cs = zmq.curve_keypair()
         return cls(sp, ss, cp, cs)
 
-    def client_env(self) -> dict[str, str]:
-        return {"HETERO_SPEC_CURVE_SERVER": self.server_public.decode(),
-                "HETERO_SPEC_CURVE_PUBLIC": self.client_public.decode(),
-                "HETERO_SPEC_CURVE_SECRET": self.client_secret.decode()}
+    @classmethod
+    def load(cls, directory: str | Path) -> CurveKeys:
+        """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificate files, as written by
+        `zmq.auth.create_certificates` or `hetero-spec keys`) from a directory."""
+        import zmq.auth
+
+        d = Path(directory)
+        sp, ss = zmq.auth.load_certificate(str(d / "server.key_secret"))
+        cp, cs = zmq.auth.load_certificate(str(d / "client.key_secret"))
+        if not ss or not cs:
+            raise ValueError(f"{d}: server.key_secret and client.key_secret must hold secret keys")
+        return cls(sp, ss, cp, cs)
+
+    def client_handover(self) -> bytes:
+        """What the worker needs, as one line for its stdin (a pipe only it can read; never argv/env)."""
+        return (json.dumps({"server_public": self.server_public.decode(), "public": self.client_public.decode(),
+                            "secret": self.client_secret.decode()}) + "\n").encode()
+
+
+def write_keys(directory: str | Path) -> Path:
+    """Create `server.key_secret`/`client.key_secret` (+ public halves) in a new mode-0700 directory."""
+    import zmq.auth
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    zmq.auth.create_certificates(str(d), "server")
+    zmq.auth.create_certificates(str(d), "client")
+    for f in d.glob("*.key_secret"):
+        os.chmod(f, 0o600)
+    return d
 
 
 def is_loopback(host: str) -> bool:
@@ -48,63 +88,151 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class Channel:
-    """One end of a PAIR socket. recv() drops and counts malformed messages instead of raising."""
+def check_bind_host(host: str, keys_configured: bool) -> str | None:
+    """None when binding `host` is allowed; otherwise the reason it is not. Every TCP link uses CURVE;
+    beyond loopback the keys must be configured (runtime.curve_keys), not generated per worker."""
+    if is_loopback(host) or keys_configured:
+        return None
+    return (f"binding to {host} would listen beyond loopback; configure runtime.curve_keys (a directory "
+            "with server.key_secret and client.key_secret, made by `hetero-spec keys --out DIR`) first")
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, ipc_path: str | None = None, auth=None):
-        self.sock, self.endpoint, self._ipc_path, self._auth = sock, endpoint, ipc_path, auth
+
+def _task_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+class _KeySet:
+    """ZAP credentials provider admitting the client public keys in a set (changed under a lock)."""
+
+    def __init__(self):
+        self.keys: set[bytes] = set()
+        self.lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        with self.lock:
+            return key in self.keys
+
+
+class ServerContext:
+    """One engine's ZeroMQ context, ZAP authenticator and private directory. See the module docstring."""
+
+    def __init__(self, prefix: str = "hetero-spec-"):
+        before = _task_ids()
+        self.ctx = zmq.Context()
+        self._probe = self.ctx.socket(zmq.PAIR)  # starts the context's threads now, so they can be pinned
+        self._probe.setsockopt(zmq.LINGER, 0)
+        #: this context's own threads (I/O and reaper): pin these, not other engines' ones
+        self.thread_ids = sorted(_task_ids() - before)
+        self.dir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: other users cannot reach the sockets
+        self._auth = None
+        self._keys = _KeySet()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def admit(self, client_public: bytes) -> None:
+        """Start the authenticator on first use; admit one more client key."""
+        with self._lock:
+            if self._auth is None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._auth = ThreadAuthenticator(self.ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback(domain="*", credentials_provider=self._keys)
+        with self._keys.lock:
+            self._keys.keys.add(client_public)
+
+    def revoke(self, client_public: bytes) -> None:
+        with self._keys.lock:
+            self._keys.keys.discard(client_public)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def close(self) -> None:
+        """Stop the authenticator, close every socket, terminate the context, remove the directory."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
+            self._probe.close(linger=0)
+            self.ctx.destroy(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Channel:
+    """One end of a PAIR socket. recv() drops and counts malformed messages instead of raising; after
+    close() (or once the peer was reaped) send() returns False and recv() None, never a ZMQError."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, ipc_path: str | None = None, own_ctx=None,
+                 client_key: bytes | None = None, server: ServerContext | None = None):
+        self.sock, self.endpoint, self._ipc_path, self._own_ctx = sock, endpoint, ipc_path, own_ctx
+        self._client_key, self._server = client_key, server
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.dropped = 0
         self.sent = 0
         self.received = 0
+        self.closed = False
 
     @classmethod
-    def bind(cls, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
-             curve: CurveKeys | None = None) -> Channel:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.PAIR)
+    def bind(cls, server: ServerContext, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
+             curve: CurveKeys | None = None, name: str = "worker",
+             max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> Channel:
+        """Target side. TCP requires `curve` (every TCP link is authenticated); IPC may use it too."""
+        if transport == "tcp" and curve is None:
+            raise ValueError("a TCP channel needs CURVE keys")
+        sock = server.ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
-        auth = None
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         if curve is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            auth = ThreadAuthenticator(ctx)
-            auth.start()
-            auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(curve.client_public))
+            server.admit(curve.client_public)
             sock.curve_secretkey = curve.server_secret
             sock.curve_publickey = curve.server_public
             sock.curve_server = True
         ipc_path = None
-        if transport == "ipc":
-            ipc_path = os.path.join(tempfile.gettempdir(),
-                                    f"hetero-spec-{os.getpid()}-{time.monotonic_ns()}.sock")
-            endpoint = f"ipc://{ipc_path}"
-            sock.bind(endpoint)
-        else:
-            if port:
-                sock.bind(f"tcp://{host}:{port}")
+        try:
+            if transport == "ipc":
+                ipc_path = server.path(f"{name}.sock")
+                endpoint = f"ipc://{ipc_path}"
+                sock.bind(endpoint)
             else:
-                port = sock.bind_to_random_port(f"tcp://{host}")
-            endpoint = f"tcp://{host}:{port}"
-        return cls(sock, endpoint, ipc_path, auth)
+                if port:
+                    sock.bind(f"tcp://{host}:{port}")
+                else:
+                    port = sock.bind_to_random_port(f"tcp://{host}")
+                endpoint = f"tcp://{host}:{port}"
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            if curve is not None:
+                server.revoke(curve.client_public)
+            raise
+        return cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
 
     @classmethod
-    def connect(cls, endpoint: str) -> Channel:
-        """Worker side. CURVE keys come from the environment when the server requires them."""
-        ctx = zmq.Context.instance()
+    def connect(cls, endpoint: str, curve: dict | None = None,
+                max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> Channel:
+        """Worker side, with its own context. `curve`: {"server_public", "public", "secret"} (z85 str)."""
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
-        server_key = os.environ.get("HETERO_SPEC_CURVE_SERVER")
-        if server_key:
-            sock.curve_serverkey = server_key.encode()
-            sock.curve_publickey = os.environ["HETERO_SPEC_CURVE_PUBLIC"].encode()
-            sock.curve_secretkey = os.environ["HETERO_SPEC_CURVE_SECRET"].encode()
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        if curve:
+            sock.curve_serverkey = curve["server_public"].encode()
+            sock.curve_publickey = curve["public"].encode()
+            sock.curve_secretkey = curve["secret"].encode()
         sock.connect(endpoint)
-        return cls(sock, endpoint)
+        return cls(sock, endpoint, own_ctx=ctx)
 
     def send(self, msg, *arrays: np.ndarray) -> bool:
-        """Queue a message without blocking; False when the peer is gone or not keeping up."""
+        """Queue a message without blocking; False when closed, or the peer is gone or not keeping up."""
+        if self.closed:
+            return False
         frames = encode(msg, arrays)
         last = len(frames) - 1
         try:
@@ -113,49 +241,62 @@ class Channel:
                 self.sock.send(frame, flags=(zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=not big)
         except zmq.Again:
             return False
+        except zmq.ZMQError as exc:  # the socket went away under us (closed by a reap)
+            log.debug("send on %s failed: %s", self.endpoint, exc)
+            return False
         self.sent += 1
         return True
+
+    def poll(self) -> bool:
+        """Whether a message is waiting (never blocks)."""
+        if self.closed:
+            return False
+        try:
+            return bool(self.sock.poll(0))
+        except zmq.ZMQError:
+            return False
 
     def recv(self, timeout_s: float | None) -> tuple[object, list[np.ndarray]] | None:
         """Next valid message, or None when timeout_s passes first (None timeout = wait forever)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
+        while not self.closed:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.poller.poll(None if wait is None else int(wait * 1000) if wait >= 0.001 else 0):
-                if deadline is None or time.monotonic() >= deadline:
-                    return None
+            try:
+                if not self.poller.poll(None if wait is None else int(wait * 1000) if wait >= 0.001 else 0):
+                    if deadline is None or time.monotonic() >= deadline:
+                        return None
+                    continue
+                frames = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
                 continue
-            frames = self.sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                log.debug("recv on %s failed: %s", self.endpoint, exc)
+                return None
             try:
                 msg, arrays = decode(frames)
             except MalformedMessage as exc:
-                self.dropped += 1
-                log.warning("dropped a malformed message on %s (%d so far): %s", self.endpoint, self.dropped, exc)
+                self.reject(str(exc))
                 continue
             self.received += 1
             return msg, arrays
+        return None
+
+    def reject(self, why: str) -> None:
+        """Count (and log) a dropped message: malformed on the wire, or refused by the receiver."""
+        self.dropped += 1
+        log.warning("dropped a message on %s (%d so far): %s", self.endpoint, self.dropped, why)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.close(linger=0)
+        except zmq.ZMQError:
+            pass
+        if self._server is not None and self._client_key is not None:
+            self._server.revoke(self._client_key)
+        if self._own_ctx is not None:
+            self._own_ctx.destroy(linger=0)
         if self._ipc_path and os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
-
-
-class _OnlyKey:
-    """ZAP credentials provider that admits exactly one client public key."""
-
-    def __init__(self, key: bytes):
-        self.key = key
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.key
-
-
-def check_bind_host(host: str, curve: bool) -> str | None:
-    """None when binding host is allowed; otherwise the reason it is not."""
-    if is_loopback(host) or curve:
-        return None
-    return (f"binding to {host} would listen beyond loopback; enable runtime.curve: true "
-            "(ZeroMQ CURVE authentication) first")

@@ -11,6 +11,11 @@ smaller ones are copied, which is faster below tens of kB. A message that fails 
 unknown tag, or whose frames do not match header.arrays is a `MalformedMessage`: the receiving loop
 drops it, counts it and logs it, and goes on.
 
+Sizes from the wire are bounded before anything is allocated: each message type names the arrays it
+carries (ARRAY_SCHEMA: dtype and number of dimensions, in order; trailing ones optional), a shape has at
+most MAX_DIMS dimensions of at most MAX_DIM entries each, and the sockets refuse frames above the
+channel's MAXMSGSIZE. Token ids are range-checked against the vocabulary by the receiver, which knows it.
+
 Messages, target -> worker:
     Begin     a new request: prompt ids [n] int32 + sampling params + gamma/max_ahead
     Sync      committed tokens ids[pos:pos+len] int32 (sent after every round); the worker rebases its
@@ -38,6 +43,8 @@ import msgspec
 import numpy as np
 
 COPY_THRESHOLD = 64 * 1024
+MAX_DIMS = 2
+MAX_DIM = 1 << 24  # no dimension of any array we send comes near 16M entries
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 
 
@@ -63,6 +70,7 @@ class Begin(_Msg, tag="begin"):
     gamma: int
     max_ahead: int
     drafting: bool = True
+    coupled: bool = False  # coupled sampling: draft argmax(log q + g), no q on the wire
 
 
 class Sync(_Msg, tag="sync"):
@@ -128,6 +136,14 @@ class Failure(_Msg, tag="failure"):
     error: str
 
 
+# per message type: the arrays it carries, (dtype, ndim) in order; `optional` trailing ones may be absent
+ARRAY_SCHEMA: dict[type, tuple[list[tuple[str, int]], int]] = {
+    Begin: ([("int32", 1)], 0),
+    Sync: ([("int32", 1)], 0),
+    Proposal: ([("int32", 1), ("float32", 2)], 1),
+    Branch: ([("int32", 1)], 0),
+}
+
 Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Branch, Pong, Failure]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
@@ -151,17 +167,28 @@ def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
         msg = _DECODER.decode(bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedMessage(f"bad header: {exc}") from None
+    name = type(msg).__name__
     if len(frames) - 1 != len(msg.arrays):
-        raise MalformedMessage(f"{type(msg).__name__}: header names {len(msg.arrays)} arrays, "
-                               f"got {len(frames) - 1} frames")
+        raise MalformedMessage(f"{name}: header names {len(msg.arrays)} arrays, got {len(frames) - 1} frames")
+    schema, optional = ARRAY_SCHEMA.get(type(msg), ([], 0))
+    if not len(schema) - optional <= len(msg.arrays) <= len(schema):
+        raise MalformedMessage(f"{name} carries {len(msg.arrays)} arrays; expected "
+                               f"{len(schema) - optional}..{len(schema)}")
     arrays = []
-    for meta, frame in zip(msg.arrays, frames[1:]):
-        dtype = _DTYPES.get(meta.dtype)
-        if dtype is None or any(d < 0 for d in meta.shape):
-            raise MalformedMessage(f"bad array meta {meta}")
+    for i, (meta, frame) in enumerate(zip(msg.arrays, frames[1:])):
+        want_dtype, want_ndim = schema[i]
+        if meta.dtype != want_dtype or len(meta.shape) != want_ndim:
+            raise MalformedMessage(f"bad array meta {meta} in {name}: expected {want_dtype}, {want_ndim}-D")
+        if any(not 0 <= d <= MAX_DIM for d in meta.shape):
+            raise MalformedMessage(f"bad array meta {meta} in {name}: dimensions must be in [0, {MAX_DIM}]")
         buf = frame.buffer if hasattr(frame, "buffer") else frame
-        n = int(np.prod(meta.shape, dtype=np.int64))
-        if len(buf) != n * np.dtype(dtype).itemsize:
+        n = 1
+        for d in meta.shape:  # Python ints: no overflow, and at most MAX_DIM ** MAX_DIMS
+            n *= d
+        if len(buf) != n * np.dtype(_DTYPES[want_dtype]).itemsize:
             raise MalformedMessage(f"array frame of {len(buf)} bytes does not match {meta}")
-        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(meta.shape))
+        arrays.append(np.frombuffer(buf, dtype=_DTYPES[want_dtype]).reshape(meta.shape))
+    if isinstance(msg, Proposal) and len(arrays) == 2 and arrays[1].shape[0] != arrays[0].shape[0]:
+        raise MalformedMessage(f"Proposal with {arrays[0].shape[0]} tokens but {arrays[1].shape[0]} "
+                               "distributions")
     return msg, arrays

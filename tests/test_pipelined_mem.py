@@ -1,0 +1,223 @@
+"""The two-process protocol, deterministic: the real target loop and the real worker code, connected by
+in-memory channels (tests/fixtures/memworker.py) with a ticking clock. No second process, no threads
+in the data path, no wall-clock outcomes: every count asserted here is a pure function of the inputs.
+
+Covers: identity; branches taken on the demo pair; the worker dying in every state (gate on, off,
+probing; during Begin; during a branch; mid-block) with identical output and a restart; a fuzz of 1000
+malformed frames, all dropped and counted, with identical output.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.runtime import engine_side
+from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync, encode
+from tests.conftest import hf_greedy
+from tests.fixtures.memworker import FixedGate, MemLauncher, TickClock
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [5, 17, 33, 2, 99, 100, 7]
+
+
+def _cfg(target, draft, **runtime):
+    rt = {"mode": "two_process", "pin_cpus": False, "restart_backoff_s": 0.01, "heartbeat_s": 1e6,
+          "gate": {"enabled": False}, **runtime}
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
+            "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
+
+
+def mem_engine(monkeypatch, cfg, draft_dir, gate: str = "on", schedule: str = "idle"):
+    """An Engine whose draft worker is in memory; returns (engine, launcher)."""
+    launcher = MemLauncher(draft_dir, TickClock(), schedule)
+    real = engine_side.PipelinedRuntime
+    monkeypatch.setattr(engine_side, "PipelinedRuntime",
+                        functools.partial(real, launcher=launcher, clock=launcher.clock))
+    eng = Engine.from_config(cfg)
+    eng.runtime.make_gate = lambda: FixedGate(gate)
+    return eng, launcher
+
+
+def wait_for_restart(eng, generation: int, timeout_s: float = 60.0):
+    """The supervisor restarts in a background thread: wait (not a timing assertion) for a newer worker."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        w = eng.runtime.sup.current()
+        if w is not None and w.generation > generation:
+            return w
+        time.sleep(0.02)
+    raise AssertionError("the draft worker was not restarted")
+
+
+# -- identity and determinism -------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_mem_identity_and_every_round_gets_a_full_block(monkeypatch, llama_target, llama_copy_onnx, gamma):
+    eng, _ = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx, trace=True), llama_copy_onnx)
+    with eng:
+        out = eng.generate(PROMPT, max_new_tokens=30, gamma=gamma)
+    assert out.token_ids == hf_greedy(llama_target, PROMPT, 30)
+    # the worker drafts ahead (it runs until idle whenever the target looks), so every round finds its
+    # whole block there: k = min(gamma, tokens left - 1), never fewer
+    for _t0, _t1, pos, k in out.stats["extra"]["timeline"]["verify"]:
+        left = 30 - (pos - len(PROMPT))
+        assert k == min(gamma, left - 1), out.stats["extra"]["timeline"]["verify"]
+    assert out.stats["extra"]["draft_failures"] == 0 and out.stats["extra"]["dropped_messages"] == 0
+
+
+def test_mem_rejections_identity(monkeypatch, llama_target, llama_random_onnx):
+    eng, _ = mem_engine(monkeypatch, _cfg(llama_target, llama_random_onnx), llama_random_onnx)
+    with eng:
+        for gamma in (2, 5):
+            out = eng.generate(PROMPT, max_new_tokens=30, gamma=gamma)
+            assert out.token_ids == hf_greedy(llama_target, PROMPT, 30)
+            assert out.stats["drafted"] > 0 and out.stats["accept_hist"][0] > 0
+
+
+def test_demo_pair_takes_branches_deterministically(monkeypatch):
+    """The shipped pair accepts most tokens but not all. The worker pre-drafts correction branches when
+    idle; a busy worker ("lazy": it runs only while the target waits) has not answered the target's
+    Sync when the target looks again, so the target takes the branch itself, and the worker adopts the
+    same one. The output is the target's own, and every count repeats exactly."""
+    cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(ROOT / "models/draft-onnx-int4")},
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(ROOT / "models/target/tokenizer.json")).encode(
+        "def read_config(path):\n    with open(path) as f:\n").ids
+    eng, launcher = mem_engine(monkeypatch, cfg, ROOT / "models/draft-onnx-int4", schedule="lazy")
+    with eng:
+        a = eng.generate(ids, max_new_tokens=64, gamma=8)
+        worker_hits = launcher.workers[-1].worker.branch_hits
+        b = eng.generate(ids, max_new_tokens=64, gamma=8)
+    assert a.token_ids == hf_greedy(ROOT / "models/target", list(ids), 64)[:len(a.token_ids)]
+    assert a.stats["rounds"] > a.stats["accept_hist"][-1]  # some blocks were corrected
+    assert a.stats["extra"]["branch_hits"] >= 1 and worker_hits >= a.stats["extra"]["branch_hits"]
+    for key in ("rounds", "drafted", "accepted", "accept_hist"):  # deterministic, run to run
+        assert a.stats[key] == b.stats[key]
+    assert a.stats["extra"]["branch_hits"] == b.stats["extra"]["branch_hits"]
+
+
+# -- the worker dies, in every state ------------------------------------------------------------------
+def _nth(kind, n):
+    """A kill predicate: the n-th message of `kind` (in either direction)."""
+    seen = {"n": 0}
+
+    def pred(direction, msg):
+        if isinstance(msg, kind):
+            seen["n"] += 1
+            return seen["n"] == n
+        return False
+    return pred
+
+
+@pytest.mark.parametrize("state, kill", [
+    ("on", (Sync, 3)),          # mid-request, while speculating
+    ("on", (Proposal, 2)),      # mid-block: the worker dies as it sends
+    ("on", (Begin, 1)),         # during Begin: the worker never sees the request
+    ("off", (Sync, 1)),         # the gate has speculation off
+    ("probing", (Sync, 2)),     # the gate is probing in the background
+    ("on", (End, 1)),           # as the request ends
+])
+def test_worker_death_in_every_state(monkeypatch, llama_target, llama_random_onnx, state, kill):
+    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_random_onnx), llama_random_onnx, gate=state)
+    ref = hf_greedy(llama_target, PROMPT, 30)
+    with eng:
+        launcher.kill_when(_nth(*kill))
+        first = eng.runtime.sup.current().generation
+        out = eng.generate(PROMPT, max_new_tokens=30, gamma=3)
+        assert out.token_ids == ref
+        assert launcher.killed, "the kill never happened"
+        eng.health()  # an idle Engine probes for real: a death not yet noticed is noticed here
+        w = wait_for_restart(eng, first)
+        assert eng.runtime.sup.failures >= 1 and eng.runtime.sup.restarts >= 1
+        again = eng.generate(PROMPT, max_new_tokens=30, gamma=3)
+        assert again.token_ids == ref
+        assert eng.runtime.sup.current() is w and launcher.workers[-1].alive
+
+
+def test_worker_death_during_a_branch(monkeypatch):
+    """The worker dies right after offering a correction branch (demo pair: branches are drafted)."""
+    cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(ROOT / "models/draft-onnx-int4")},
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6, "restart_backoff_s": 0.01}}
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(ROOT / "models/target/tokenizer.json")).encode("import os\nimport sys\n").ids
+    eng, launcher = mem_engine(monkeypatch, cfg, ROOT / "models/draft-onnx-int4")
+    with eng:
+        launcher.kill_when(lambda d, m: isinstance(m, Branch))
+        out = eng.generate(ids, max_new_tokens=48, gamma=8)
+        assert launcher.killed == [("to_target", "Branch")]
+        assert out.token_ids == hf_greedy(ROOT / "models/target", list(ids), 48)[:len(out.token_ids)]
+        assert len(out.token_ids) == 48 or out.finish_reason == "stop"
+        assert out.stats["extra"]["draft_failures"] == 1
+
+
+# -- fuzz ---------------------------------------------------------------------------------------------
+def _fuzz_frames(n: int, req_id: int, vocab: int, seed: int = 0) -> list[list[bytes]]:
+    """n frames that must all be refused: random bytes, and valid messages broken on purpose."""
+    rng = np.random.default_rng(seed)
+    ok = Proposal(req_id=req_id, epoch=0, base=7, start=7, draft_s=0.0, draft_t0=0.0, sent=0.0)
+    ids = np.array([1, 2, 3], np.int32)
+
+    def header(**changes):
+        d = msgspec.to_builtins(ok)
+        d["t"] = "proposal"
+        d.update(changes)
+        return msgspec.msgpack.encode(d)
+
+    def mutations():
+        good = [f.tobytes() if isinstance(f, np.ndarray) else f for f in encode(ok, (ids,))]
+        yield [rng.bytes(int(rng.integers(0, 64)))]                                   # random header
+        yield [rng.bytes(int(rng.integers(1, 64))), rng.bytes(12)]                   # random + a frame
+        yield [good[0], good[1][:-1]]                                                 # truncated array
+        yield [good[0], good[1], b"\x00" * 4]                                         # extra frame
+        yield [good[0]]                                                               # missing frame
+        yield [header(arrays=[{"dtype": "int32", "shape": [2 ** 40]}]), b"\x00" * 4]   # huge shape
+        yield [header(arrays=[{"dtype": "int32", "shape": [2 ** 31, 2 ** 31]}]), b""]  # overflow
+        yield [header(arrays=[{"dtype": "int32", "shape": [-1]}]), b""]               # negative
+        yield [header(arrays=[{"dtype": "int32", "shape": [1, 3]}]), ids.tobytes()]   # 2-D ids
+        yield [header(arrays=[{"dtype": "float16", "shape": [2]}]), b"\x00" * 4]      # wrong dtype
+        yield [header(arrays=[{"dtype": "int32", "shape": [3]}, {"dtype": "float32", "shape": [2, vocab]}]),
+               ids.tobytes(), b"\x00" * (8 * vocab)]                                   # q rows != ids
+        bad = np.array([1, vocab + int(rng.integers(0, 1000)), 3], np.int32)
+        yield [good[0], bad.tobytes()]                                                # id out of range
+        yield [good[0], np.array([-5, 1, 2], np.int32).tobytes()]                     # negative id
+        yield [header(epoch="zero"), good[1]]                                         # wrong field type
+        yield [msgspec.msgpack.encode({"t": "nosuch"})]                               # unknown tag
+
+    out: list[list[bytes]] = []
+    while len(out) < n:
+        out.extend(mutations())
+    return out[:n]
+
+
+def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llama_target, llama_copy_onnx):
+    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    ref = hf_greedy(llama_target, PROMPT, 30)
+    with eng:
+        mw = launcher.workers[-1]
+        real_send = mw.worker_end.send
+        state = {"sent": 0}
+
+        def send_with_fuzz(msg, *arrays):  # 500 bad frames before each of the worker's first 2 proposals
+            if isinstance(msg, Proposal) and state["sent"] < 1000:
+                for frames in _fuzz_frames(500, msg.req_id, eng.target.vocab_width, seed=state["sent"]):
+                    mw.target_end.inject(frames)
+                state["sent"] += 500
+            return real_send(msg, *arrays)
+
+        mw.worker_end.send = send_with_fuzz
+        out = eng.generate(PROMPT, max_new_tokens=30, gamma=3)
+    assert state["sent"] == 1000
+    assert out.token_ids == ref
+    assert out.stats["extra"]["dropped_messages"] == 1000
+    assert out.stats["drafted"] > 0
