@@ -13,14 +13,13 @@ import functools
 import time
 from pathlib import Path
 
-import msgspec
-import numpy as np
 import pytest
 
 from hetero_spec import Engine
 from hetero_spec.runtime import engine_side
-from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync, encode
+from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync
 from tests.conftest import hf_greedy
+from tests.fixtures.fuzz import fuzz_frames
 from tests.fixtures.memworker import FixedGate, MemLauncher, TickClock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,44 +161,6 @@ def test_worker_death_during_a_branch(monkeypatch):
 
 
 # -- fuzz ---------------------------------------------------------------------------------------------
-def _fuzz_frames(n: int, req_id: int, vocab: int, seed: int = 0) -> list[list[bytes]]:
-    """n frames that must all be refused: random bytes, and valid messages broken on purpose."""
-    rng = np.random.default_rng(seed)
-    ok = Proposal(req_id=req_id, epoch=0, base=7, start=7, draft_s=0.0, draft_t0=0.0, sent=0.0)
-    ids = np.array([1, 2, 3], np.int32)
-
-    def header(**changes):
-        d = msgspec.to_builtins(ok)
-        d["t"] = "proposal"
-        d.update(changes)
-        return msgspec.msgpack.encode(d)
-
-    def mutations():
-        good = [f.tobytes() if isinstance(f, np.ndarray) else f for f in encode(ok, (ids,))]
-        yield [rng.bytes(int(rng.integers(0, 64)))]                                   # random header
-        yield [rng.bytes(int(rng.integers(1, 64))), rng.bytes(12)]                   # random + a frame
-        yield [good[0], good[1][:-1]]                                                 # truncated array
-        yield [good[0], good[1], b"\x00" * 4]                                         # extra frame
-        yield [good[0]]                                                               # missing frame
-        yield [header(arrays=[{"dtype": "int32", "shape": [2 ** 40]}]), b"\x00" * 4]   # huge shape
-        yield [header(arrays=[{"dtype": "int32", "shape": [2 ** 31, 2 ** 31]}]), b""]  # overflow
-        yield [header(arrays=[{"dtype": "int32", "shape": [-1]}]), b""]               # negative
-        yield [header(arrays=[{"dtype": "int32", "shape": [1, 3]}]), ids.tobytes()]   # 2-D ids
-        yield [header(arrays=[{"dtype": "float16", "shape": [2]}]), b"\x00" * 4]      # wrong dtype
-        yield [header(arrays=[{"dtype": "int32", "shape": [3]}, {"dtype": "float32", "shape": [2, vocab]}]),
-               ids.tobytes(), b"\x00" * (8 * vocab)]                                   # q rows != ids
-        bad = np.array([1, vocab + int(rng.integers(0, 1000)), 3], np.int32)
-        yield [good[0], bad.tobytes()]                                                # id out of range
-        yield [good[0], np.array([-5, 1, 2], np.int32).tobytes()]                     # negative id
-        yield [header(epoch="zero"), good[1]]                                         # wrong field type
-        yield [msgspec.msgpack.encode({"t": "nosuch"})]                               # unknown tag
-
-    out: list[list[bytes]] = []
-    while len(out) < n:
-        out.extend(mutations())
-    return out[:n]
-
-
 def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llama_target, llama_copy_onnx):
     eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
     ref = hf_greedy(llama_target, PROMPT, 30)
@@ -210,7 +171,7 @@ def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llam
 
         def send_with_fuzz(msg, *arrays):  # 500 bad frames before each of the worker's first 2 proposals
             if isinstance(msg, Proposal) and state["sent"] < 1000:
-                for frames in _fuzz_frames(500, msg.req_id, eng.target.vocab_width, seed=state["sent"]):
+                for frames in fuzz_frames(500, msg.req_id, eng.target.vocab_width, seed=state["sent"]):
                     mw.target_end.inject(frames)
                 state["sent"] += 500
             return real_send(msg, *arrays)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import zmq
 
-from hetero_spec.transport.channel import Channel, CurveKeys, check_bind_host
+from hetero_spec.transport.channel import Channel, CurveKeys, ServerContext, check_bind_host
 from hetero_spec.transport.protocol import (COPY_THRESHOLD, Begin, MalformedMessage, Ping, Proposal, Sync,
                                             decode, encode)
+from tests.fixtures.fuzz import fuzz_frames
 
 
 def _frames(frames):
@@ -51,65 +52,132 @@ def test_no_pickle_types_on_the_wire():
         encode(Sync(req_id=1, pos=0, epoch=0), (np.array([object()]),))
 
 
-def test_channel_drops_and_counts_garbage_then_continues():
-    a = Channel.bind("ipc")
+@pytest.fixture()
+def server():
+    srv = ServerContext()
+    yield srv
+    srv.close()
+
+
+def test_channel_drops_and_counts_garbage_then_continues(server):
+    a = Channel.bind(server, "ipc")
     b = Channel.connect(a.endpoint)
     try:
         b.sock.send_multipart([b"garbage"])
         b.sock.send_multipart([b"\x81\xa1t\xa4ping", b"extra"])
         b.send(Ping(seq=3, sent=0.0))
-        msg, _ = a.recv(2.0)
+        msg, _ = a.recv(10.0)
         assert isinstance(msg, Ping) and msg.seq == 3
         assert a.dropped == 2
-        assert a.recv(0.05) is None
+        assert a.recv(0.0) is None
     finally:
         a.close()
         b.close()
 
 
-def test_large_arrays_zero_copy_path():
-    a = Channel.bind("ipc")
+def test_fuzz_1000_malformed_frames_on_a_real_socket(server):
+    a = Channel.bind(server, "ipc")
+    raw = zmq.Context.instance().socket(zmq.PAIR)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(a.endpoint)
+    try:
+        frames = fuzz_frames(1000, req_id=1, vocab=384, semantic=False)
+        for f in frames:
+            raw.send_multipart(f)
+        raw.send_multipart(encode(Ping(seq=9, sent=0.0)))
+        msg, _ = a.recv(30.0)
+        assert isinstance(msg, Ping) and msg.seq == 9
+        assert a.dropped == 1000 and a.received == 1
+    finally:
+        raw.close(linger=0)
+        a.close()
+
+
+def test_decode_bounds_shapes_before_allocating():
+    head = msgspec.msgpack.encode({"t": "sync", "req_id": 1, "pos": 0, "epoch": 0,
+                                   "arrays": [{"dtype": "int32", "shape": [2 ** 62]}]})
+    with pytest.raises(MalformedMessage, match="dimensions"):
+        decode([head, b""])
+    two_d = msgspec.msgpack.encode({"t": "sync", "req_id": 1, "pos": 0, "epoch": 0,
+                                    "arrays": [{"dtype": "int32", "shape": [2, 2]}]})
+    with pytest.raises(MalformedMessage, match="1-D"):
+        decode([two_d, b"\x00" * 16])
+    with pytest.raises(MalformedMessage, match="carries"):
+        decode(_frames(encode(Ping(seq=1, sent=0.0), (np.zeros(2, np.int32),))))
+
+
+def test_frames_above_maxmsgsize_are_refused(server):
+    a = Channel.bind(server, "ipc", max_msg_bytes=1024)
+    raw = zmq.Context.instance().socket(zmq.PAIR)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(a.endpoint)
+    try:
+        raw.send_multipart(encode(Sync(req_id=1, pos=0, epoch=0), (np.zeros(4096, np.int32),)))
+        # libzmq drops the oversized message and the connection; the peer reconnects by itself
+        deadline = time.monotonic() + 30
+        got = None
+        while got is None and time.monotonic() < deadline:
+            raw.send_multipart(encode(Ping(seq=5, sent=0.0)), flags=zmq.NOBLOCK) if raw.poll(0, zmq.POLLOUT) else None
+            got = a.recv(0.2)
+        assert got is not None and isinstance(got[0], Ping)
+    finally:
+        raw.close(linger=0)
+        a.close()
+
+
+def test_large_arrays_zero_copy_path(server):
+    a = Channel.bind(server, "ipc")
     b = Channel.connect(a.endpoint)
     try:
-        big = np.arange(COPY_THRESHOLD, dtype=np.float32).reshape(8, -1)
+        big = np.arange(COPY_THRESHOLD, dtype=np.int32)
         b.send(Begin(req_id=1, temperature=1.0, top_k=0, top_p=1.0, seed=0, gamma=4, max_ahead=8), big)
-        msg, arrays = a.recv(2.0)
+        msg, arrays = a.recv(10.0)
         np.testing.assert_array_equal(arrays[0], big)
     finally:
         a.close()
         b.close()
 
 
-def test_tcp_beyond_loopback_needs_curve():
-    assert check_bind_host("127.0.0.1", curve=False) is None
-    assert "CURVE" in check_bind_host("0.0.0.0", curve=False)
-    assert check_bind_host("0.0.0.0", curve=True) is None
+def test_closed_channel_neither_sends_nor_raises(server):
+    a = Channel.bind(server, "ipc")
+    a.close()
+    assert a.send(Ping(seq=1, sent=0.0)) is False and a.recv(0.01) is None and not a.poll()
 
 
-def _curve_client(endpoint, monkeypatch, server_public: bytes, client: CurveKeys) -> Channel:
-    monkeypatch.setenv("HETERO_SPEC_CURVE_SERVER", server_public.decode())
-    monkeypatch.setenv("HETERO_SPEC_CURVE_PUBLIC", client.client_public.decode())
-    monkeypatch.setenv("HETERO_SPEC_CURVE_SECRET", client.client_secret.decode())
-    return Channel.connect(endpoint)
+def test_tcp_beyond_loopback_needs_configured_keys():
+    assert check_bind_host("127.0.0.1", keys_configured=False) is None
+    assert "curve_keys" in check_bind_host("0.0.0.0", keys_configured=False)
+    assert check_bind_host("0.0.0.0", keys_configured=True) is None
 
 
-def test_curve_admits_the_paired_client(monkeypatch):
+def test_tcp_channel_requires_curve(server):
+    with pytest.raises(ValueError, match="CURVE"):
+        Channel.bind(server, "tcp")
+
+
+def _client_keys(keys: CurveKeys, server_public: bytes | None = None) -> dict:
+    return {"server_public": (server_public or keys.server_public).decode(), "public": keys.client_public.decode(),
+            "secret": keys.client_secret.decode()}
+
+
+def test_curve_admits_the_paired_client(server):
     keys = CurveKeys.generate()
-    a = Channel.bind("tcp", curve=keys)
-    b = _curve_client(a.endpoint, monkeypatch, keys.server_public, keys)
+    a = Channel.bind(server, "tcp", curve=keys)
+    b = Channel.connect(a.endpoint, curve=_client_keys(keys))
     try:
         b.send(Ping(seq=1, sent=0.0))
-        msg, _ = a.recv(3.0)
+        msg, _ = a.recv(10.0)
         assert isinstance(msg, Ping) and msg.seq == 1
     finally:
         a.close()
         b.close()
 
 
-def test_curve_rejects_other_clients(monkeypatch):
+def test_curve_rejects_other_clients(server):
     keys = CurveKeys.generate()
-    a = Channel.bind("tcp", curve=keys)
-    intruder = _curve_client(a.endpoint, monkeypatch, keys.server_public, CurveKeys.generate())
+    a = Channel.bind(server, "tcp", curve=keys)
+    other = CurveKeys.generate()
+    intruder = Channel.connect(a.endpoint, curve=_client_keys(other, server_public=keys.server_public))
     plain = zmq.Context.instance().socket(zmq.PAIR)
     plain.setsockopt(zmq.LINGER, 0)
     try:
@@ -117,10 +185,52 @@ def test_curve_rejects_other_clients(monkeypatch):
         assert a.recv(1.0) is None  # unknown client key: ZAP refuses the handshake
         intruder.close()
         plain.connect(a.endpoint)
-        plain.send_multipart(encode(Ping(seq=3, sent=0.0)), flags=zmq.NOBLOCK)
+        try:
+            plain.send_multipart(encode(Ping(seq=3, sent=0.0)), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no handshake, no pipe: nothing can even be queued
+            pass
         assert a.recv(1.0) is None  # no CURVE at all: refused
-    except zmq.Again:
-        pass
+        # the paired client still gets in on the same socket
+        b = Channel.connect(a.endpoint, curve=_client_keys(keys))
+        b.send(Ping(seq=4, sent=0.0))
+        msg, _ = a.recv(10.0)
+        assert msg.seq == 4
+        b.close()
     finally:
         plain.close()
         a.close()
+
+
+def test_two_authenticators_in_one_process_and_100_rebind_cycles():
+    """Each engine's context has its own ZAP authenticator: two at once do not collide, and closing then
+    re-binding at once never finds the fixed inproc address still taken."""
+    keys = CurveKeys.generate()
+    s1, s2 = ServerContext(), ServerContext()
+    try:
+        a1 = Channel.bind(s1, "tcp", curve=keys)
+        a2 = Channel.bind(s2, "tcp", curve=keys)
+        assert a1.endpoint != a2.endpoint
+    finally:
+        s1.close()
+        s2.close()
+    for i in range(100):
+        srv = ServerContext()
+        try:
+            a = Channel.bind(srv, "tcp", curve=keys)
+            if i % 20 == 0:  # a real handshake now and then
+                b = Channel.connect(a.endpoint, curve=_client_keys(keys))
+                b.send(Ping(seq=i, sent=0.0))
+                assert a.recv(10.0)[0].seq == i
+                b.close()
+            a.close()
+        finally:
+            srv.close()
+        assert not os.path.exists(srv.dir)
+
+
+def test_server_context_dir_is_private_and_removed(server):
+    assert os.stat(server.dir).st_mode & 0o777 == 0o700
+    a = Channel.bind(server, "ipc", name="w7")
+    assert a.endpoint == f"ipc://{server.dir}/w7.sock"
+    a.close()
+    assert not os.path.exists(f"{server.dir}/w7.sock")

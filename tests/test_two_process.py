@@ -1,4 +1,7 @@
-"""Two-process runtime: identity, overlap, crash recovery without orphans, the cost gate, garbage frames."""
+"""Two-process runtime with real worker processes: identity, crash recovery without orphans (with the gate
+held on, off or probing), garbage frames, clean shutdown. Nothing here asserts a wall-clock outcome: the
+deterministic protocol tests (overlap, branches, every death state, fuzz) are in test_pipelined_mem.py,
+the gate's switching in test_gate.py, and speed in `hetero-spec bench`."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
 
 
 def _cfg(target, draft, **runtime):
-    rt = {"mode": "two_process", "pin_cpus": False, "gate": {"enabled": False}, **runtime}
+    # a generous heartbeat: on a loaded machine a slow Pong must not count as a hung worker here
+    rt = {"mode": "two_process", "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0, **runtime}
     return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
 
@@ -53,7 +57,6 @@ def test_two_process_greedy_identity(pipelined, llama_target, gamma):
         out = pipelined.generate(prompt, max_new_tokens=40, gamma=gamma)
         assert out.token_ids == hf_greedy(llama_target, prompt, 40)
         assert out.stats["acceptance_rate"] >= 0.98
-        assert out.stats["extra"]["draft_failures"] == 0
 
 
 def test_two_process_identity_with_rejections(llama_target, llama_random_onnx):
@@ -74,22 +77,6 @@ def test_stop_token_and_max_new_tokens_inside_block(pipelined, llama_target):
     assert out.token_ids == free[:pos + 1] and out.finish_reason == "stop"
     out = pipelined.generate(prompt, max_new_tokens=7, gamma=8)
     assert out.token_ids == free[:7] and out.finish_reason == "length"
-
-
-def test_drafting_overlaps_verification(llama_target, llama_copy_onnx):
-    """Timestamps: the worker drafts tokens beyond block n while the target verifies block n.
-    The tiny draft is slowed to 0.5 ms/token so that drafting a block takes about as long as verifying."""
-    with Engine.from_config(_cfg(llama_target, llama_copy_onnx, trace=True, test_draft_delay_ms=0.5)) as eng:
-        out = eng.generate(PROMPTS[1], max_new_tokens=48, gamma=4)
-    assert out.token_ids == hf_greedy(llama_target, PROMPTS[1], 48)
-    tl = out.stats["extra"]["timeline"]
-    overlapped = 0
-    for v0, v1, pos, k in tl["verify"]:
-        if k == 0:
-            continue
-        if any(d0 < v1 and d1 > v0 and start >= pos + k for d0, d1, start in tl["draft"]):
-            overlapped += 1
-    assert overlapped >= 3, tl
 
 
 def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx):
@@ -151,31 +138,49 @@ def test_streamed_tokens_identical_after_kill(llama_target, llama_copy_onnx):
     assert set(_children(os.getpid())) <= before
 
 
-def test_slow_draft_turns_speculation_off(llama_target, llama_copy_onnx):
-    """A draft slowed to 30 ms/token: the gate switches speculation off; the target waits for it less
-    than 5 % of the time and output stays identical. (Throughput vs target-only: `hetero-spec bench`.)"""
-    cfg = _cfg(llama_target, llama_copy_onnx, test_draft_delay_ms=30.0, gate={"enabled": True})
+@pytest.mark.parametrize("state", ["on", "off", "probing", "begin"])
+def test_sigkill_in_every_gate_state(llama_target, llama_copy_onnx, state):
+    """The issue's repro: the gate holds speculation off (or on, or probing) and the worker is SIGKILLed
+    mid-request ("begin": just before the request starts, so Begin goes to a dead worker). The request
+    finishes with identical output, no ZMQError, and the worker comes back."""
+    from hetero_spec.metrics import Stats
+    from tests.fixtures.memworker import FixedGate
+
+    cfg = _cfg(llama_target, llama_copy_onnx, restart_backoff_s=0.05)
+    ref = hf_greedy(llama_target, PROMPTS[0], 40)
     with Engine.from_config(cfg) as eng:
-        eng.generate(PROMPTS[1], max_new_tokens=8)  # warm-up
-        out = eng.generate(PROMPTS[1], max_new_tokens=80, gamma=4)
-        st = out.stats
-        assert out.token_ids == hf_greedy(llama_target, PROMPTS[1], 80)
-        assert len(out.token_ids) == 80
-        gate = st["extra"]["gate"]
-        assert any(not s["on"] for s in gate["switches"]), gate
-        assert gate["time_spec_off_s"] > gate["time_spec_on_s"]
-        assert st["time_wait_s"] < 0.05 * st["time_total_s"], st
+        eng.runtime.make_gate = lambda: FixedGate("on" if state == "begin" else state)
+        sup = eng.runtime.sup
+        pid = sup.current().proc.pid
+        if state == "begin":
+            os.kill(pid, signal.SIGKILL)
+            sup.current().proc.wait()
+        stats = Stats()
+        for _ in eng.stream(PROMPTS[0], max_new_tokens=40, gamma=3, stats=stats):
+            if stats.new_tokens >= 8 and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        out = eng.generate(PROMPTS[0], max_new_tokens=40, gamma=3)
+        assert out.token_ids == ref and stats.new_tokens == len(ref)
+        eng.health()  # notices a death the request did not need to look at
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (sup.current() is None or sup.current().proc.pid == pid):
+            time.sleep(0.05)
+        assert sup.current() is not None and sup.current().proc.pid != pid
+        assert sup.failures >= 1 and eng.health()["draft"] == "ok"
+        assert eng.generate(PROMPTS[0], max_new_tokens=40, gamma=3).token_ids == ref
+        assert not _alive(pid)
 
 
-def test_garbage_frames_to_both_sockets(llama_target, llama_copy_onnx, monkeypatch):
-    monkeypatch.setenv("HETERO_SPEC_TEST_GARBAGE", "junk1,junk2,two-frames")
+def test_garbage_frames_at_the_worker(llama_target, llama_copy_onnx):
+    """Malformed frames sent to the worker are dropped and counted there; the request is unaffected.
+    (Garbage at the target: the 1000-frame fuzz in test_pipelined_mem.py and test_transport.py.)"""
     with Engine.from_config(_cfg(llama_target, llama_copy_onnx)) as eng:
         w = eng.runtime.sup.current()
         w.channel.sock.send_multipart([b"\xc1 not msgpack"])  # garbage at the worker
         w.channel.sock.send_multipart([b"\x81\xa1t\xa5bogus"])
         out = eng.generate(PROMPTS[0], max_new_tokens=30, gamma=3)
         assert out.token_ids == hf_greedy(llama_target, PROMPTS[0], 30)
-        assert out.stats["extra"]["dropped_messages"] == 3  # the worker's garbage, at the target
+        assert out.stats["extra"]["dropped_messages"] == 0
         health = eng.health()
         assert health["draft"] == "ok" and health["worker_dropped"] == 2
 
@@ -219,7 +224,8 @@ def test_cli_killed_leaves_no_orphan(tmp_path, llama_target, llama_copy_onnx, si
         workers = _children(proc.pid)
         time.sleep(0.1)
     assert workers, "the draft worker never started"
-    time.sleep(1.0)  # let generation get going
+    _read_until(proc.stdout, b"def f(x):", deadline)  # the prompt echo: the request is validated
+    _read_until(proc.stdout, None, deadline)  # ... and at least one more byte: generation is under way
     proc.send_signal(sig)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 10
@@ -235,3 +241,20 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _read_until(stream, marker: bytes | None, deadline: float) -> bytes:
+    """Read a pipe until `marker` (or, with None, any one byte) arrives; an explicit event, not a sleep."""
+    import select
+
+    got = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 0.5)
+        if ready:
+            b = os.read(stream.fileno(), 1)
+            if not b:
+                break
+            got += b
+            if marker is None or got.endswith(marker):
+                return got
+    raise AssertionError(f"never saw {marker!r} on the CLI's output (got {got!r})")

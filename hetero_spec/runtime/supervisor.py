@@ -292,6 +292,8 @@ class DraftSupervisor:
             try:
                 w = self._spawn_ready()
             except WorkerStartError as exc:
+                if self._closing.is_set():
+                    return
                 log.warning("draft worker restart failed: %s", exc)
                 backoff = min(backoff * 2, self.spec.max_backoff_s)
                 continue

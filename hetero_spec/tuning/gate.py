@@ -13,6 +13,7 @@ proposal transfer time, and the target's verification time. States:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -38,7 +39,7 @@ class CostGate:
     switches: list[dict] = field(default_factory=list)
     time_on_s: float = 0.0
     time_off_s: float = 0.0
-    _since: float = field(default_factory=time.monotonic)
+    _since: float = 0.0
     _off_at: float = 0.0
     probing: bool = False
     _probe_t0: float = 0.0
@@ -47,6 +48,10 @@ class CostGate:
     n_draft_samples: int = 0
     min_samples: int = 3
     max_misses: int = 2
+    clock: Callable[[], float] = time.monotonic  # a seam for tests
+
+    def __post_init__(self) -> None:
+        self._since = self.clock()
 
     def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
         if n_tokens > 0:
@@ -79,7 +84,7 @@ class CostGate:
         return min(cap, cost * 1.5 + 0.0005) if cost is not None else 0.5 * cap
 
     def _switch(self, on: bool, reason: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._account(now)
         self.on = on
         self.switches.append({"t": round(now, 4), "on": on, "reason": reason})
@@ -103,7 +108,7 @@ class CostGate:
         """Update the state after a round; returns whether the next round speculates (waits for drafts)."""
         if not self.enabled:
             return True
-        now = time.monotonic()
+        now = self.clock()
         self._account(now)
         cost, verify = self.block_cost(gamma), self.verify_s.value
         too_slow = cost is not None and verify is not None and cost > verify
@@ -133,7 +138,7 @@ class CostGate:
 
     def summary(self) -> dict:
         ms = lambda e: None if e.value is None else round(e.value * 1e3, 3)  # noqa: E731
-        self._account(time.monotonic())
+        self._account(self.clock())
         return {"on": self.on, "probing": self.probing, "time_spec_on_s": round(self.time_on_s, 4),
                 "time_spec_off_s": round(self.time_off_s, 4), "switches": self.switches[-20:],
                 "n_switches": len(self.switches), "draft_ms_per_token": ms(self.draft_tok_s),

@@ -1,0 +1,83 @@
+"""A thread-safe Engine: generate/stream from several threads at once; requests queue and run one at a
+time, and each output equals its sequential run. health() during a request does not disturb it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hetero_spec import Engine
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 7, 6, 5], [1, 2, 3, 1, 2]]
+
+
+def _cfg(mode, target, draft):
+    rt = {"mode": mode, "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0}
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
+            "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
+
+
+def _run_threads(eng, jobs):
+    """jobs: list of (thread index, call) -> {(thread, i): result}; every thread starts together."""
+    results, errors = {}, []
+    start = threading.Barrier(len(jobs))
+
+    def worker(t, calls):
+        start.wait()
+        try:
+            for i, call in enumerate(calls):
+                results[(t, i)] = call()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(t, calls)) for t, calls in jobs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=600)
+    assert not any(th.is_alive() for th in threads), "a thread never finished (deadlock)"
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("mode", ["in_process", "two_process"])
+def test_4_threads_x_3_requests_equal_their_sequential_runs(llama_target, llama_random_onnx, mode):
+    with Engine.from_config(_cfg(mode, llama_target, llama_random_onnx)) as eng:
+        def req(t, i):
+            return dict(prompt=PROMPTS[t], max_new_tokens=12 + 4 * i, gamma=1 + (t + i) % 4,
+                        temperature=0.8 if i == 2 else 0.0, seed=100 * t + i)
+
+        seq = {(t, i): eng.generate(**req(t, i)).token_ids for t in range(4) for i in range(3)}
+
+        def call(t, i):
+            if i == 1:  # a streaming request among them
+                return "".join(eng.stream(**req(t, i)))
+            return eng.generate(**req(t, i)).token_ids
+
+        jobs = [(t, [lambda t=t, i=i: call(t, i) for i in range(3)]) for t in range(4)]
+        got = _run_threads(eng, jobs)
+        for (t, i), ids in seq.items():
+            want = eng.tokenizer.decode(ids) if i == 1 else ids
+            assert got[(t, i)] == want, (t, i)
+
+
+def test_health_during_a_request_does_not_disturb_it(llama_target, llama_copy_onnx):
+    """health() while a request streams answers from what is known, without touching the channel."""
+    from tests.conftest import hf_greedy
+
+    with Engine.from_config(_cfg("two_process", llama_target, llama_copy_onnx)) as eng:
+        ids: list[int] = []
+        from hetero_spec.metrics import Stats
+
+        stats = Stats()
+        healths = []
+        for _piece in eng.stream(PROMPTS[0], max_new_tokens=40, gamma=3, stats=stats):
+            healths.append(eng.health())
+        out = eng.generate(PROMPTS[0], max_new_tokens=40, gamma=3)
+        assert out.token_ids == hf_greedy(llama_target, PROMPTS[0], 40)
+        assert stats.new_tokens == len(out.token_ids) and stats.extra["stale_proposals"] == 0
+        assert healths and all(h["busy"] and h["draft"] == "ok" for h in healths)
+        idle = eng.health()
+        assert not idle["busy"] and idle["draft"] == "ok" and "rtt_ms" in idle
+        assert idle["draft_restarts"] == 0 and idle["draft_failures"] == 0

@@ -1,0 +1,86 @@
+"""The cost gate, driven by an injected clock: every switch and every second of on/off time is exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero_spec.tuning.gate import CostGate
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_slow_draft_turns_speculation_off_then_probes_and_comes_back():
+    clk = Clock()
+    g = CostGate(probe_interval_s=0.5, clock=clk)
+    for _ in range(3):  # 30 ms per draft token against a 10 ms verification: gamma 4 costs 120 ms
+        g.observe_proposal(draft_s=0.030, n_tokens=1, transfer_s=0.0001)
+        g.observe_verify(0.010)
+        clk.t += 0.1
+        g.decide(4)
+    assert not g.on and "draft+transfer" in g.switches[-1]["reason"]
+    assert g.drafting is False
+    clk.t += 0.4
+    g.decide(4)
+    assert not g.probing  # not yet: 0.4 s < probe_interval_s
+    clk.t += 0.2
+    g.decide(4)
+    assert g.probing and g.drafting and not g.on  # the worker drafts in the background; the target does not wait
+    assert g.wait_budget(4, default=0.01) == pytest.approx(0.010 * 0.5)  # no fresh timing yet: half a step
+    g.observe_proposal(draft_s=0.001, n_tokens=1, transfer_s=0.0001)  # the draft is fast again
+    clk.t += 0.05
+    g.decide(4)
+    assert g.on and not g.probing and g.switches[-1]["on"] and "probe" in g.switches[-1]["reason"]
+    s = g.summary()
+    assert s["n_switches"] == 2
+    # on from 100.0 to 100.3 (third decide), off until the probe came back at 100.95
+    assert s["time_spec_on_s"] == pytest.approx(0.3) and s["time_spec_off_s"] == pytest.approx(0.65)
+
+
+def test_a_probe_that_is_still_slow_stays_off():
+    clk = Clock()
+    g = CostGate(probe_interval_s=0.5, min_samples=1, clock=clk)
+    g.observe_verify(0.010)
+    g.observe_proposal(0.050, 1, None)
+    g.decide(4)
+    assert not g.on
+    clk.t += 1.0
+    g.decide(4)
+    assert g.probing
+    g.observe_proposal(0.050, 1, None)
+    g.decide(4)
+    assert not g.on and not g.probing and len(g.switches) == 1
+
+
+def test_rounds_without_draft_tokens_turn_it_off():
+    g = CostGate(clock=Clock())
+    g.observe_verify(0.010)
+    for _ in range(2):
+        g.observe_wait(0)
+    g.decide(4)
+    assert not g.on and "no draft tokens" in g.switches[-1]["reason"]
+
+
+def test_wait_budget_is_the_predicted_draft_time_capped_at_one_verification():
+    g = CostGate(clock=Clock())
+    assert g.wait_budget(4, default=0.02) == pytest.approx(0.01)  # nothing known: half the default
+    g.observe_verify(0.010)
+    g.observe_proposal(0.0004, 1, 0.0002)
+    assert g.wait_budget(4, default=0.02) == pytest.approx(min(0.010, (4 * 0.0004 + 0.0002) * 1.5 + 0.0005))
+    g.observe_proposal(0.004, 1, 0.0002)  # slower: capped at one verification
+    assert g.wait_budget(8, default=0.02) == pytest.approx(0.010)
+
+
+def test_disabled_gate_never_switches():
+    clk = Clock()
+    g = CostGate(enabled=False, clock=clk)
+    for _ in range(5):
+        g.observe_proposal(1.0, 1, None)
+        g.observe_verify(0.001)
+        assert g.decide(4)
+    assert g.on and g.switches == []

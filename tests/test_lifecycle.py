@@ -1,0 +1,118 @@
+"""Lifecycle: a dropped Engine shuts its worker down; the worker ignores SIGINT (the parent decides);
+generate after close() is an error; two CURVE engines in one process at once; each engine's sockets and
+logs live in its own private directory, removed on close."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.errors import EngineClosedError
+from tests.conftest import hf_greedy
+
+PROMPT = [5, 17, 33, 2, 99, 100, 7]
+
+
+def _cfg(target, draft, **runtime):
+    rt = {"mode": "two_process", "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0, **runtime}
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
+            "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
+
+
+def _wait_dead(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_dropped_engine_shuts_its_worker_down(llama_target, llama_copy_onnx):
+    eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx))
+    pid = eng.runtime.sup.current().proc.pid
+    private = eng.runtime.sup._server.dir
+    del eng
+    gc.collect()
+    assert _wait_dead(pid), "the worker outlived its Engine"
+    assert not os.path.exists(private)
+
+
+def test_worker_ignores_sigint_and_close_then_generate_is_an_error(llama_target, llama_copy_onnx):
+    eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx))
+    w = eng.runtime.sup.current()
+    os.kill(w.proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group at a terminal
+    out = eng.generate(PROMPT, max_new_tokens=20, gamma=3)
+    assert w.proc.poll() is None and eng.runtime.sup.current() is w and eng.runtime.sup.failures == 0
+    assert out.token_ids == hf_greedy(llama_target, PROMPT, 20)
+    eng.close()
+    assert _wait_dead(w.proc.pid)
+    with pytest.raises(EngineClosedError, match="closed"):
+        eng.generate(PROMPT, max_new_tokens=5)
+    with pytest.raises(EngineClosedError):
+        list(eng.stream(PROMPT, max_new_tokens=5))
+    with pytest.raises(EngineClosedError):
+        eng.health()
+    eng.close()  # twice is fine
+
+
+def test_in_process_close_then_generate_is_an_error(llama_target):
+    eng = Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32"}, "draft": {"kind": "ngram"}})
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        eng.generate(PROMPT, max_new_tokens=5)
+
+
+def test_two_curve_engines_generate_at_once_with_private_dirs(llama_target, llama_copy_onnx):
+    """TCP always uses CURVE (ephemeral keys per worker, over the worker's stdin). Two such engines in
+    one process each have their own context and authenticator, so they do not collide."""
+    ref = hf_greedy(llama_target, PROMPT, 24)
+    engines = [Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp")) for _ in range(2)]
+    try:
+        dirs = [e.runtime.sup._server.dir for e in engines]
+        assert dirs[0] != dirs[1] and all(os.stat(d).st_mode & 0o777 == 0o700 for d in dirs)
+        assert all(sorted(os.listdir(d)) == ["worker-1.log"] for d in dirs)  # tcp: no socket file
+        for e in engines:
+            assert e.runtime.sup.current().channel.endpoint.startswith("tcp://127.0.0.1:")
+        outs: dict[int, list[int]] = {}
+        start = threading.Barrier(2)
+
+        def run(i):
+            start.wait()
+            outs[i] = engines[i].generate(PROMPT, max_new_tokens=24, gamma=3).token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert outs == {0: ref, 1: ref}
+        # the worker's keys came over its stdin: neither argv nor the environment holds a secret
+        for e in engines:
+            pid = e.runtime.sup.current().proc.pid
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert b"--keys-stdin" in cmdline and b"CURVE" not in environ
+    finally:
+        for e in engines:
+            e.close()
+    assert not any(os.path.exists(d) for d in dirs)
+
+
+def test_ipc_socket_and_log_are_in_the_private_dir(llama_target, llama_copy_onnx):
+    with Engine.from_config(_cfg(llama_target, llama_copy_onnx)) as eng:
+        d = eng.runtime.sup._server.dir
+        assert sorted(os.listdir(d)) == ["worker-1.log", "worker-1.sock"]
+        assert eng.runtime.sup.current().channel.endpoint == f"ipc://{d}/worker-1.sock"
+    assert not os.path.exists(d)
