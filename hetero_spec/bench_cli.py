@@ -23,6 +23,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--ort-target", default=None, metavar="DIR",
                    help="an existing fp32 ONNX export of the target for the ort_genai systems "
                         "(default: export it once into OUT/ort_models/target)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the hetero_spec systems at this temperature (seed 0; default 0 = greedy); "
+                        "adds hetero_spec_target_only, the engine without a draft, as their reference")
+    p.add_argument("--sampling", default=None, choices=["rejection", "coupled"],
+                   help="speculation.sampling of the hetero_spec systems (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
                         "every system, the rest to the hetero_spec systems")

@@ -14,8 +14,9 @@ from .errors import HeteroSpecError
 
 EPILOG = """examples:
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "def parse(" --max-new-tokens 64
-  hetero-spec generate --config configs/cpu-demo.yaml --set speculation.gamma=6 --json
-  hetero-spec export-draft --model models/draft --out /tmp/draft-int4 --precision int4 --block-size 128
+  hetero-spec generate --config configs/cpu-demo.yaml --prompt "import os" --set speculation.gamma=6 --json
+  echo "def parse(" | hetero-spec generate --config configs/cpu-demo.yaml --set draft.kind=ngram
+  hetero-spec export --model models/draft --out /tmp/draft-int4 --precision int4 --block-size 128
 """
 
 
@@ -51,9 +52,12 @@ def _add_generate(sub) -> None:
 def _add_export(sub) -> None:
     from .draft.export import PRECISIONS, PROVIDERS
 
-    p = sub.add_parser("export-draft", help="export a Hugging Face checkpoint to an ONNX draft",
+    p = sub.add_parser("export", aliases=["export-draft"],
+                       help="export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
                        description="Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV "
-                                   "cache using onnxruntime-genai's model builder, optionally quantized.")
+                                   "cache using onnxruntime-genai's model builder, optionally quantized. "
+                                   "Prints one progress line per stage on stderr; the builder's full output "
+                                   "goes to OUT/export.log.")
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, weights, tokenizer.json)")
     p.add_argument("--out", required=True, help="output directory for model.onnx and genai_config.json")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
@@ -80,18 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_prompt(arg: str | None) -> str:
+    """--prompt, or all of standard input; either must be UTF-8 (the error names the bad byte's offset).
+    Undecodable argv bytes reach Python as lone surrogates (surrogateescape), stdin is read as bytes."""
+    from .validation import check_prompt_text, decode_utf8
+
+    if arg is not None:
+        return check_prompt_text(arg, "--prompt")
+    if sys.stdin is None or sys.stdin.isatty():
+        raise HeteroSpecError("--prompt is required when standard input is a terminal "
+                              '(e.g. --prompt "def parse(", or pipe the prompt in)')
+    raw = getattr(sys.stdin, "buffer", None)  # None for a text-only stream (io.StringIO)
+    if raw is None:
+        return check_prompt_text(sys.stdin.read(), "standard input")
+    return decode_utf8(raw.read(), "standard input")
+
+
 def _cmd_generate(args) -> int:
+    from .config import load_config
     from .engine import Engine
     from .metrics import Stats
+    from .validation import request_args
 
-    prompt = args.prompt
-    if prompt is None:
-        if sys.stdin.isatty():
-            raise HeteroSpecError("--prompt is required when standard input is a terminal")
-        prompt = sys.stdin.read()
+    prompt = _read_prompt(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
-    with Engine.from_config(args.config, overrides=_overrides(args.overrides)) as eng:
+    config = load_config(args.config, overrides=_overrides(args.overrides))
+    request_args(config, flags=True, **kw)  # bad arguments fail now, not after the models have loaded
+    with Engine(config) as eng:
         if args.json:
             out = eng.generate(prompt, **kw)
             print(json.dumps(out.to_dict()))
@@ -102,8 +122,9 @@ def _cmd_generate(args) -> int:
             print(out.text)
             stats_d = out.stats
         else:
+            pieces = eng.stream(prompt, stats=stats, **kw)  # validates the request: errors come before output
             print(prompt, end="", flush=True)  # echo the prompt, then stream the completion after it
-            for piece in eng.stream(prompt, stats=stats, **kw):
+            for piece in pieces:
                 print(piece, end="", flush=True)
             print()
             stats_d = stats.to_dict()
@@ -115,11 +136,12 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from .draft.export import export_draft
+    from .draft.export import LOG_NAME, export_draft
 
     out = export_draft(args.model, args.out, args.precision, args.execution_provider,
                        block_size=args.block_size)
-    print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider})")
+    print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
+          f"builder log: {out / LOG_NAME}")
     return 0
 
 
@@ -132,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": _cmd_generate, "export-draft": _cmd_export}
+    handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench

@@ -1,18 +1,20 @@
 """Typed configuration: one pydantic model per YAML section.
 
 Every field has a default and a docstring. Unknown keys are errors that name the key path. Overrides
-(`--set a.b=v` on the CLI, `overrides={"a.b": v}` in Python) go through the same validator. Relative model
-paths are resolved against the directory of the YAML file that names them.
+(`--set a.b=v` on the CLI, `overrides={"a.b": v}` in Python) go through the same validator; their errors
+are blamed on `--set`. Relative paths (target.model, draft.model, runtime.curve_keys) are resolved against
+the directory of the YAML file that names them, and against the current directory when an override does.
 """
 
 from __future__ import annotations
 
 import copy
+from os import PathLike
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from .errors import ConfigError
 
@@ -50,9 +52,12 @@ class NgramConfig(_Section):
 
 class DraftConfig(_Section):
     kind: Literal["onnx", "ngram", "none"] = "ngram"
-    """`onnx`: an exported draft model under ONNX Runtime; `ngram`: prompt lookup; `none`: target only."""
+    """`onnx`: an exported draft model under ONNX Runtime; `ngram`: prompt lookup; `none`: target only.
+    When a config file (or an override) gives `draft.model` but no `kind`, the kind is inferred from the
+    directory: `onnx` when it holds a model.onnx, otherwise an error asking for `kind`. With neither
+    `kind` nor `model` the draft is `ngram`."""
     model: Path | None = None
-    """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export-draft`."""
+    """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export`."""
     providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
     """ONNX Runtime execution providers, in order of preference."""
     threads: int = Field(default=1, ge=1)
@@ -64,20 +69,26 @@ class DraftConfig(_Section):
 class SpeculationConfig(_Section):
     gamma: int = Field(default=4, ge=1, le=64)
     """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass."""
+    sampling: Literal["rejection", "coupled"] = "coupled"
+    """How sampled (temperature > 0) tokens are verified; both keep the target's distribution exactly.
+    `coupled`: draft and target share Gumbel noise keyed by (seed, position); a draft token is accepted iff
+    it is the target's own Gumbel-max sample, so a seeded output equals target-only sampling with that seed
+    whatever the draft, gamma or process layout (only tokens travel). `rejection`: Leviathan et al.'s
+    sampler (the draft sends q); a little higher acceptance, but a seed's output depends on draft and gamma."""
 
 
 class GenerationConfig(_Section):
     max_new_tokens: int = Field(default=128, ge=1)
     """Upper bound on generated tokens; never exceeded, also inside an accepted block."""
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     """0 means greedy (argmax). Above 0, speculative rejection sampling keeps the target's distribution."""
     top_k: int = Field(default=0, ge=0)
     """Keep the k most likely tokens (0 = off). Applied identically to target and draft."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     """Nucleus sampling mass (1.0 = off). Applied identically to target and draft."""
-    seed: int | None = None
-    """Seed for sampled generation; runs with the same seed are reproducible. None draws one."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    """Seed for sampled generation, 0 <= seed < 2**64; runs with the same seed are reproducible. None draws one."""
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
 
 
@@ -96,11 +107,15 @@ class RuntimeConfig(_Section):
     transport: Literal["ipc", "tcp"] = "ipc"
     """ZeroMQ transport between the processes. IPC (a Unix socket) by default."""
     host: str = "127.0.0.1"
-    """TCP bind address. Anything but loopback requires `curve: true`."""
+    """TCP bind address. Anything but loopback requires `curve_keys`."""
     port: int = Field(default=0, ge=0, le=65535)
     """TCP port; 0 picks a free one."""
     curve: bool = False
-    """ZeroMQ CURVE encryption + authentication; keys are generated per worker and never sent on the wire."""
+    """Use ZeroMQ CURVE (encryption + authentication) on IPC too. TCP always uses it: with no
+    `curve_keys`, a fresh key pair per worker, handed to it through a pipe only it can read."""
+    curve_keys: Path | None = None
+    """Directory with `server.key_secret` and `client.key_secret` (ZeroMQ certificates; make them with
+    `hetero-spec keys --out DIR`). Required to bind TCP beyond loopback."""
     ready_timeout_s: float = Field(default=60.0, gt=0)
     """How long to wait for the draft worker to load its model and report ready."""
     heartbeat_s: float = Field(default=2.0, gt=0)
@@ -133,6 +148,13 @@ class Config(_Section):
     """Process layout."""
     source: str = Field(default="<dict>", exclude=True)
     """Where this config came from (file path), for error messages."""
+    _override_keys: tuple[str, ...] = PrivateAttr(default=())  # dotted keys set by `--set` / overrides
+
+    def blame(self, key_path: str) -> str:
+        """Where the value at key_path came from, for error messages: `--set` when an override wrote it
+        (or a section around it), else the config's source."""
+        loc = tuple(key_path.split("[")[0].split("."))
+        return "--set" if _from_overrides(loc, list(self._override_keys)) else self.source
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
@@ -149,17 +171,87 @@ def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
     return cur
 
 
-def _set_path(raw: dict, dotted: str, value: Any, source: str) -> None:
+_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"))  # directory paths
+
+
+def _section_model(parts: list[str]) -> type[BaseModel] | None:
+    """The section class at a key path (() is Config), or None where the path names a value."""
+    model: type[BaseModel] = Config
+    for part in parts:
+        ann = model.model_fields[part].annotation
+        if not (isinstance(ann, type) and issubclass(ann, _Section)):
+            return None
+        model = ann
+    return model
+
+
+def _known_keys(parts: list[str]) -> str:
+    model = _section_model(parts)
+    names = [n for n in (model.model_fields if model else ()) if model is not Config or n != "source"]
+    return f"{'.'.join(parts) or 'the top level'} has: {', '.join(names)}"
+
+
+def _check_override_key(dotted: str, value: Any) -> list[str]:
+    """The key path of an override, checked against the schema: its errors blame `--set`."""
     parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError("--set", dotted, value, "empty key in the path; expected KEY.PATH=VALUE")
+    for i, part in enumerate(parts):
+        model = _section_model(parts[:i])
+        if model is None:
+            raise ConfigError("--set", dotted, value,
+                              f"unknown key: {'.'.join(parts[:i])} is a value, not a section")
+        if part not in model.model_fields or (model is Config and part == "source"):
+            what = f"unknown section {part!r}" if i == 0 else "unknown key"
+            raise ConfigError("--set", dotted, value, f"{what}; {_known_keys(parts[:i])}")
+    return parts
+
+
+def _set_path(raw: dict, dotted: str, value: Any, source: str) -> None:
+    """Apply one override (`--set a.b=v`) to the raw mapping read from `source`."""
+    parts = _check_override_key(dotted, value)
     cur = raw
     for i, part in enumerate(parts[:-1]):
-        if part not in Config.model_fields and i == 0:
-            raise ConfigError(source, dotted, value, f"unknown section {part!r}")
         nxt = cur.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(source, ".".join(parts[: i + 1]), nxt, "is not a mapping")
+        if not isinstance(nxt, dict):  # the file's own error: a section that is not a mapping
+            raise ConfigError(source, ".".join(parts[: i + 1]), nxt, "must be a mapping of keys")
         cur = nxt
     cur[parts[-1]] = value
+
+
+def _resolve_paths(raw: dict, base: Path) -> None:
+    """Relative directory paths (_PATH_KEYS) -> absolute, against base: the YAML's folder for paths written
+    in the file, the current directory for overrides (applied after the file's paths are absolute)."""
+    for name, key in _PATH_KEYS:
+        section = raw.get(name)
+        if isinstance(section, dict) and isinstance(section.get(key), str | PathLike):
+            path = Path(section[key])
+            if not path.is_absolute():
+                section[key] = str((base / path).resolve())
+
+
+def _infer_draft_kind(raw: dict, where: str) -> None:
+    """`draft: {model: DIR}` without `kind`: onnx when DIR holds a model.onnx, else an error (see DraftConfig)."""
+    draft = raw.get("draft")
+    if not isinstance(draft, dict) or "kind" in draft or not isinstance(draft.get("model"), str | PathLike):
+        return
+    if (Path(draft["model"]) / "model.onnx").is_file():
+        draft["kind"] = "onnx"
+        return
+    found = "has no model.onnx" if Path(draft["model"]).is_dir() else "does not exist"
+    raise ConfigError(where, "draft.kind", None,
+                      f"not set, and draft.model ({draft['model']}) {found} to infer it from; "
+                      "set draft.kind: onnx (export a draft with `hetero-spec export`), ngram or none")
+
+
+def _from_overrides(loc: tuple[Any, ...], keys: list[str]) -> bool:
+    """Whether an override wrote the value at loc (or a section around it, or a key inside it)."""
+    parts = [str(p) for p in loc]
+    for key in keys:
+        k = key.split(".")
+        if parts[: len(k)] == k or k[: len(parts)] == parts:
+            return True
+    return False
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -175,12 +267,21 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None,
                  overrides: dict[str, Any] | None = None) -> Config:
-    """Validate a raw mapping (+ dotted overrides) into a Config; errors name source, key path, value."""
+    """Validate a raw mapping (+ dotted overrides) into a Config; errors name source, key path, value.
+
+    An error is blamed on `--set` when an override wrote the value at fault, else on `source`. Relative
+    paths (_PATH_KEYS) resolve against base_dir (default: the current directory) when they come from `raw`,
+    against the current directory when they come from an override.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(source, "", raw, "the top level must be a mapping of sections")
     raw = copy.deepcopy(raw)
+    _resolve_paths(raw, base_dir or Path.cwd())
+    keys = list(overrides or {})
     for key, value in (overrides or {}).items():
-        _set_path(raw, key, value, source)
+        _set_path(raw, key, copy.deepcopy(value), source)
+    _resolve_paths(raw, Path.cwd())
+    _infer_draft_kind(raw, "--set" if {"draft", "draft.model"} & set(keys) else source)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as exc:
@@ -188,17 +289,13 @@ def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None
         loc = tuple(err["loc"])
         value = err.get("input", _lookup(raw, loc))
         if err["type"] == "extra_forbidden":
-            problem = "unknown key"
+            problem = f"unknown key; {_known_keys([str(p) for p in loc[:-1]])}"
         else:
             problem = err["msg"]
-        keys = set((overrides or {}).keys())
-        where = "--set" if _fmt_loc(loc) in keys else source
+        where = "--set" if _from_overrides(loc, keys) else source
         raise ConfigError(where, _fmt_loc(loc), value, problem) from None
-    base = base_dir or Path.cwd()
-    for section in (cfg.target, cfg.draft):
-        if section.model is not None and not section.model.is_absolute():
-            section.model = (base / section.model).resolve()
     cfg.source = source
+    cfg._override_keys = tuple(keys)
     return cfg
 
 
@@ -219,17 +316,18 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
 def check_paths(cfg: Config) -> None:
     """Model directories must exist (and the modes fit together) before anything heavy loads."""
     if cfg.runtime.mode == "two_process" and cfg.draft.kind != "onnx":
-        raise ConfigError(cfg.source, "runtime.mode", cfg.runtime.mode,
+        raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
                           f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
                           "use runtime.mode: in_process for ngram or none")
     if cfg.target.model is None:
-        raise ConfigError(cfg.source, "target.model", None, "a target model directory is required")
+        raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
     if not (cfg.target.model / "config.json").is_file():
-        raise ConfigError(cfg.source, "target.model", str(cfg.target.model),
+        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
                           "not a Hugging Face model directory (no config.json found)")
     if cfg.draft.kind == "onnx":
         if cfg.draft.model is None:
-            raise ConfigError(cfg.source, "draft.model", None, "draft.kind is onnx, so a draft model is required")
+            raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
+                              "draft.kind is onnx, so a draft model is required")
         if not (cfg.draft.model / "model.onnx").is_file():  # noqa: SIM102
-            raise ConfigError(cfg.source, "draft.model", str(cfg.draft.model),
-                              "no model.onnx in this directory (make one with `hetero-spec export-draft`)")
+            raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
+                              "no model.onnx in this directory (make one with `hetero-spec export`)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, check_paths, load_config
-from .errors import ConfigError, EngineClosedError, RequestError, VocabMismatchError
+from .errors import ConfigError, EngineClosedError, VocabMismatchError
 from .metrics import Stats
 from .sampling import SamplingParams
 from .scheduler import Request, decode
@@ -190,12 +190,12 @@ class Engine:
 
             why = check_bind_host(rt.host, rt.curve_keys is not None)
             if why:
-                raise ConfigError(config.source, "runtime.host", rt.host, why)
+                raise ConfigError(config.blame("runtime.host"), "runtime.host", rt.host, why)
         if config.draft.kind == "onnx":
             from .draft.onnx_drafter import check_providers
 
-            check_providers(config.draft.providers, source=config.source)
-            check_vocab(config.target.model, config.draft.model, source=config.source)
+            check_providers(config.draft.providers, source=config.blame("draft.providers"))
+            check_vocab(config.target.model, config.draft.model, source=config.blame("draft.model"))
         self._draft_checked = config
 
     def _check_open(self) -> None:
@@ -252,12 +252,14 @@ class Engine:
                  stop_token_ids: list[int] | None, gamma: int | None) -> Request:
         """Validate a request (each argument like the config field it overrides; None takes the config's
         value) and tokenize its prompt. RequestError names the argument and the value."""
+        self._check_open()
         g = self.config.generation
         a = request_args(self.config, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, gamma=gamma)
         vocab = self.target.vocab_width
         if [t for t in g.stop_token_ids if t >= vocab]:
-            raise ConfigError(self.config.source, "generation.stop_token_ids", g.stop_token_ids,
+            raise ConfigError(self.config.blame("generation.stop_token_ids"), "generation.stop_token_ids",
+                              g.stop_token_ids,
                               f"ids outside the target's vocabulary [0, {vocab})")
         if stop_token_ids is not None:
             check_stop_ids(a["stop_token_ids"], vocab)
@@ -266,7 +268,7 @@ class Engine:
         seed = a["seed"] if a["seed"] is not None else secrets.randbits(48)
         params = SamplingParams(temperature=temperature, top_k=g.top_k if top_k is None else int(top_k),
                                 top_p=top_p, seed=int(seed), sampling=self.config.speculation.sampling)
-        stops = set(self.target.eos_token_ids) | set(g.stop_token_ids) | set(stop_token_ids or [])
+        stops = set(self.target.eos_token_ids) | set(g.stop_token_ids) | set(a["stop_token_ids"])
         return Request(prompt_ids=prompt_ids, max_new_tokens=a["max_new_tokens"], params=params,
                        gamma=a["gamma"], stop_ids=frozenset(stops))
 

@@ -6,18 +6,29 @@ Terms, used the same way everywhere (Leviathan et al. 2023; p = target, q = draf
   ``p_i`` is the target's distribution for the token at draft position ``i`` (``p_{k+1}`` follows ``x_k``).
 * **accepted**: the draft tokens kept, a prefix ``x_1..x_n`` of the block (``0 <= n <= k``).
 * **recovered**: when ``x_{n+1}`` is rejected, the token the target puts in its place: in greedy mode
-  ``argmax p_{n+1}``; in sampling mode a draw from ``norm(max(0, p_{n+1} - q_{n+1}))``.
-* **bonus**: when all ``k`` are accepted, one extra token from ``p_{k+1}``.
+  ``argmax p_{n+1}``; in rejection sampling a draw from ``norm(max(0, p_{n+1} - q_{n+1}))``; in coupled
+  sampling the target's own choice ``y_{n+1} = argmax(log p_{n+1} + g_{n+1})``.
+* **bonus**: when all ``k`` are accepted, one extra token from ``p_{k+1}`` (coupled: ``y_{k+1}``).
 
 Every round therefore yields ``n + 1`` tokens: the accepted ones and one recovered-or-bonus token,
 called ``next_token`` below.
 
-Randomness is explicit: the caller passes uniform draws, and `position_uniforms` derives them from
-(seed, absolute position, stream), so a seeded run is reproducible whatever the round boundaries were.
+Two sampling modes (`SamplingParams.sampling`; greedy is the same in both):
+
+* ``rejection`` (Leviathan et al.): the draft samples x_i ~ q_i and sends q; `verify_rejection`. The output
+  has the target's distribution, but which token a seed yields depends on the draft and on gamma.
+* ``coupled`` (Gumbel-max coupling): draft and target share one noise vector per absolute position,
+  keyed by (seed, position) (`exponential_noise`). The target's token there is argmax(log p + g), an exact
+  sample from p; the draft proposes argmax(log q + g) and sends tokens only; `verify_coupled`. Seeded output
+  is then that of target-only sampling with the same seed, whatever the draft, gamma or process layout.
+
+Randomness is explicit: the caller passes uniform draws or noise, derived from (seed, absolute position,
+stream), so a seeded run is reproducible whatever the round boundaries were.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,25 +37,76 @@ import numpy as np
 STREAM_ACCEPT = 0   # target: accept/reject test of the draft token at this position
 STREAM_TARGET = 1   # target: recovered or bonus sample at this position
 STREAM_DRAFT = 2    # draft: its own sample at this position
+STREAM_COUPLED = 3  # coupled mode: the noise vector draft and target share at this position
+
+SAMPLING_MODES = ("rejection", "coupled")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request turns logits into tokens. temperature 0 means greedy."""
+    """How one request turns logits into tokens. temperature 0 means greedy.
+
+    sampling: how a sampled (temperature > 0) request is verified, ``rejection`` or ``coupled`` (see the
+    module docstring); greedy requests ignore it.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    sampling: str = "rejection"
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def coupled(self) -> bool:
+        """Sampled with Gumbel-max coupling: the draft sends tokens only (no q), like greedy."""
+        return not self.greedy and self.sampling == "coupled"
+
 
 def position_uniforms(seed: int, position: int, stream: int, n: int = 1) -> np.ndarray:
     """n uniform draws in [0, 1) that depend only on (seed, absolute position, stream)."""
-    return np.random.default_rng([seed & 0xFFFFFFFFFFFF, position, stream]).random(n)
+    # the whole 64-bit seed, as two 32-bit words: seeds that differ only in high bits draw differently
+    return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, position, stream]).random(n)
+
+
+def exponential_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """[vocab] float64 i.i.d. Exp(1) draws E that depend only on (seed, absolute position): the noise of
+    coupled sampling. g = -log(E) is standard Gumbel noise (`gumbel_noise`).
+
+    Keyed by a SeedSequence of (the full 64-bit seed as two 32-bit words, position, STREAM_COUPLED); the
+    word count is fixed, so seeds that differ only in their high bits get different noise. numpy's ziggurat
+    exponential costs about one uniform per entry and no logarithm (~1.3 ms for 128k entries), and any
+    prefix of the vector does not depend on `vocab`. Zeros (probability ~2^-53 each) are lifted to the
+    smallest positive float so that p / E is never 0 / 0.
+    """
+    if not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    key = np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32, position, STREAM_COUPLED])
+    e = np.random.Generator(np.random.PCG64(key)).standard_exponential(vocab)
+    return np.maximum(e, np.finfo(np.float64).smallest_subnormal, out=e)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """[vocab] standard Gumbel noise g = -log(E) of (seed, position); `coupled_choice` uses E directly."""
+    return -np.log(exponential_noise(seed, position, vocab))
+
+
+def coupled_choice(probs: np.ndarray, e: np.ndarray) -> int:
+    """argmax(log p + g) with g = -log(e), computed as argmax(p / e) (the exponential race; no logarithm).
+
+    probs: [vocab] a distribution (zeros allowed); e: [vocab] `exponential_noise` of the position. With e
+    i.i.d. Exp(1) the result is an exact sample from probs, and a token with probability 0 is never chosen.
+    """
+    if probs.shape != e.shape:
+        raise ValueError(f"probs and noise must have the same shape, got {probs.shape} and {e.shape}")
+    return int(np.argmax(probs / e))
 
 
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -154,3 +216,25 @@ def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
     """
     n = rejection_accept(draft_ids, q, p, u_accept)
     return n, rejection_next(draft_ids, q, p, n, u_sample)
+
+
+def verify_coupled(draft_ids: list[int], p: np.ndarray,
+                   noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
+    """Gumbel-max coupled verification.
+
+    draft_ids: [k] tokens the draft chose as argmax(log q_i + g_i); p: [k + 1, vocab] target distributions;
+    noise(i) -> [vocab]: the `exponential_noise` of the position of row i (a callable, so that rows after
+    the first rejection are never drawn). The target's token at row i is y_i = `coupled_choice(p_i, noise(i))`,
+    an exact sample from p_i. **accepted**: the longest prefix with x_i == y_i; **recovered**: y_n at the
+    first mismatch; **bonus**: y_k when all k are accepted. So next_token is always y_n, and the block equals
+    what target-only sampling with the same noise emits. Returns (n_accepted, next_token).
+    """
+    k = len(draft_ids)
+    if p.ndim != 2 or p.shape[0] != k + 1:
+        raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")
+    n = 0
+    while True:
+        y = coupled_choice(p[n], noise(n))
+        if n == k or draft_ids[n] != y:
+            return n, y
+        n += 1

@@ -16,8 +16,8 @@ import numpy as np
 from .draft.base import Draft, Proposer
 from .errors import PromptTooLongError, RequestError
 from .metrics import Stats
-from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, logits_to_probs, position_uniforms,
-                       rejection_accept, rejection_next, verify_greedy)
+from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
+                       position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
 from .target.verifier import TargetModel, TargetState
 
 
@@ -47,15 +47,18 @@ def verify_block(target: TargetModel, state: TargetState, params: SamplingParams
                  draft: Draft) -> tuple[int, int]:
     """3) verify one block in one target forward pass; returns (n_accepted, next_token).
 
-    Uniform draws are keyed by the absolute position of the token they decide, so seeded output does
-    not depend on where round boundaries fall.
+    Uniform draws and noise are keyed by the absolute position of the token they decide, so seeded output
+    does not depend on where round boundaries fall. Coupled sampling ignores draft.probs (None is fine).
     """
     out = target.verify(state, ids[-1], draft.ids, params.greedy)
+    base = len(ids)
     if params.greedy:
         n, nxt = verify_greedy(draft.ids, out)
+    elif params.coupled:
+        p = logits_to_probs(out, params)  # [k + 1, vocab]
+        n, nxt = verify_coupled(draft.ids, p, lambda i: exponential_noise(params.seed, base + i, p.shape[1]))
     else:
         p = logits_to_probs(out, params)  # [k + 1, vocab]
-        base = len(ids)
         u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0]
                           for i in range(len(draft.ids))])
         n = rejection_accept(draft.ids, draft.probs, p, u_acc)

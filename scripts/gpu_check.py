@@ -54,13 +54,24 @@ def main() -> int:
 
     rows, ok = [], True
     dev = torch.device("cuda")
-    st = Staging(dev, max_tokens=16, vocab=4096)
-    pinned = st.pinned and st._prob_host.is_pinned()
+    st = Staging(dev, max_tokens=16)
+    pinned = st.pinned
     rows.append(("staging buffers pinned", str(pinned), ""))
     ok &= pinned
 
-    # async: a non_blocking copy from pinned memory returns before a long GPU kernel ahead of it ends
+    # ordering: a kernel queued behind long work still reads the ids it was given, not the next block's
+    # (the side-stream copy of the next ids must wait for the compute stream; the buffer is reused)
     big = torch.randn(8192, 8192, device=dev)
+    torch.cuda.synchronize()
+    first = st.tokens([1, 2, 3])
+    _ = big @ big @ big  # keep the compute stream busy
+    seen = first.clone()  # queued after the matmuls: reads the device buffer late
+    st.tokens([7, 8, 9])
+    ordered = seen.tolist() == [[1, 2, 3]]
+    rows.append(("staging copy waits for earlier readers", str(ordered), f"read {seen.tolist()}"))
+    ok &= ordered
+
+    # async: a non_blocking copy from pinned memory returns before a long GPU kernel ahead of it ends
     torch.cuda.synchronize()
     t = time.perf_counter()
     _ = big @ big  # queue ~1 ms+ of work on the compute stream

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -42,11 +43,27 @@ def test_set_override_and_streaming_text(copy_config, capsys):
 def test_bad_override_is_a_clear_error(copy_config, capsys):
     assert main(["generate", "--config", str(copy_config), "--prompt", "x", "--set", "speculation.gama=3"]) == 2
     err = capsys.readouterr().err
-    assert "speculation.gama" in err and "unknown key" in err
+    assert err.startswith("hetero-spec: error: --set: speculation.gama = 3: unknown key")
+    for override, start in (("nosuch.gamma=3", "--set: nosuch.gamma = 3: unknown section 'nosuch'"),
+                            ("draft.kind.x=3", "--set: draft.kind.x = 3: unknown key"),
+                            ("draft.model=relative/dir", "--set: draft.model = '")):
+        assert main(["generate", "--config", str(copy_config), "--prompt", "x", "--set", override]) == 2
+        assert capsys.readouterr().err.startswith(f"hetero-spec: error: {start}")
+
+
+def test_prompt_required_at_a_terminal(copy_config, capsys, monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Tty())
+    assert main(["generate", "--config", str(copy_config)]) == 2
+    assert "--prompt is required when standard input is a terminal" in capsys.readouterr().err
 
 
 def test_help_explains_every_subcommand():
-    for args in (["--help"], ["generate", "--help"], ["export-draft", "--help"], ["bench", "--help"]):
+    for args in (["--help"], ["generate", "--help"], ["export", "--help"], ["export-draft", "--help"],
+                 ["bench", "--help"]):
         proc = subprocess.run([sys.executable, "-m", "hetero_spec.cli", *args], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage: hetero-spec" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "hetero_spec.cli", "generate", "--help"],

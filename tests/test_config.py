@@ -117,3 +117,49 @@ def test_unloadable_target_is_a_clear_error(tmp_path):
     (bad / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelLoadError, match="broken"):
         Engine.from_config(build_config({"target": {"model": str(bad)}}))
+
+
+@pytest.mark.parametrize("override, key_path, value, problem", [
+    ({"speculation.gama": 3}, "speculation.gama", 3, "unknown key; speculation has: gamma"),
+    ({"specul.gamma": 3}, "specul.gamma", 3, "unknown section 'specul'"),
+    ({"draft.ngram.max_nn": 3}, "draft.ngram.max_nn", 3, "unknown key; draft.ngram has: max_n, min_n"),
+    ({"draft.ngram.max_n.x": 3}, "draft.ngram.max_n.x", 3, "draft.ngram.max_n is a value, not a section"),
+    ({"draft.ngram.max_n": 0}, "draft.ngram.max_n", 0, "greater than or equal to 1"),
+    ({"draft": {"kind": "ngram", "bogus": 1}}, "draft.bogus", 1, "unknown key"),
+    ({"generation.stop_token_ids": [1, "x"]}, "generation.stop_token_ids[1]", "x", "valid integer"),
+])
+def test_override_errors_blame_set_not_the_file(tmp_path, override, key_path, value, problem):
+    path = _write(tmp_path, "speculation: {gamma: 4}\ndraft: {kind: ngram}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides=override)
+    e = err.value
+    assert (e.source, e.key_path, e.value) == ("--set", key_path, value)
+    assert problem in e.problem and str(e).startswith(f"--set: {key_path} = {value!r}: ")
+
+
+def test_file_errors_still_blame_the_file_when_overrides_are_given(tmp_path):
+    path = _write(tmp_path, "speculation: {gama: 4}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides={"speculation.gamma": 5})
+    assert err.value.source == str(path) and err.value.key_path == "speculation.gama"
+    # ... and an override may repair a bad value of the file
+    path = _write(tmp_path, "speculation: {gamma: 100}\n")
+    assert load_config(path, overrides={"speculation.gamma": 5}).speculation.gamma == 5
+
+
+def test_override_paths_resolve_against_the_current_directory(tmp_path, monkeypatch, llama_target):
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "work").mkdir()
+    path = tmp_path / "cfgdir" / "cfg.yaml"
+    path.write_text("target: {model: m}\ndraft: {kind: ngram, model: d}\n")
+    monkeypatch.chdir(tmp_path / "work")
+    cfg = load_config(path)
+    assert cfg.target.model == (tmp_path / "cfgdir" / "m").resolve()
+    assert cfg.draft.model == (tmp_path / "cfgdir" / "d").resolve()
+    cfg = load_config(path, overrides={"draft.model": "models/x", "target": {"model": "t"}})
+    assert cfg.draft.model == (tmp_path / "work" / "models" / "x").resolve()
+    assert cfg.target.model == (tmp_path / "work" / "t").resolve()
+    # a missing directory given with --set is blamed on --set, with the path it resolved to
+    with pytest.raises(ConfigError) as err:
+        Engine.from_config(path, overrides={"target.model": "nowhere"})
+    assert err.value.source == "--set" and err.value.value == str(tmp_path / "work" / "nowhere")

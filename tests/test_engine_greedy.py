@@ -135,6 +135,8 @@ def test_sampled_generation_is_seeded(llama_engines):
     c = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=12, gamma=3)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
-    # seeded output does not depend on the draft length: draws are keyed by position
+    # coupled sampling (the default): seeded output depends neither on gamma nor on the draft
+    assert eng.config.speculation.sampling == "coupled"
     d = eng.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=11, gamma=5)
-    assert len(d.token_ids) == 24
+    e = llama_engines["none"].generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_k=50, seed=11)
+    assert d.token_ids == a.token_ids == e.token_ids

@@ -67,7 +67,6 @@ def test_health_during_a_request_does_not_disturb_it(llama_target, llama_copy_on
     from tests.conftest import hf_greedy
 
     with Engine.from_config(_cfg("two_process", llama_target, llama_copy_onnx)) as eng:
-        ids: list[int] = []
         from hetero_spec.metrics import Stats
 
         stats = Stats()

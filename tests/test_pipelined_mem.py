@@ -79,6 +79,26 @@ def test_mem_rejections_identity(monkeypatch, llama_target, llama_random_onnx):
             assert out.stats["drafted"] > 0 and out.stats["accept_hist"][0] > 0
 
 
+@pytest.mark.parametrize("schedule", ["idle", "lazy"])
+def test_mem_coupled_sampling_equals_target_only_with_the_same_seed(monkeypatch, llama_target, llama_random_onnx,
+                                                                    schedule):
+    """Coupled sampling across processes: tokens only on the wire, and the output is target-only sampling
+    with the same seed, whatever gamma and whenever the worker's tokens arrive."""
+    with Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                             "draft": {"kind": "none"}}) as alone:
+        ref = {seed: alone.generate(PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=seed).token_ids
+               for seed in (11, 2 ** 64 - 1)}
+    cfg = _cfg(llama_target, llama_random_onnx)
+    cfg["speculation"] = {"sampling": "coupled"}
+    eng, _ = mem_engine(monkeypatch, cfg, llama_random_onnx, schedule=schedule)
+    with eng:
+        for seed in ref:
+            for gamma in (1, 4, 8):
+                out = eng.generate(PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=seed, gamma=gamma)
+                assert out.token_ids == ref[seed], (seed, gamma)
+                assert out.stats["drafted"] > 0
+
+
 def test_demo_pair_takes_branches_deterministically(monkeypatch):
     """The shipped pair accepts most tokens but not all. The worker pre-drafts correction branches when
     idle; a busy worker ("lazy": it runs only while the target waits) has not answered the target's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,6 +47,47 @@ def test_cpu_staging_is_a_plain_copy():
     assert not st.pinned
     t = st.tokens([1, 2, 3])
     assert t.shape == (1, 3) and t.dtype == torch.long and st.copies == 0
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name} waits copy")
+
+
+class _FakeEvent:
+    def __init__(self, st, log):
+        self.st, self.log = st, log
+
+    def synchronize(self):  # records what the pinned buffer holds when the host waits
+        self.log.append(f"host waits copy {self.st._tok_host[:3].tolist()}")
+
+    def record(self, stream):
+        self.log.append(f"copy on {stream.name} {self.st._tok_dev[:3].tolist()}")
+
+
+def test_cuda_staging_orders_the_reused_buffers(monkeypatch):
+    """The CUDA path's ordering, with fake streams: the host waits for the previous copy before it
+    overwrites the pinned buffer; the side stream waits for the compute stream (an earlier forward
+    may still read the device buffer) before copying; the compute stream waits for the copy."""
+    log: list[str] = []
+    st = Staging(torch.device("cpu"))
+    st.cuda, st.device = True, torch.device("cpu")
+    st._tok_host, st._tok_dev = torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+    st.stream, st._copied = _FakeStream("side", log), _FakeEvent(st, log)
+    compute = _FakeStream("compute", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    assert st.tokens([1, 2, 3]).tolist() == [[1, 2, 3]]
+    assert st.tokens([4, 5, 6]).tolist() == [[4, 5, 6]]
+    assert log == ["host waits copy [0, 0, 0]", "side waits compute", "copy on side [1, 2, 3]", "compute waits copy",
+                   "host waits copy [1, 2, 3]", "side waits compute", "copy on side [4, 5, 6]", "compute waits copy"]
+    assert st.copies == 2
 
 
 def test_cuda_on_a_cpu_build_is_a_clear_error(llama_target):

@@ -90,7 +90,6 @@ def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx):
     try:
         sup = eng.runtime.sup
         first_pid = sup.current().proc.pid
-        got: list[int] = []
         from hetero_spec.metrics import Stats
 
         stats = Stats()
@@ -100,10 +99,9 @@ def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx):
                 os.kill(first_pid, signal.SIGKILL)
                 killed = True
         assert killed
-        req = eng.target.tokenizer  # noqa: F841 - keep the engine alive for the checks below
         out = eng.generate(prompt, max_new_tokens=60, gamma=3)  # the engine still works
         assert out.token_ids == ref
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             w = sup.current()
             if w is not None and w.proc.pid != first_pid:

@@ -18,12 +18,15 @@ def settings_from_args(args) -> BenchSettings:
                       ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:
             raise BenchError(f"{name} must be >= 1, got {val}")
+    if args.temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
     return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=args.prompts,
                          max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
                          overrides=dict(parse_override(p) for p in args.overrides),
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
                          prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
-                         ort_target=Path(args.ort_target) if args.ort_target else None)
+                         ort_target=Path(args.ort_target) if args.ort_target else None,
+                         temperature=args.temperature, sampling=args.sampling)
 
 
 def run_bench_cli(args) -> int:

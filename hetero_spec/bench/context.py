@@ -17,6 +17,7 @@ WARMUP_TOKENS = 16
 CALIBRATION_K = (2, 4, 6)
 # The bench compares against transformers fp32 on CPU; the hetero_spec systems must run the same way.
 CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}
+BENCH_SEED = 0  # the seed of every sampled hetero_spec run (same seed per prompt, so outputs can be compared)
 
 
 class BenchError(HeteroSpecError):
@@ -38,6 +39,11 @@ class BenchSettings:
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     ort_target: Path | None = None
     """An existing fp32 ONNX export of the target (model builder output); None exports it under out."""
+    temperature: float = 0.0
+    """Temperature of the hetero_spec systems (the other systems stay greedy); above 0 they sample with
+    seed BENCH_SEED and hetero_spec_target_only (the engine without a draft) joins as their reference."""
+    sampling: str | None = None
+    """speculation.sampling of the hetero_spec systems (rejection | coupled); None keeps the config's."""
 
     @property
     def n_prompts(self) -> int:
@@ -68,6 +74,8 @@ class BenchContext:
     max_new: int
     torch_threads: int
     ort_target: Path | None = None
+    temperature: float = 0.0
+    seed: int = BENCH_SEED
     _hf_models: dict[Path, Any] = field(default_factory=dict)
 
     @property

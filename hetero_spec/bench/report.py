@@ -31,11 +31,33 @@ def _acceptance(name: str, runs: list[dict[str, Any]]) -> float | None:
     return acc / drafted if drafted else None
 
 
+def _tokens_per_round(runs: list[dict[str, Any]]) -> float | None:
+    """Generated tokens per verification round over all prompts (engine systems only)."""
+    if not runs or any(not r["stats"] or "rounds" not in r["stats"] for r in runs):
+        return None
+    rounds = sum(r["stats"]["rounds"] for r in runs)
+    return sum(len(r["token_ids"]) for r in runs) / rounds if rounds else None
+
+
+def against_own_reference(entry: dict[str, Any], res: SystemResult, own: SystemResult) -> None:
+    """Sampled runs: speedup over, and identity with, hetero_spec_target_only (the engine without a draft,
+    same sampler and seed) prompt by prompt. With coupled sampling every output must be identical."""
+    pp = entry["per_prompt"]
+    if own.status != "ok" or len(own.runs) != len(res.runs) or len(pp) != len(res.runs):
+        return
+    for p, run, base in zip(pp, res.runs, own.runs):
+        p["speedup_vs_hetero_spec_target_only"] = round(base["wall_s"] / run["wall_s"], 4)
+        p["identical_to_hetero_spec_target_only"] = run["token_ids"] == base["token_ids"]
+    entry["speedup_vs_hetero_spec_target_only"] = _median([p["speedup_vs_hetero_spec_target_only"] for p in pp])
+    entry["identical_to_hetero_spec_target_only"] = sum(p["identical_to_hetero_spec_target_only"] for p in pp)
+
+
 def summarize(res: SystemResult, ref: SystemResult, ort_ref: SystemResult | None) -> dict[str, Any]:
     """One system's bench.json entry; per-prompt ratios are taken against the same prompt's reference."""
     entry: dict[str, Any] = {"name": res.name, "status": res.status, "reason": res.reason,
                              "tokens_per_s": None, "speedup_vs_target_only": None, "acceptance_rate": None,
-                             "identical_to_target_only": None, "per_prompt": [], "extra": res.extra}
+                             "tokens_per_round": None, "identical_to_target_only": None, "per_prompt": [],
+                             "extra": res.extra}
     if res.name.startswith("ort_genai"):
         entry["identical_to_ort_genai_target_only"] = None
     complete = res.status == "ok" and len(res.runs) == len(ref.runs)
@@ -53,6 +75,7 @@ def summarize(res: SystemResult, ref: SystemResult, ort_ref: SystemResult | None
     entry["tokens_per_s"] = _median([p["tokens_per_s"] for p in pp if p["tokens_per_s"] is not None])
     entry["speedup_vs_target_only"] = _median([p["speedup_vs_target_only"] for p in pp])
     entry["acceptance_rate"] = _acceptance(res.name, res.runs)
+    entry["tokens_per_round"] = _tokens_per_round(res.runs)
     entry["identical_to_target_only"] = all(p["identical_to_target_only"] for p in pp)
     if "identical_to_ort_genai_target_only" in entry and ort_ref is not None and ort_ref.status == "ok" \
             and len(ort_ref.runs) == len(res.runs):
@@ -135,6 +158,10 @@ def command_line(settings: BenchSettings) -> str:
         parts += ["--draft-hf", str(settings.draft_hf)]
     if settings.ort_target is not None:
         parts += ["--ort-target", str(settings.ort_target)]
+    if settings.temperature > 0:
+        parts += ["--temperature", str(settings.temperature)]
+    if settings.sampling:
+        parts += ["--sampling", settings.sampling]
     for k, v in settings.overrides.items():
         parts += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     return shlex.join(parts)
@@ -145,11 +172,18 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
     ort_ref = results.get("ort_genai_target_only")
     entries = {n: summarize(r, ref, ort_ref if n != "ort_genai_target_only" else None)
                for n, r in results.items()}
+    own = results.get("hetero_spec_target_only")
+    if own is not None and ctx.temperature > 0:
+        for n, e in entries.items():
+            if n.startswith("hetero_spec") and n != own.name:
+                against_own_reference(e, results[n], own)
     return {
         "machine": _machine(),
         "versions": _versions(),
         "config": {"source": ctx.config.source, **ctx.config.model_dump(mode="json")},
         "settings": {"prompts": len(ctx.prompts), "max_new_tokens": ctx.max_new, "gamma": ctx.gamma,
+                     "temperature": ctx.temperature, "sampling": ctx.config.speculation.sampling,
+                     "seed": ctx.seed,
                      "prompt_tokens": [len(p) for p in ctx.prompts], "quick": settings.quick,
                      "overrides": ctx.overrides, "torch_threads": ctx.torch_threads,
                      "draft_hf": str(ctx.draft_hf) if ctx.draft_hf else None,
@@ -178,11 +212,32 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _decoding(s: dict[str, Any]) -> str:
+    if not s.get("temperature"):
+        return "greedy"
+    return (f"hetero_spec systems sampled at temperature {s['temperature']} ({s['sampling']}, seed {s['seed']}), "
+            "the others greedy")
+
+
+def _sampled_lines(report: dict[str, Any]) -> list[str]:
+    """Sampled runs: each hetero_spec system against the engine without a draft (same sampler and seed)."""
+    rows = [e for e in report["systems"] if "identical_to_hetero_spec_target_only" in e]
+    if not rows:
+        return []
+    lines = ["", "| system | acceptance | tokens/round | speedup vs hetero_spec_target_only | "
+                 "identical to hetero_spec_target_only |", "|---|---:|---:|---:|---:|"]
+    for e in rows:
+        lines.append(f"| {e['name']} | {_fmt(e['acceptance_rate'], '.3f')} | {_fmt(e['tokens_per_round'], '.2f')} | "
+                     f"{_fmt(e['speedup_vs_hetero_spec_target_only'], '.2f')}x | "
+                     f"{e['identical_to_hetero_spec_target_only']} of {len(e['per_prompt'])} prompts |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = ["# hetero-spec bench", "",
              f"`{s['command']}`", "",
-             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, greedy, gamma {s['gamma']}, "
+             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, {_decoding(s)}, gamma {s['gamma']}, "
              f"torch threads {s['torch_threads']}, {report['machine']['cpu_count']} CPUs "
              f"({report['machine']['cpu_model']}); {s['order']}.", "",
              "| system | tok/s | speedup vs target_only | acceptance | identical | status |",
@@ -193,6 +248,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {e['name']} | {_fmt(e['tokens_per_s'], '.1f')} | "
                      f"{_fmt(e['speedup_vs_target_only'], '.2f')}x | {_fmt(e['acceptance_rate'], '.3f')} | "
                      f"{ident} | {status} |")
+    lines += _sampled_lines(report)
     a = report["analytic"]
     lines.append("")
     if a.get("available"):
@@ -231,7 +287,8 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=25, ha="right")
     ax.set_ylabel("speedup vs target_only (per prompt)")
     s = report["settings"]
-    ax.set_title(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, greedy (median, min-max)")
+    mode = "greedy" if not s.get("temperature") else f"T={s['temperature']} {s['sampling']}"
+    ax.set_title(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, {mode} (median, min-max)")
     for x, (m, (_, v)) in enumerate(zip(med, rows)):  # above the error bar, not on it
         ax.annotate(f"{m:.2f}x", (x, max(v)), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     fig.savefig(path, dpi=120)

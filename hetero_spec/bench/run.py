@@ -56,13 +56,16 @@ class ProcState:
             torch.set_num_threads(self.threads)
 
 
-def _resolve_systems(requested: list[str] | None) -> list[str]:
+def _resolve_systems(requested: list[str] | None, temperature: float = 0.0) -> list[str]:
+    # every speedup and identity is measured against target_only; sampled hetero_spec runs also against
+    # the engine without a draft (same sampler, same seed), which greedy runs do not need
+    own_ref = {"hetero_spec_target_only"} if temperature > 0 else set()
     if requested is None:
-        return list(SYSTEMS)
+        return [s for s in SYSTEMS if s != "hetero_spec_target_only" or own_ref]
     unknown = [s for s in requested if s not in SYSTEMS]
     if unknown:
         raise BenchError(f"--systems: unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    chosen = set(requested) | {"target_only"}  # every speedup and identity is measured against it
+    chosen = set(requested) | {"target_only"} | own_ref
     return [s for s in SYSTEMS if s in chosen]
 
 
@@ -146,9 +149,10 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
 
     prompt_ids replaces the held-out prompts (tests use it with tiny models). Returns the bench.json dict.
     """
-    config = load_config(settings.config, overrides={**settings.overrides, **CPU_FP32})
+    sampling = {"speculation.sampling": settings.sampling} if settings.sampling else {}
+    config = load_config(settings.config, overrides={**settings.overrides, **sampling, **CPU_FP32})
     check_paths(config)
-    names = _resolve_systems(settings.systems)
+    names = _resolve_systems(settings.systems, settings.temperature)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     draft_hf = settings.draft_hf if settings.draft_hf is not None else default_draft_hf(settings.config)
@@ -169,7 +173,7 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     threads = config.target.threads or original.threads
     ctx = BenchContext(config=config, overrides=dict(settings.overrides), out=out, draft_hf=draft_hf,
                        prompts=prompts, max_new=settings.max_new, torch_threads=threads,
-                       ort_target=settings.ort_target)
+                       ort_target=settings.ort_target, temperature=settings.temperature)
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -122,7 +122,7 @@ class HfAssistedBestConst(HfAssisted):
 
 @register
 class HeteroSpec(System):
-    """This project's engine, in process: `Engine.generate(prompt_ids, temperature=0)`."""
+    """This project's engine, in process: `Engine.generate(prompt_ids, temperature=--temperature, seed=0)`."""
 
     name = "hetero_spec"
     acceptance_keys = ("accepted", "drafted")
@@ -131,11 +131,13 @@ class HeteroSpec(System):
     def setup(self, ctx: BenchContext) -> None:
         from ..engine import Engine
 
-        # ctx.config already holds the --set overrides and CPU_FP32
+        # ctx.config already holds the --set overrides, --sampling and CPU_FP32
+        self.temperature, self.seed = ctx.temperature, ctx.seed
         self.engine = Engine.from_config(ctx.config, overrides=self.runtime_overrides or None)
 
     def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
-        out = self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=0.0)
+        out = self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=self.temperature,
+                                   seed=self.seed)
         return RunOutput(out.token_ids, out.stats)
 
     def close(self) -> None:
@@ -159,3 +161,13 @@ class HeteroSpecPipelined(HeteroSpec):
         except ValidationError:
             return "this build's runtime.mode does not accept two_process yet"
         return None
+
+
+@register
+class HeteroSpecTargetOnly(HeteroSpec):
+    """The engine without a draft (draft.kind = none): the reference of sampled hetero_spec runs (same
+    sampler, same seed; with coupled sampling their outputs must equal it). Added when --temperature > 0."""
+
+    name = "hetero_spec_target_only"
+    acceptance_keys = None
+    runtime_overrides = {"draft.kind": "none", "runtime.mode": "in_process"}

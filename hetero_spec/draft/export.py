@@ -1,22 +1,39 @@
 """Hugging Face checkpoint -> ONNX draft with a KV cache, via onnxruntime-genai's model builder.
 
 The builder does the export and the quantization (fp32, fp16, int8, int4). It runs in a subprocess:
-it imports torch and transformers, which the draft side never does itself.
+it imports torch and transformers, which the draft side never does itself. Its full output goes to
+OUT/export.log; the user sees one progress line per stage instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import HeteroSpecError
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx", "qnn")
+LOG_NAME = "export.log"  # the builder's full output, inside the output directory
+
+# Builder output that starts a stage worth a progress line (substring -> what the user reads), in the
+# order the builder runs them. A stage is shown once, and never after a later one. Matching is only
+# cosmetic: output the builder changes in a new version just shows fewer stages (export.log has it all).
+_STAGES = (
+    ("Loading weights", "loading the checkpoint's weights"),
+    ("Reading ", "building the ONNX graph, layer by layer"),
+    ("Saving ONNX model", "writing model.onnx"),
+    ("quantiz", "quantizing weights"),
+    ("Saving GenAI config", "writing genai_config.json and the tokenizer files"),
+)
 
 
 class ExportError(HeteroSpecError):
@@ -24,10 +41,13 @@ class ExportError(HeteroSpecError):
 
 
 def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "fp32",
-                 execution_provider: str = "cpu", quiet: bool = False, block_size: int | None = None) -> Path:
+                 execution_provider: str = "cpu", quiet: bool = False, block_size: int | None = None,
+                 progress: Callable[[str], None] | None = None) -> Path:
     """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx.
 
     block_size: quantization block of int4/int8 weights (16/32/64/128/256; the builder's default is 32).
+    The builder's full output is written to out_dir/export.log (LOG_NAME). progress receives one short
+    line per stage; by default they are printed on stderr with the elapsed time, or not at all if quiet.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if precision not in PRECISIONS:
@@ -39,21 +59,97 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     if not (model_dir / "tokenizer.json").is_file():
         raise ExportError(f"--model {str(model_dir)!r}: no tokenizer.json; the builder needs one "
                           "(save a PreTrainedTokenizerFast with save_pretrained into the directory)")
+    if block_size is not None and block_size not in (16, 32, 64, 128, 256):
+        raise ExportError(f"--block-size {block_size}: choose one of 16, 32, 64, 128, 256")
     arch = json.loads((model_dir / "config.json").read_text()).get("architectures", ["?"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / LOG_NAME
+    before = _mtime(out_dir / "model.onnx")  # a model left by an earlier export must not pass for this one
+    say = progress or (_quiet if quiet else _stderr_progress())
     with tempfile.TemporaryDirectory(prefix="hetero-spec-export-") as cache:
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir),
+        src, extra = _sliding_window_source(model_dir, Path(cache))
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
                "-o", str(out_dir), "-p", precision, "-e", execution_provider, "-c", cache]
         if block_size is not None:
-            if block_size not in (16, 32, 64, 128, 256):
-                raise ExportError(f"--block-size {block_size}: choose one of 16, 32, 64, 128, 256")
-            cmd += ["--extra_options", f"block_size={block_size}"]
-        proc = subprocess.run(cmd, capture_output=quiet, text=True)
-    if proc.returncode != 0 or not (out_dir / "model.onnx").is_file():
-        tail = (proc.stderr or "")[-2000:] if quiet else "(see the builder's output above)"
-        raise ExportError(f"onnxruntime-genai builder failed for {str(model_dir)!r} "
-                          f"(architecture {arch[0]}, precision {precision}): {tail}")
+            extra.append(f"block_size={block_size}")
+        if extra:
+            cmd += ["--extra_options", *extra]
+        rc = _run_builder(cmd, log_path, say)
+    if rc != 0 or _mtime(out_dir / "model.onnx") in (None, before):
+        raise ExportError(f"onnxruntime-genai builder failed for {str(model_dir)!r} (architecture {arch[0]}, "
+                          f"precision {precision}, exit code {rc}); full log: {log_path}; its end:\n"
+                          f"{_tail(log_path)}")
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the drafter checks the vocabulary with it
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
     return out_dir
+
+
+def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[str]]:
+    """(directory to export, builder extra options) keeping a sliding window exactly as transformers does.
+
+    The builder reads the window from `layer_types`, which some configs (Mistral) leave out: without it
+    the export attends to the whole context. And by default it exports a ring-buffer KV cache, which the
+    drafter's sliced numpy cache cannot drive; `windowed_kv_cache=false` keeps a full-length cache and
+    applies the window in attention. So: spell `layer_types` out in a scratch copy, and ask for that cache."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
+        return model_dir, []
+    if cfg.get("layer_types"):
+        return model_dir, ["windowed_kv_cache=false"]
+    src = scratch / "source"
+    src.mkdir()
+    for f in model_dir.iterdir():  # links: the weights are not copied
+        if f.name != "config.json":
+            (src / f.name).symlink_to(f.resolve())
+    cfg["layer_types"] = ["sliding_attention"] * int(cfg["num_hidden_layers"])
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    return src, ["windowed_kv_cache=false"]
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def _stderr_progress() -> Callable[[str], None]:
+    start = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"export [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _run_builder(cmd: list[str], log_path: Path, say: Callable[[str], None]) -> int:
+    """Run the builder with all its output into log_path; say() one line per stage. Returns the exit code."""
+    say("starting the model builder (it imports torch and transformers first)")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # stages arrive as they happen, not at exit
+    shown = 0
+    with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+            errors="replace", env=env) as proc:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        for line in proc.stdout:  # tqdm's \r updates arrive as lines too (universal newlines)
+            log.write(line)
+            for i in range(shown, len(_STAGES)):
+                if _STAGES[i][0] in line:
+                    shown = i + 1
+                    say(_STAGES[i][1])
+                    break
+        rc = proc.wait()
+    say("done" if rc == 0 else f"the builder failed (exit code {rc})")
+    return rc
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read the log: {exc})"

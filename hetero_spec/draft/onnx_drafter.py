@@ -17,7 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError, ModelLoadError
-from ..sampling import STREAM_DRAFT, SamplingParams, logits_to_probs, position_uniforms, sample_from
+from ..sampling import (STREAM_DRAFT, SamplingParams, coupled_choice, exponential_noise, logits_to_probs,
+                        position_uniforms, sample_from)
 from .base import Draft
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,13 @@ class OnnxDrafter:
         self.alts = {}
 
     def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
-        """Pick the token at an absolute position: argmax, or a draw from q keyed by (seed, position)."""
+        """Pick the token at an absolute position: argmax; coupled: argmax(log q + g) with the noise the
+        target uses there (q stays home: None); rejection: a draw from q keyed by (seed, position)."""
         if self.params.greedy:
             return int(np.argmax(logits_row)), None
         q = logits_to_probs(logits_row[None], self.params)[0]
+        if self.params.coupled:
+            return coupled_choice(q, exponential_noise(self.params.seed, position, q.shape[0])), None
         return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
 
     def propose(self, k: int) -> Draft:

@@ -5,6 +5,15 @@ requests can share one loaded model and batching can be added later.
 
 Cache invariant used by the decode loop: the cache holds every committed token except the last one,
 which is fed at the start of the next forward pass together with the draft block.
+
+Sliding-window layers (Mistral, Qwen2 with use_sliding_window, Gemma 2/3) normally keep only their
+last window - 1 states, so a rejected block could not be cut off once the window is full. After the
+prefill the cache records the past (`Cache.activate_past_recording`, as transformers' own assisted
+decoding does): a sliding layer then keeps the states a forward pass pushes out of the window until
+the next `crop`, which drops the rejected tokens and trims the layer back to the window again. So
+each sliding layer holds at most window - 1 + k + 1 positions, and only between a verify pass and
+its rollback. Caches whose state a crop cannot restore (linear-attention / recurrent layers) are
+refused at load time.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ class TargetModel:
         self.context_len = int(min(x for x in (model_ctx, max_context) if x)) if (model_ctx or max_context) \
             else 2048
         self.eos_token_ids = _eos_ids(self.model, config)
+        self.windowed = _check_rollback(config, model_dir)
         from .staging import Staging
 
         self.staging = Staging(self.device)
@@ -106,7 +116,9 @@ class TargetModel:
         drop = state.n_cached - n_keep
         if drop < 0:
             raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_cached}")
-        if drop:
+        # crop(0) is not a no-op on a recording sliding-window layer: it trims the states kept for
+        # this rollback back to the window, so a fully accepted block must crop too
+        if drop or (self.windowed and state.n_cached):
             state.cache.crop(-drop)
             state.n_cached = n_keep
 
@@ -114,6 +126,9 @@ class TargetModel:
         """Cache every prompt token but the last (the invariant the decode loop relies on)."""
         if len(prompt_ids) > 1:
             self.forward(state, prompt_ids[:-1], last_only=True)
+        # Only now: the prompt is never rolled back, and recording during the prefill would keep every
+        # prompt state in every sliding layer until the first crop.
+        state.cache.activate_past_recording()
 
     def verify(self, state: TargetState, last_token: int, draft_ids: list[int],
                greedy: bool) -> list[int] | np.ndarray:
@@ -126,6 +141,30 @@ class TargetModel:
         if greedy:
             return logits.argmax(dim=-1).tolist()
         return logits.float().cpu().numpy()
+
+
+def _check_rollback(config, model_dir: Path) -> bool:
+    """Refuse a model whose cache `crop` cannot roll back exactly; return whether it has sliding-window layers.
+
+    Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on.
+    Linear-attention, conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent
+    state that crop does not restore, and any other layer type is unknown to this verifier.
+    """
+    from transformers.cache_utils import DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer, \
+        DynamicSlidingWindowLayer
+
+    exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, DummyLayer)
+    try:
+        layers = DynamicCache(config=config).layers
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"target model {str(model_dir)!r}: cannot build its KV cache ({exc})") from exc
+    bad = sorted({type(layer).__name__ for layer in layers if type(layer) not in exact})
+    if bad:
+        raise ModelLoadError(
+            f"target model {str(model_dir)!r} (model_type {getattr(config, 'model_type', '?')!r}) is not "
+            f"supported as a verifier: its cache has {', '.join(bad)} layers, whose state cannot be rolled "
+            "back exactly after rejected draft tokens (only full-attention and sliding-window KV caches can)")
+    return any(getattr(layer, "is_sliding", False) for layer in layers)
 
 
 def _eos_ids(model, config) -> set[int]:

@@ -1,0 +1,122 @@
+"""Checks of user input shared by the faces (CLI) and the engine: prompt text and per-request arguments.
+
+Per-request arguments are validated by the config's own pydantic fields (`GenerationConfig`,
+`SpeculationConfig`), so `--temperature`, `Engine.generate(temperature=...)` and `generation.temperature`
+in a YAML file accept exactly the same values, and a bound is written once, in config.py.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .config import Config
+from .errors import RequestError
+
+# pydantic error type -> a short phrase; the others keep pydantic's message.
+_PROBLEMS = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "finite_number": "must be a finite number",
+}
+
+
+def _problem(err: dict[str, Any]) -> str:
+    template = _PROBLEMS.get(err["type"])
+    if template is None:
+        return err["msg"]
+    return template.format(**{k: _bound(v) for k, v in err.get("ctx", {}).items()})
+
+
+def _bound(v: Any) -> Any:
+    """2**64 rather than 18446744073709551616."""
+    if isinstance(v, int) and v > 1 << 32 and v & (v - 1) == 0:
+        return f"2**{v.bit_length() - 1}"
+    return v
+
+
+def check_field(section: BaseModel, name: str, value: Any, label: str | None = None) -> Any:
+    """value validated as the config field `name` of `section` (same type and bounds); RequestError naming
+    the argument (label, default name) and the value otherwise."""
+    probe = section.model_copy()  # sections validate on assignment; the config itself is untouched
+    try:
+        setattr(probe, name, value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        label = label or name
+        where = label + "".join(f"[{p}]" for p in err["loc"][1:])  # stop_token_ids[2]
+        shown = value if where == label else err.get("input")
+        raise RequestError(f"{where} = {shown!r}: {_problem(err)}") from None
+    return getattr(probe, name)
+
+
+def request_args(config: Config, *, flags: bool = False, **args: Any) -> dict[str, Any]:
+    """Per-request arguments (max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma),
+    each validated like the config field it stands for. None, and only None, takes the config's value.
+    flags: name the arguments as command-line options (--max-new-tokens) in errors."""
+    out = {}
+    for name, value in args.items():
+        section = config.speculation if name == "gamma" else config.generation
+        label = "--" + name.replace("_", "-") if flags else name
+        out[name] = getattr(section, name) if value is None else check_field(section, name, value, label)
+    return out
+
+
+def check_stop_ids(ids: list[int], vocab_size: int, name: str = "stop_token_ids") -> None:
+    """Stop ids must be ids the target can emit: [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{name} = {ids!r}: {bad[:5]} outside the target's vocabulary [0, {vocab_size})")
+
+
+def check_prompt_text(text: str, source: str = "prompt") -> str:
+    """text unchanged when it is valid Unicode (encodable as UTF-8); otherwise a RequestError naming the
+    byte offset. Undecodable bytes of argv arrive as lone surrogates U+DC80..U+DCFF (Python's
+    surrogateescape): those are reported as the original byte."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as exc:
+        i = exc.start
+    offset = len(text[:i].encode("utf-8"))  # everything before the first bad character encodes
+    code = ord(text[i])
+    if 0xDC80 <= code <= 0xDCFF:
+        raise RequestError(f"{source}: not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte offset {offset}; "
+                           "the prompt must be UTF-8 text")
+    raise RequestError(f"{source}: lone surrogate U+{code:04X} at character {i} (byte offset {offset}) "
+                       "is not valid Unicode text")
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """bytes -> str, strictly; a RequestError naming the first invalid byte and its offset otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{source}: not valid UTF-8: byte 0x{data[exc.start]:02x} at byte offset "
+                           f"{exc.start}; the prompt must be UTF-8 text") from None
+
+
+def prompt_token_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, model_dir: Any) -> list[int]:
+    """A prompt as token ids: text (valid Unicode) through the target's tokenizer, or ids checked against
+    the target's vocabulary [0, vocab_size). Never empty."""
+    if isinstance(prompt, str):
+        check_prompt_text(prompt)
+        if tokenizer is None:
+            raise RequestError(f"the target directory {model_dir} has no tokenizer; "
+                               "pass the prompt as a list of token ids")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise RequestError(f"prompt = {prompt!r:.200}: must be text or a list of int token ids") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if not ids:
+        raise RequestError(f"prompt = {prompt!r}: the prompt is empty (no tokens); give at least one")
+    return ids
