@@ -67,6 +67,16 @@ def _add_export(sub) -> None:
                    help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
 
 
+def _add_keys(sub) -> None:
+    p = sub.add_parser("keys", help="create CURVE keys for a TCP link beyond loopback (runtime.curve_keys)",
+                       description="Create a directory (mode 0700) with ZeroMQ CURVE certificates: "
+                                   "server.key_secret (the target) and client.key_secret (the draft worker), "
+                                   "plus their public halves. Point runtime.curve_keys at it; every TCP link "
+                                   "is then authenticated with these keys. Without it, TCP on loopback uses "
+                                   "a fresh key pair per worker.")
+    p.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
@@ -78,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_export(sub)
+    _add_keys(sub)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -145,6 +156,20 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_keys(args) -> int:
+    from pathlib import Path
+
+    from .transport.channel import write_keys
+
+    out = Path(args.out)
+    if any(out.glob("*.key_secret")):
+        raise HeteroSpecError(f"--out {str(out)!r} already holds keys; choose a new directory")
+    write_keys(out)
+    print(f"wrote CURVE keys to {out}: server.key_secret, client.key_secret (keep them private); "
+          f"set runtime.curve_keys: {out}")
+    return 0
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds `with Engine(...)`, which shuts the draft worker down
 
@@ -154,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export}
+    handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export,
+                "keys": _cmd_keys}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench

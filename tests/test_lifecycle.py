@@ -116,3 +116,24 @@ def test_ipc_socket_and_log_are_in_the_private_dir(llama_target, llama_copy_onnx
         assert sorted(os.listdir(d)) == ["worker-1.log", "worker-1.sock"]
         assert eng.runtime.sup.current().channel.endpoint == f"ipc://{d}/worker-1.sock"
     assert not os.path.exists(d)
+
+
+def test_configured_curve_keys_beyond_loopback(tmp_path, llama_target, llama_copy_onnx, capsys):
+    """`hetero-spec keys` makes the key directory; with runtime.curve_keys a TCP link uses those keys
+    (here on loopback, the only address a test can rely on), and the worker gets the client key."""
+    from hetero_spec.cli import main
+    from hetero_spec.errors import ConfigError
+    from hetero_spec.transport.channel import CurveKeys
+
+    keys_dir = tmp_path / "keys"
+    assert main(["keys", "--out", str(keys_dir)]) == 0
+    assert os.stat(keys_dir).st_mode & 0o777 == 0o700
+    assert main(["keys", "--out", str(keys_dir)]) == 2  # never overwrite keys
+    assert "already holds keys" in capsys.readouterr().err
+    keys = CurveKeys.load(keys_dir)
+    with Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", curve_keys=str(keys_dir))) as eng:
+        assert eng.generate(PROMPT, max_new_tokens=12, gamma=3).token_ids == hf_greedy(llama_target, PROMPT, 12)
+        server = eng.runtime.sup._server
+        assert server._keys.keys == {keys.client_public}
+    with pytest.raises(ConfigError, match="runtime.host"):
+        Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", host="0.0.0.0"))
