@@ -222,27 +222,20 @@ class Engine:
         `draft_restarts`/`draft_failures` are running totals over the Engine's life."""
         self._check_open()
         if not self._lock.acquire(blocking=False):
-            out: dict[str, Any] = {"target": "ok", "busy": True}
-            if self.runtime is not None:
-                out.update(self._draft_totals(self.runtime.sup.status()))
-            else:
-                out["draft"] = "in_process" if self.proposer is not None else "none"
-            return out
+            return {"target": "ok", "busy": True, **self._draft_health(probe=False)}
         try:
             t = time.perf_counter()
             state = self.target.new_state()
             self.target.forward(state, [0])
-            out = {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3)}
-            if self.runtime is not None:
-                out.update(self._draft_totals(self.runtime.sup.health()))
-            else:
-                out["draft"] = "in_process" if self.proposer is not None else "none"
-            return out
+            return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
+                    **self._draft_health(probe=True)}
         finally:
             self._lock.release()
 
-    @staticmethod
-    def _draft_totals(d: dict) -> dict:
+    def _draft_health(self, probe: bool) -> dict[str, Any]:
+        if self.runtime is None:
+            return {"draft": "in_process" if self.proposer is not None else "none"}
+        d = self.runtime.sup.health() if probe else self.runtime.sup.status()
         d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
         return d
 

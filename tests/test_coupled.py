@@ -13,7 +13,6 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from hetero_spec import Engine
 from hetero_spec.draft.onnx_drafter import OnnxDrafter
 from hetero_spec.sampling import (SamplingParams, coupled_choice, exponential_noise, gumbel_noise,
                                   logits_to_probs, verify_coupled)
@@ -167,21 +166,11 @@ SETTINGS = [{"temperature": 0.8}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9
 SEED = 11
 
 
-def _engine(target, kind, draft=None):
-    return Engine.from_config({"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
-                               "draft": {"kind": kind, **({"model": str(draft)} if draft else {})},
-                               "speculation": {"sampling": "coupled"}})
-
-
 @pytest.fixture(scope="module")
 def coupled_engines(llama_target, llama_copy_onnx, llama_random_onnx):
-    engines = {"copy": _engine(llama_target, "onnx", llama_copy_onnx),
-               "random": _engine(llama_target, "onnx", llama_random_onnx),
-               "ngram": _engine(llama_target, "ngram"),
-               "none": _engine(llama_target, "none")}
-    yield engines
-    for e in engines.values():
-        e.close()
+    from tests.test_engine_greedy import make_llama_engines
+
+    yield from make_llama_engines(llama_target, llama_copy_onnx, llama_random_onnx, sampling="coupled")
 
 
 def hf_coupled(model_dir, prompt: list[int], max_new: int, seed: int, settings: dict) -> list[int]:

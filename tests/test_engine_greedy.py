@@ -23,10 +23,16 @@ def _engine(target, kind, draft=None, **extra):
 
 @pytest.fixture(scope="module")
 def llama_engines(llama_target, llama_copy_onnx, llama_random_onnx):
-    engines = {"copy": _engine(llama_target, "onnx", llama_copy_onnx),
-               "random": _engine(llama_target, "onnx", llama_random_onnx),
-               "ngram": _engine(llama_target, "ngram"),
-               "none": _engine(llama_target, "none")}
+    yield from make_llama_engines(llama_target, llama_copy_onnx, llama_random_onnx)
+
+
+def make_llama_engines(llama_target, llama_copy_onnx, llama_random_onnx, sampling: str = "coupled"):
+    """One engine per draft kind, closed when the generator is (test_coupled.py uses it too)."""
+    extra = {"speculation.sampling": sampling}
+    engines = {"copy": _engine(llama_target, "onnx", llama_copy_onnx, **extra),
+               "random": _engine(llama_target, "onnx", llama_random_onnx, **extra),
+               "ngram": _engine(llama_target, "ngram", **extra),
+               "none": _engine(llama_target, "none", **extra)}
     yield engines
     for e in engines.values():
         e.close()

@@ -272,14 +272,20 @@ class Channel:
             except zmq.ZMQError as exc:
                 log.debug("recv on %s failed: %s", self.endpoint, exc)
                 return None
-            try:
-                msg, arrays = decode(frames)
-            except MalformedMessage as exc:
-                self.reject(str(exc))
-                continue
-            self.received += 1
-            return msg, arrays
+            got = self.accept(frames)
+            if got is not None:
+                return got
         return None
+
+    def accept(self, frames: list) -> tuple[object, list[np.ndarray]] | None:
+        """Decode one received message; None (dropped and counted) when it is malformed."""
+        try:
+            msg, arrays = decode(frames)
+        except MalformedMessage as exc:
+            self.reject(str(exc))
+            return None
+        self.received += 1
+        return msg, arrays
 
     def reject(self, why: str) -> None:
         """Count (and log) a dropped message: malformed on the wire, or refused by the receiver."""
