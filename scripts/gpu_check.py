@@ -102,6 +102,7 @@ def main() -> int:
         with Engine.from_config({**cfg, "draft": {"kind": "none"}}) as eng:
             eng.generate(prompt, max_new_tokens=8)
             ref = eng.generate(prompt, max_new_tokens=args.tokens)
+            ref_sampled = eng.generate(prompt, max_new_tokens=args.tokens, temperature=0.8, seed=3)
         for mode in ("in_process", "two_process"):
             with Engine.from_config({**cfg, "runtime": {"mode": mode}}) as eng:
                 eng.generate(prompt, max_new_tokens=8)
@@ -116,6 +117,11 @@ def main() -> int:
                 rows.append((f"{mode}: identical to CUDA target-only", str(same),
                              f"acceptance {s['acceptance_rate']:.2f}, {s['tokens_per_s']:.0f} tok/s "
                              f"(target-only {ref.stats['tokens_per_s']:.0f})"))
+                sampled = eng.generate(prompt, max_new_tokens=args.tokens, gamma=4, temperature=0.8, seed=3)
+                same_sampled = sampled.token_ids == ref_sampled.token_ids
+                ok &= same_sampled
+                rows.append((f"{mode}: coupled sampling (T 0.8, seed 3) identical to target-only", str(same_sampled),
+                             f"acceptance {sampled.stats['acceptance_rate']:.2f}"))
                 rows.append((f"{mode}: per round draft / wait / verify (ms)",
                              f"{draft_ms:.3f} / {wait_ms:.3f} / {verify_ms:.3f}",
                              f"transfer {gate.get('transfer_ms')} ms, staging copies {eng.target.staging.copies}"))
