@@ -81,13 +81,15 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(default=128, ge=1)
     """Upper bound on generated tokens; never exceeded, also inside an accepted block."""
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    """0 means greedy (argmax). Above 0, speculative rejection sampling keeps the target's distribution."""
+    """0 means greedy (argmax). Above 0, sampled; speculation.sampling says how drafts are verified (both keep
+    the target's distribution exactly)."""
     top_k: int = Field(default=0, ge=0)
     """Keep the k most likely tokens (0 = off). Applied identically to target and draft."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     """Nucleus sampling mass (1.0 = off). Applied identically to target and draft."""
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    """Seed for sampled generation, 0 <= seed < 2**64; runs with the same seed are reproducible. None draws one."""
+    """Seed for sampled generation, 0 <= seed < 2**64. None draws one. With speculation.sampling: coupled, a
+    seeded output equals target-only sampling with that seed in any layout (see the README)."""
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
 

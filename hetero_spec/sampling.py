@@ -23,7 +23,9 @@ Two sampling modes (`SamplingParams.sampling`; greedy is the same in both):
   is then that of target-only sampling with the same seed, whatever the draft, gamma or process layout.
 
 Randomness is explicit: the caller passes uniform draws or noise, derived from (seed, absolute position,
-stream), so a seeded run is reproducible whatever the round boundaries were.
+stream). In coupled mode that makes a seeded run independent of the round boundaries; in rejection mode
+the tokens a seed yields still depend on the draft's proposals (and so on gamma and, across processes,
+on timing).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Draft model under a plain ONNX Runtime InferenceSession, with its own KV cache in numpy.
 
-The model is the decoder exported by onnxruntime-genai's builder (`hetero-spec export-draft`):
+The model is the decoder exported by onnxruntime-genai's builder (`hetero-spec export`):
 inputs `input_ids`, `attention_mask` (total length), optionally `position_ids`, and
 `past_key_values.N.key/value` [batch, kv_heads, past, head_dim]; outputs `logits` and `present.N.*`.
 Rolling back is slicing the past along its third axis.
