@@ -191,6 +191,15 @@ class Engine:
             why = check_bind_host(rt.host, rt.curve_keys is not None)
             if why:
                 raise ConfigError(config.blame("runtime.host"), "runtime.host", rt.host, why)
+        if rt.mode == "two_process" and rt.curve_keys is not None:
+            from .transport.channel import CurveKeys
+
+            try:
+                CurveKeys.load(rt.curve_keys)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(config.blame("runtime.curve_keys"), "runtime.curve_keys", str(rt.curve_keys),
+                                  f"cannot read the CURVE keys ({exc}); make them with `hetero-spec keys --out DIR`"
+                                  ) from None
         if config.draft.kind == "onnx":
             from .draft.onnx_drafter import check_providers
 

@@ -137,3 +137,5 @@ def test_configured_curve_keys_beyond_loopback(tmp_path, llama_target, llama_cop
         assert server._keys.keys == {keys.client_public}
     with pytest.raises(ConfigError, match="runtime.host"):
         Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", host="0.0.0.0"))
+    with pytest.raises(ConfigError, match="runtime.curve_keys.*hetero-spec keys"):
+        Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", curve_keys=str(tmp_path / "none")))
