@@ -224,11 +224,12 @@ class Engine:
             if self._closed:  # close() came while this request ran: release now that it is over
                 self._finalizer()
 
-    def health(self) -> dict:
+    def health(self, timeout_s: float | None = None) -> dict:
         """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a
         ping. While a request runs, the probes would disturb it, so the answer comes from what the
         request loop knows (the worker process alive and heard from within the heartbeat).
-        `draft_restarts`/`draft_failures` are running totals over the Engine's life."""
+        `draft_restarts`/`draft_failures` are running totals over the Engine's life. The worker must answer
+        within timeout_s (default: runtime.heartbeat_s), else it is reported unresponsive."""
         self._check_open()
         if not self._lock.acquire(blocking=False):
             return {"target": "ok", "busy": True, **self._draft_health(probe=False)}
@@ -237,14 +238,15 @@ class Engine:
             state = self.target.new_state()
             self.target.forward(state, [0])
             return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
-                    **self._draft_health(probe=True)}
+                    **self._draft_health(probe=True, timeout_s=timeout_s)}
         finally:
             self._lock.release()
 
-    def _draft_health(self, probe: bool) -> dict[str, Any]:
+    def _draft_health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
         if self.runtime is None:
             return {"draft": "in_process" if self.proposer is not None else "none"}
-        d = self.runtime.sup.health() if probe else self.runtime.sup.status()
+        sup = self.runtime.sup
+        d = sup.health(timeout_s or sup.spec.heartbeat_s) if probe else sup.status()
         d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
         return d
 
