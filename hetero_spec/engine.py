@@ -84,6 +84,17 @@ def _vocab_diff(tv: dict[str, int], dv: dict[str, int], examples: int = 3) -> st
     return "; ".join(out)
 
 
+def _load_target(t, threads: int | None):
+    """The verifier backend: PyTorch (transformers; the CUDA path) or ONNX Runtime (never imports torch)."""
+    if t.backend == "onnx":
+        from .target.onnx_backend import OnnxTarget
+
+        return OnnxTarget(t.model, providers=t.providers, threads=threads, max_context=t.max_context)
+    from .target.verifier import TargetModel
+
+    return TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads, max_context=t.max_context)
+
+
 def _release(parts: dict[str, Any]) -> None:
     """Shut down what an Engine holds: the draft, the worker process, the CPU plan. Runs once (it is
     the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
@@ -109,8 +120,6 @@ class Engine:
         check_paths(config)
         self.config = config
         log.info("resolved config (%s): %s", config.source, config.model_dump_json())
-        from .target.verifier import TargetModel
-
         t = config.target
         self.runtime = None
         self.proposer = None
@@ -129,8 +138,7 @@ class Engine:
 
                 self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
                 threads = self._cpu_plan.threads
-            self.target = TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads,
-                                      max_context=t.max_context)
+            self.target = _load_target(t, threads)
             self.tokenizer = self.target.tokenizer
             if config.runtime.mode == "two_process":
                 from .runtime.engine_side import PipelinedRuntime
@@ -201,7 +209,7 @@ class Engine:
                                   f"cannot read the CURVE keys ({exc}); make them with `hetero-spec keys --out DIR`"
                                   ) from None
         if config.draft.kind == "onnx":
-            from .draft.onnx_drafter import check_providers
+            from .onnx_decoder import check_providers
 
             check_providers(config.draft.providers, source=config.blame("draft.providers"))
             check_vocab(config.target.model, config.draft.model, source=config.blame("draft.model"))

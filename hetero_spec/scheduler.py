@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,7 +19,9 @@ from .errors import PromptTooLongError, RequestError
 from .metrics import Stats
 from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
-from .target.verifier import TargetModel, TargetState
+
+if TYPE_CHECKING:  # the onnx target backend never imports torch
+    from .target.verifier import TargetModel, TargetState
 
 
 @dataclass

@@ -1,29 +1,23 @@
-"""Draft model under a plain ONNX Runtime InferenceSession, with its own KV cache in numpy.
-
-The model is the decoder exported by onnxruntime-genai's builder (`hetero-spec export`):
-inputs `input_ids`, `attention_mask` (total length), optionally `position_ids`, and
-`past_key_values.N.key/value` [batch, kv_heads, past, head_dim]; outputs `logits` and `present.N.*`.
-Rolling back is slicing the past along its third axis.
+"""Draft model: a builder-exported decoder (`hetero-spec export`) run by the shared `OnnxDecoder`
+(onnx_decoder.py), with the stream logic of the proposer on top: propose/commit in process, and
+extend/truncate/branch/adopt for the pipelined worker. Never imports torch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
-from ..errors import ConfigError, ModelLoadError
+from ..onnx_decoder import OnnxDecoder
 from ..sampling import (STREAM_DRAFT, SamplingParams, coupled_choice, exponential_noise, logits_to_probs,
                         position_uniforms, sample_from)
 from .base import Draft
 
 log = logging.getLogger(__name__)
 
-_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def _alternatives(logits: np.ndarray, top: int) -> tuple[float, tuple[int, int]]:
@@ -37,19 +31,6 @@ def _alternatives(logits: np.ndarray, top: int) -> tuple[float, tuple[int, int]]
     return 1.0 / z, (second, third)
 
 
-def check_providers(providers: list[str], source: str = "<config>", key: str = "draft.providers") -> None:
-    """Every requested execution provider must exist in this onnxruntime build."""
-    available = ort.get_available_providers()
-    for i, p in enumerate(providers):
-        if p not in available:
-            raise ConfigError(source, f"{key}[{i}]", p,
-                              f"execution provider not available in onnxruntime {ort.__version__}; "
-                              f"available: {', '.join(available)}")
-    if not providers:
-        raise ConfigError(source, key, providers, f"at least one provider is needed; available: "
-                                                  f"{', '.join(available)}")
-
-
 class OnnxDrafter:
     """Proposer backed by an exported ONNX decoder. Holds the state of one request at a time."""
 
@@ -57,89 +38,42 @@ class OnnxDrafter:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None):
-        model_dir = Path(model_dir)
-        path = model_dir / "model.onnx"
-        if not path.is_file():
-            raise ModelLoadError(f"draft model directory {str(model_dir)!r} has no model.onnx")
-        providers = providers or ["CPUExecutionProvider"]
-        check_providers(providers)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise ModelLoadError(f"cannot load draft model {str(path)!r}: {exc}") from exc
-        self.model_dir = model_dir
-        self._setup_io(model_dir)
-        self.vocab_width = vocab_width or self.model_vocab
+        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width)
+        self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
+        self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
+        self.state = self.decoder.new_state()
         self.params = SamplingParams()
         self.ids: list[int] = []
-        self.past: list[np.ndarray] = []
-        self.n_past = 0
         self._proposed: list[int] = []
         self.last_catchup_s = 0.0
         # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
         self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
 
-    def _setup_io(self, model_dir: Path) -> None:
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")),
-                                 key=lambda n: (int(n.split(".")[1]), n.endswith("value")))
-        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
-        self.has_position_ids = "position_ids" in inputs
-        first = inputs[self.past_names[0]] if self.past_names else None
-        gcfg_path = model_dir / "genai_config.json"
-        gcfg = json.loads(gcfg_path.read_text())["model"] if gcfg_path.is_file() else {}
-        dec = gcfg.get("decoder", {})
-        kv_heads = dec.get("num_key_value_heads") or (first.shape[1] if first is not None else 0)
-        head_dim = dec.get("head_size") or (first.shape[3] if first is not None else 0)
-        if not isinstance(kv_heads, int) or not isinstance(head_dim, int):
-            raise ModelLoadError(f"{model_dir}: cannot tell the KV cache shape (no genai_config.json)")
-        self.kv_shape = (1, kv_heads, 0, head_dim)
-        self.kv_dtype = _ORT_DTYPES.get(first.type, np.float32) if first is not None else np.float32
-        logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
-        width = logits_out.shape[-1]
-        self.model_vocab = int(width) if isinstance(width, int) else int(gcfg.get("vocab_size", 0))
-        self.context_len = int(gcfg.get("context_length") or 1 << 30)
+    # the current stream's KV cache (branch() swaps it out and back)
+    @property
+    def past(self) -> list[np.ndarray]:
+        return self.state.past
+
+    @past.setter
+    def past(self, value: list[np.ndarray]) -> None:
+        self.state.past = value
+
+    @property
+    def n_past(self) -> int:
+        return self.state.n_past
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.state.n_past = value
 
     # -- low level: append tokens / rewind, as onnxruntime-genai's Generator does ------------------
     def append(self, tokens: list[int]) -> np.ndarray:
         """Run tokens through the model after the cached past; returns logits [len(tokens), vocab_width]."""
-        n = len(tokens)
-        feeds = {
-            "input_ids": np.asarray([tokens], dtype=np.int64),
-            "attention_mask": np.ones((1, self.n_past + n), dtype=np.int64),
-        }
-        if self.has_position_ids:
-            feeds["position_ids"] = np.arange(self.n_past, self.n_past + n, dtype=np.int64)[None]
-        if not self.past:
-            self.past = [np.zeros(self.kv_shape, dtype=self.kv_dtype) for _ in self.past_names]
-        feeds.update(zip(self.past_names, self.past))
-        outs = self.session.run(["logits", *self.present_names], feeds)
-        self.past = outs[1:]
-        self.n_past += n
-        return self._fit_width(outs[0][0])
+        return self.decoder.append(self.state, tokens)
 
     def rewind_to(self, n: int) -> None:
         """Keep only the first n cached positions."""
-        if n > self.n_past:
-            raise ValueError(f"cannot rewind to {n}; cache holds {self.n_past}")
-        if n < self.n_past:
-            self.past = [p[:, :, :n, :] for p in self.past]
-            self.n_past = n
-
-    def _fit_width(self, logits: np.ndarray) -> np.ndarray:
-        """Make the logits as wide as the target's vocabulary (-inf where the draft has no column)."""
-        w = self.vocab_width
-        if logits.shape[-1] == w:
-            return logits
-        if logits.shape[-1] > w:
-            return logits[..., :w]
-        pad = np.full((*logits.shape[:-1], w - logits.shape[-1]), -np.inf, dtype=logits.dtype)
-        return np.concatenate([logits, pad], axis=-1)
+        self.decoder.rewind(self.state, n)
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -7,14 +7,18 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..metrics import Stats
 from ..scheduler import Request
-from ..target.verifier import TargetModel
 from ..tuning.gate import CostGate
 from .pipelined import decode_pipelined
 from .supervisor import DraftSupervisor, WorkerSpec
+
+if TYPE_CHECKING:  # the onnx target backend never imports torch
+    from ..target.verifier import TargetModel
+
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +36,25 @@ def draft_cpus(config: Config) -> list[int] | None:
 
 
 class CpuPlan:
-    """Sizes the target's torch threads to the cores the worker does not get; restore() undoes it."""
+    """Sizes the target's threads to the cores the worker does not get; restore() undoes it. Only the
+    torch backend has process-wide torch threads to restore (the onnx backend never imports torch)."""
 
     def __init__(self, config: Config):
-        import torch
-
+        self._torch = config.target.backend == "torch"
         self._orig_cpus = set(_cpus())
-        self._orig_threads = torch.get_num_threads()
+        if self._torch:
+            import torch
+
+            self._orig_threads = torch.get_num_threads()
         self.threads = plan_cpus(config)
 
     def restore(self) -> None:
-        import torch
-
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self._orig_cpus)
-        torch.set_num_threads(self._orig_threads)
+        if self._torch:
+            import torch
+
+            torch.set_num_threads(self._orig_threads)
 
 
 def plan_cpus(config: Config) -> int | None:

@@ -23,16 +23,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..draft.base import Draft
 from ..metrics import Stats
 from ..scheduler import Request, check_request, commit_tokens, verify_block
-from ..target.verifier import TargetModel
 from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
 from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
+
+if TYPE_CHECKING:  # the onnx target backend never imports torch
+    from ..target.verifier import TargetModel
+
 
 
 IDLE_CHECK_S = 0.05

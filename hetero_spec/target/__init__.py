@@ -1,5 +1,3 @@
-"""The PyTorch verifier. Imports torch; never onnxruntime."""
-
-from .verifier import TargetModel, TargetState
-
-__all__ = ["TargetModel", "TargetState"]
+"""Verifier backends behind one interface (new_state, prefill, verify, rollback, forward):
+`verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget` (ONNX Runtime; never
+imports torch). Import the module you need: this package imports neither."""

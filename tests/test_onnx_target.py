@@ -1,0 +1,107 @@
+"""The ONNX Runtime target backend (`target.backend: onnx`): block verification equals single steps,
+rollback, lossless output relative to the ONNX target alone (greedy and coupled sampling; in process and
+two-process), clear config errors, and no torch import anywhere on that path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.errors import ConfigError
+from hetero_spec.target.onnx_backend import OnnxTarget
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
+SEQ = [5, 17, 33, 2, 99, 100, 7, 8, 9]
+
+
+def _cfg(target_onnx, kind, draft=None, **extra):
+    cfg = {"target": {"model": str(target_onnx), "backend": "onnx"},
+           "draft": {"kind": kind, **({"model": str(draft)} if draft else {})}}
+    for key, val in extra.items():
+        section, _, name = key.partition(".")
+        cfg.setdefault(section, {})[name] = val
+    return cfg
+
+
+def test_block_verification_and_rollback(llama_copy_onnx):
+    t = OnnxTarget(llama_copy_onnx)
+    a = t.new_state()
+    t.prefill(a, SEQ[:5])
+    block = t.forward(a, SEQ[4:])
+    b = t.new_state()
+    t.prefill(b, SEQ[:5])
+    steps = np.stack([t.forward(b, [tok])[0] for tok in SEQ[4:]])
+    np.testing.assert_allclose(block, steps, rtol=1e-4, atol=1e-4)
+    t.rollback(a, 6)
+    assert a.n_cached == 6
+    again = t.forward(a, SEQ[6:])
+    np.testing.assert_allclose(again, steps[2:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        t.rollback(a, 100)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_copy_onnx):
+    """The ONNX target alone: what every speculative run must reproduce."""
+    with Engine.from_config(_cfg(llama_copy_onnx, "none")) as eng:
+        greedy = {i: eng.generate(p, max_new_tokens=40).token_ids for i, p in enumerate(PROMPTS)}
+        sampled = {i: eng.generate(p, max_new_tokens=40, temperature=0.8, seed=11).token_ids
+                   for i, p in enumerate(PROMPTS)}
+    return greedy, sampled
+
+
+@pytest.mark.parametrize("kind", ["copy", "random", "ngram"])
+def test_onnx_target_is_lossless_in_process(llama_copy_onnx, llama_random_onnx, reference, kind):
+    draft = {"copy": llama_copy_onnx, "random": llama_random_onnx}.get(kind)
+    with Engine.from_config(_cfg(llama_copy_onnx, "onnx" if draft else kind, draft)) as eng:
+        for gamma in (1, 4, 8):
+            for i, p in enumerate(PROMPTS):
+                out = eng.generate(p, max_new_tokens=40, gamma=gamma)
+                assert out.token_ids == reference[0][i], (kind, gamma, i)
+                if kind == "copy":
+                    assert out.stats["acceptance_rate"] >= 0.98
+                s = eng.generate(p, max_new_tokens=40, gamma=gamma, temperature=0.8, seed=11)
+                assert s.token_ids == reference[1][i], ("coupled", kind, gamma, i)
+
+
+def test_onnx_target_two_process(monkeypatch, llama_copy_onnx, llama_random_onnx, reference):
+    from tests.test_pipelined_mem import mem_engine
+
+    cfg = _cfg(llama_copy_onnx, "onnx", llama_random_onnx,
+               **{"runtime.mode": "two_process", "runtime.pin_cpus": False, "runtime.heartbeat_s": 1e6})
+    eng, _ = mem_engine(monkeypatch, cfg, llama_random_onnx)
+    with eng:
+        for gamma in (2, 5):
+            for i, p in enumerate(PROMPTS):
+                assert eng.generate(p, max_new_tokens=40, gamma=gamma).token_ids == reference[0][i]
+                s = eng.generate(p, max_new_tokens=40, gamma=gamma, temperature=0.8, seed=11)
+                assert s.token_ids == reference[1][i]
+
+
+def test_onnx_backend_needs_an_exported_target(llama_target):
+    with pytest.raises(ConfigError, match=r"target.model.*no model.onnx.*hetero-spec export"):
+        Engine.from_config(_cfg(llama_target, "ngram"))
+
+
+def test_the_onnx_path_never_imports_torch(llama_copy_onnx):
+    """An edge box can run both sides on ONNX Runtime alone: in process and with the draft worker."""
+    code = f"""
+import sys
+from hetero_spec import Engine
+for mode in ("in_process", "two_process"):
+    cfg = {{"target": {{"model": {str(llama_copy_onnx)!r}, "backend": "onnx"}},
+           "draft": {{"kind": "onnx", "model": {str(llama_copy_onnx)!r}}},
+           "runtime": {{"mode": mode, "pin_cpus": True, "heartbeat_s": 120.0}}}}
+    with Engine.from_config(cfg) as eng:
+        out = eng.generate([5, 17, 33, 2], max_new_tokens=12, gamma=3)
+        assert len(out.token_ids) >= 1, out
+        eng.generate("def f(", max_new_tokens=4)
+print("torch" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"
