@@ -49,22 +49,10 @@ class OnnxDrafter:
         # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
         self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
 
-    # the current stream's KV cache (branch() swaps it out and back)
-    @property
-    def past(self) -> list[np.ndarray]:
-        return self.state.past
-
-    @past.setter
-    def past(self, value: list[np.ndarray]) -> None:
-        self.state.past = value
-
     @property
     def n_past(self) -> int:
+        """Positions of the current stream held in the draft's KV cache."""
         return self.state.n_past
-
-    @n_past.setter
-    def n_past(self, value: int) -> None:
-        self.state.n_past = value
 
     # -- low level: append tokens / rewind, as onnxruntime-genai's Generator does ------------------
     def append(self, tokens: list[int]) -> np.ndarray:
@@ -79,7 +67,7 @@ class OnnxDrafter:
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.ids = list(prompt_ids)
         self.params = params
-        self.past, self.n_past, self._proposed = [], 0, []
+        self.state, self._proposed = self.decoder.new_state(), []
         self.alts = {}
 
     def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
@@ -145,24 +133,25 @@ class OnnxDrafter:
         del self.ids[length:]
         self.rewind_to(min(self.n_past, length))
 
-    def branch(self, position: int, token: int, n: int, stop=None) -> tuple[list[int], list[np.ndarray], int]:
+    def branch(self, position: int, token: int, n: int, stop=None) -> tuple:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
-        Returns (tokens, past, n_past, alts) for `adopt`. The past arrays are never mutated in place, so
-        slicing them here is free and the stream's own cache stays valid."""
-        saved = (list(self.ids), self.past, self.n_past, self.alts)
-        self.truncate(position)
+        Returns (tokens, state, alts) for `adopt`. The branch drafts on a fork of the cache (decoder.fork),
+        so the stream's own cache stays valid."""
+        saved = (list(self.ids), self.state, self.alts)
+        self.state = self.decoder.fork(self.state, min(self.n_past, position))
+        del self.ids[position:]
         self.ids.append(token)
         self.alts = {}
         tokens = self.extend(n, stop=stop).ids
-        result = (tokens, self.past, self.n_past, self.alts)
-        self.ids[:], self.past, self.n_past, self.alts = saved
+        result = (tokens, self.state, self.alts)
+        self.ids[:], self.state, self.alts = saved
         return result
 
     def adopt(self, position: int, token: int, branch: tuple) -> None:
         """Replace the stream from `position` on by a pre-drafted branch that starts with `token`."""
-        tokens, past, n_past, alts = branch
+        tokens, state, alts = branch
         self.ids[position:] = [token, *tokens]
-        self.past, self.n_past = past, n_past
+        self.state = state
         self.alts = {p: a for p, a in self.alts.items() if p < position}
         self.alts.update(alts)
 
@@ -173,4 +162,4 @@ class OnnxDrafter:
         self._proposed = []
 
     def close(self) -> None:
-        self.past = []
+        self.state = self.decoder.new_state()

@@ -1,0 +1,82 @@
+"""The shared ONNX decoder runner (onnx_decoder.py): the in-place shared-buffer layout computes exactly what
+the copy layout does through appends, rollbacks at every position of a block, buffer growth and forks; a
+fork never disturbs the state it came from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.onnx_decoder import OnnxDecoder
+from hetero_spec.target.onnx_backend import OnnxTarget
+
+PROMPT = [5, 17, 33, 2, 99, 100, 7, 8, 9, 11, 12]
+BLOCK = [40, 41, 42, 43, 44, 45, 46, 47, 48]  # [last, d1..d8]
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_dir(request, llama_copy_onnx, qwen2_copy_onnx):
+    return {"llama": llama_copy_onnx, "qwen2": qwen2_copy_onnx}[request.param]
+
+
+def _pair(model_dir):
+    shared = OnnxDecoder(model_dir, shared_buffer=True)
+    shared.initial_capacity = 4  # force several buffer growths within the test's lengths
+    copy = OnnxDecoder(model_dir, shared_buffer=False)
+    assert (shared.layout, copy.layout) == ("shared", "copy")
+    return shared, copy
+
+
+def test_builder_exports_declare_the_shared_layout(model_dir):
+    assert OnnxDecoder(model_dir).layout == "shared"  # the default on the CPU provider
+
+
+def test_shared_layout_equals_copy_layout_through_growth_rollback_and_fork(model_dir):
+    shared, copy = _pair(model_dir)
+    rng = np.random.default_rng(0)
+    s, c = shared.new_state(), copy.new_state()
+    np.testing.assert_allclose(shared.append(s, PROMPT), copy.append(c, PROMPT), rtol=1e-5, atol=1e-5)
+    for step in range(12):
+        keep = int(rng.integers(max(1, s.n_past - 6), s.n_past + 1))
+        shared.rewind(s, keep)
+        copy.rewind(c, keep)
+        toks = rng.integers(0, 250, int(rng.integers(1, 10))).tolist()
+        np.testing.assert_allclose(shared.append(s, toks), copy.append(c, toks), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"step {step}")
+        assert s.n_past == c.n_past
+    assert s.capacity >= s.n_past > 16  # grew from 4 several times
+
+
+def test_fork_leaves_the_original_state_intact(model_dir):
+    for dec in _pair(model_dir):
+        a = dec.new_state()
+        dec.append(a, PROMPT)
+        b = dec.fork(a, 6)
+        dec.append(b, [70, 71, 72, 73, 74, 75, 76, 77])  # overwrites positions 6.. in b only
+        ref = dec.new_state()
+        dec.append(ref, PROMPT)
+        np.testing.assert_allclose(dec.append(a, [3, 4]), dec.append(ref, [3, 4]), rtol=1e-5, atol=1e-5)
+        alone = dec.new_state()
+        dec.append(alone, PROMPT[:6])
+        np.testing.assert_allclose(dec.append(b, [9]), dec.append(alone, [70, 71, 72, 73, 74, 75, 76, 77, 9])[-1:],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
+def test_rollback_after_a_rejection_at_every_position_of_a_block(model_dir, shared):
+    """Verify a block, keep the first j + 1 positions (j drafts accepted), feed the correction: the logits
+    equal those of a state that never saw the rejected tokens."""
+    t = OnnxTarget(model_dir)
+    t.decoder = OnnxDecoder(model_dir, shared_buffer=shared)
+    t.decoder.initial_capacity = 8
+    for j in range(len(BLOCK)):
+        st = t.new_state()
+        t.prefill(st, PROMPT)
+        base = st.n_cached
+        t.verify(st, BLOCK[0], BLOCK[1:], greedy=True)
+        t.rollback(st, base + j + 1)
+        got = t.forward(st, [200 + j, 201])
+        fresh = t.new_state()
+        t.prefill(fresh, PROMPT)
+        want = t.forward(fresh, [*BLOCK[:j + 1], 200 + j, 201])[-2:]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"rejected at {j}")
