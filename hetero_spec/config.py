@@ -25,12 +25,14 @@ class _Section(BaseModel):
 
 class TargetConfig(_Section):
     model: Path | None = None
-    """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer); with
-    `backend: onnx`, a target exported by `hetero-spec export` (model.onnx + genai_config.json)."""
-    backend: Literal["torch", "onnx"] = "torch"
-    """`torch`: transformers on `device` (the CUDA path). `onnx`: ONNX Runtime with `providers` (about 3x
-    faster than eager PyTorch on a CPU); never imports torch. (Exporting a Hugging Face directory on first
-    use, and `auto`, are not built yet: export with `hetero-spec export` first.)"""
+    """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or,
+    for the onnx backend, a directory exported by `hetero-spec export` (model.onnx + genai_config.json)."""
+    backend: Literal["torch", "onnx", "auto"] = "torch"
+    """`torch`: transformers on `device` (the CUDA path). `onnx`: ONNX Runtime with `providers`, about 3x
+    faster than eager PyTorch on a CPU, never imports torch; a Hugging Face `model` is exported once on first
+    use into $HETERO_SPEC_CACHE (default ~/.cache/hetero_spec). `auto`: torch on CUDA, onnx on a CPU when
+    the architecture can be exported. The default stays torch so that an existing config keeps the numerics
+    of its reference (fp32 ONNX and PyTorch kernels may round differently)."""
     providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
     """ONNX Runtime execution providers of the onnx backend, in order of preference."""
     device: str = "auto"
@@ -38,7 +40,8 @@ class TargetConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Compute dtype. `auto` is float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity."""
     threads: int | None = Field(default=None, ge=1)
-    """torch intra-op threads on CPU; None keeps torch's default."""
+    """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
+    intra-op threads with the onnx backend (None: 1)."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
 
@@ -330,14 +333,22 @@ def check_paths(cfg: Config) -> None:
                           "use runtime.mode: in_process for ngram or none")
     if cfg.target.model is None:
         raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
-    if cfg.target.backend == "onnx":
-        if not (cfg.target.model / "model.onnx").is_file():
-            raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                              "target.backend is onnx but this directory has no model.onnx (export it with "
-                              "`hetero-spec export --model HF_DIR --out DIR`)")
-    elif not (cfg.target.model / "config.json").is_file():
+    is_export = (cfg.target.model / "model.onnx").is_file()
+    if cfg.target.backend == "torch" and is_export:
+        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
+                          "this is an ONNX export, which target.backend torch cannot run; set target.backend: "
+                          "onnx (or auto), or point target.model at the Hugging Face checkpoint")
+    if not is_export and not (cfg.target.model / "config.json").is_file():
         raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
                           "not a Hugging Face model directory (no config.json found)")
+    if cfg.target.backend == "onnx" and not is_export:
+        from .target.export_cache import exportable
+
+        ok, why = exportable(cfg.target.model)
+        if not ok:
+            raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
+                              f"target.backend onnx needs an ONNX export of the target, but {why}; use "
+                              "target.backend: torch (or auto)")
     if cfg.draft.kind == "onnx":
         if cfg.draft.model is None:
             raise ConfigError(cfg.blame("draft.model"), "draft.model", None,

@@ -25,6 +25,7 @@ from .errors import ConfigError, EngineClosedError, VocabMismatchError
 from .metrics import Stats
 from .sampling import SamplingParams
 from .scheduler import Request, decode
+from .target.backends import choose_backend, load_target
 from .validation import check_stop_ids, prompt_token_ids, request_args
 
 log = logging.getLogger("hetero_spec")
@@ -84,17 +85,6 @@ def _vocab_diff(tv: dict[str, int], dv: dict[str, int], examples: int = 3) -> st
     return "; ".join(out)
 
 
-def _load_target(t, threads: int | None):
-    """The verifier backend: PyTorch (transformers; the CUDA path) or ONNX Runtime (never imports torch)."""
-    if t.backend == "onnx":
-        from .target.onnx_backend import OnnxTarget
-
-        return OnnxTarget(t.model, providers=t.providers, threads=threads, max_context=t.max_context)
-    from .target.verifier import TargetModel
-
-    return TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads, max_context=t.max_context)
-
-
 def _release(parts: dict[str, Any]) -> None:
     """Shut down what an Engine holds: the draft, the worker process, the CPU plan. Runs once (it is
     the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
@@ -118,6 +108,11 @@ class Engine:
         self._draft_checked: Config | None = None
         self._check_draft(config)  # preflight: fail on paths, host, providers, vocabulary before loading
         check_paths(config)
+        choice = choose_backend(config.target, config.blame("target.model"))
+        if choice.backend != config.target.backend:
+            config = config.model_copy(deep=True)
+            config.target.backend = choice.backend
+        log.info("target backend: %s (%s)", choice.backend, choice.reason)
         self.config = config
         log.info("resolved config (%s): %s", config.source, config.model_dump_json())
         t = config.target
@@ -138,7 +133,7 @@ class Engine:
 
                 self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
                 threads = self._cpu_plan.threads
-            self.target = _load_target(t, threads)
+            self.target = load_target(config.target, threads)
             self.tokenizer = self.target.tokenizer
             if config.runtime.mode == "two_process":
                 from .runtime.engine_side import PipelinedRuntime

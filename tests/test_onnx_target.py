@@ -82,9 +82,55 @@ def test_onnx_target_two_process(monkeypatch, llama_copy_onnx, llama_random_onnx
                 assert s.token_ids == reference[1][i]
 
 
-def test_onnx_backend_needs_an_exported_target(llama_target):
-    with pytest.raises(ConfigError, match=r"target.model.*no model.onnx.*hetero-spec export"):
-        Engine.from_config(_cfg(llama_target, "ngram"))
+def test_hf_target_is_exported_on_first_use_then_reused(tmp_path, monkeypatch, llama_target, llama_copy_onnx,
+                                                        reference):
+    """backend onnx with a Hugging Face directory: exported once into $HETERO_SPEC_CACHE (with progress on
+    stderr), reused by the next engine without running the builder, and the output is the export's."""
+    from hetero_spec.draft import export as export_mod
+    from hetero_spec.target import export_cache
+
+    monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = export_mod.export_draft
+    monkeypatch.setattr(export_mod, "export_draft", lambda *a, **k: calls.append(a) or real(*a, **k))
+    lines: list[str] = []
+    entry = export_cache.cached_export(llama_target, progress=lines.append)
+    assert entry.parent == tmp_path / "cache" / "onnx" and (entry / "model.onnx").is_file()
+    assert len(calls) == 1 and any("exporting the target" in x for x in lines)
+    with Engine.from_config(_cfg(llama_target, "none")) as eng:  # finds the cached entry: no second export
+        assert eng.target.decoder.model_dir == entry
+        assert eng.generate(PROMPTS[0], max_new_tokens=40).token_ids == reference[0][0]
+    assert len(calls) == 1
+    # a changed checkpoint is a new key; leftovers of an interrupted export are never taken for an entry
+    assert export_cache.entry_dir(llama_target) == entry
+    assert not list(entry.parent.glob("*.tmp-*"))
+
+
+def test_auto_backend_picks_onnx_on_cpu_and_torch_when_not_exportable(caplog, llama_copy_onnx, gpt2_target):
+    from hetero_spec.config import build_config
+    from hetero_spec.target.backends import choose_backend
+
+    def target(model, device="cpu"):
+        return build_config({"target": {"model": str(model), "backend": "auto", "device": device}}).target
+
+    assert choose_backend(target(llama_copy_onnx)).backend == "onnx"
+    gpt2 = choose_backend(target(gpt2_target))
+    assert gpt2.backend == "torch" and "does not export GPT2LMHeadModel" in gpt2.reason
+    assert choose_backend(target(gpt2_target, "cuda")).backend == "torch"
+    with pytest.raises(ConfigError, match="auto picks torch for a CUDA device"):
+        choose_backend(target(llama_copy_onnx, "cuda"))
+    with caplog.at_level("INFO", logger="hetero_spec"):
+        with Engine.from_config({"target": {"model": str(llama_copy_onnx), "backend": "auto", "device": "cpu"}}) as eng:
+            assert eng.target.backend == "onnx" and eng.config.target.backend == "onnx"
+    assert any("target backend: onnx (CPU target and target.model is an ONNX export)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_onnx_backend_errors_name_the_key(gpt2_target, llama_copy_onnx):
+    with pytest.raises(ConfigError, match=r"target.model.*needs an ONNX export.*does not export GPT2"):
+        Engine.from_config(_cfg(gpt2_target, "ngram"))
+    with pytest.raises(ConfigError, match=r"target.model.*ONNX export, which target.backend torch cannot run"):
+        Engine.from_config({"target": {"model": str(llama_copy_onnx)}, "draft": {"kind": "ngram"}})
 
 
 def test_the_onnx_path_never_imports_torch(llama_copy_onnx):

@@ -1,0 +1,77 @@
+"""Which verifier backend runs the target, and loading it.
+
+- `torch`: transformers on `target.device` (target/verifier.py), the CUDA path.
+- `onnx`: ONNX Runtime (target/onnx_backend.py), about 3x faster than eager PyTorch on a CPU; never
+  imports torch. `target.model` is an exported directory (model.onnx) or a Hugging Face one, exported once
+  into the cache (target/export_cache.py).
+- `auto`: torch when the target's device is CUDA; onnx on a CPU when the builder can export the
+  architecture (or the directory is already an export); torch otherwise. The choice and its reason are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .export_cache import cached_export, exportable
+
+log = logging.getLogger("hetero_spec.target")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str  # torch | onnx
+    reason: str
+
+
+def _device_is_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    if device.startswith("cuda"):
+        return True
+    try:  # device: auto; only torch can tell whether a CUDA device is there
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def choose_backend(t, source: str = "<config>") -> BackendChoice:
+    """Resolve `target.backend` (t: the TargetConfig)."""
+    is_export = (Path(t.model) / "model.onnx").is_file()
+    if t.backend != "auto":
+        return BackendChoice(t.backend, "set by target.backend")
+    if _device_is_cuda(t.device):
+        if is_export:
+            raise ConfigError(source, "target.model", str(t.model),
+                              "target.backend auto picks torch for a CUDA device, which needs a Hugging Face "
+                              "directory, but this is an ONNX export; set target.backend: onnx with "
+                              "target.providers: [CUDAExecutionProvider], or point target.model at the checkpoint")
+        return BackendChoice("torch", f"the target's device is CUDA ({t.device})")
+    if is_export:
+        return BackendChoice("onnx", "CPU target and target.model is an ONNX export")
+    ok, why = exportable(Path(t.model))
+    if ok:
+        return BackendChoice("onnx", "CPU target: ONNX Runtime's kernels beat eager PyTorch there")
+    return BackendChoice("torch", f"CPU target, but {why}")
+
+
+def onnx_model_dir(t) -> Path:
+    """The ONNX directory the onnx backend loads: target.model itself, or its cached export."""
+    model = Path(t.model)
+    if (model / "model.onnx").is_file():
+        return model
+    return cached_export(model, "fp32")
+
+
+def load_target(t, threads: int | None):
+    """The verifier for a resolved backend (t.backend is torch or onnx)."""
+    if t.backend == "onnx":
+        from .onnx_backend import OnnxTarget
+
+        return OnnxTarget(onnx_model_dir(t), providers=t.providers, threads=threads, max_context=t.max_context)
+    from .verifier import TargetModel
+
+    return TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads, max_context=t.max_context)

@@ -1,0 +1,126 @@
+"""The ONNX export of a Hugging Face target, made once on first use and reused: `target.backend: onnx` (or
+`auto` on a CPU) with a Hugging Face `target.model`.
+
+Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `onnx/NAME-PRECISION-KEY`.
+KEY hashes what identifies the checkpoint cheaply (its resolved path, config.json, and every weight
+file's name, size and modification time) with the precision and the onnxruntime-genai version, so an
+edited or retrained checkpoint gets a new export and an unchanged one is never exported twice. The export
+goes to a scratch folder renamed into place when complete, under a file lock, so two processes starting at
+once export once and a killed export leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "hetero_spec_source.json"  # inside each entry: what it was exported from
+
+# Architectures the onnxruntime-genai model builder exports as decoders (its supported list, text-only
+# causal LMs); `target.backend: auto` exports only these and keeps PyTorch for anything else.
+EXPORTABLE = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "PhiForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+    "OlmoForCausalLM", "NemotronForCausalLM", "SmolLM3ForCausalLM", "Ernie4_5ForCausalLM",
+    "InternLM2ForCausalLM", "PhiMoEForCausalLM", "GptOssForCausalLM",
+})
+
+
+def cache_root() -> Path:
+    """$HETERO_SPEC_CACHE, or ~/.cache/hetero_spec."""
+    env = os.environ.get("HETERO_SPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hetero_spec"
+
+
+def architecture(model_dir: Path) -> str | None:
+    try:
+        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return archs[0] if archs else None
+
+
+def exportable(model_dir: Path) -> tuple[bool, str]:
+    """(can the builder export this Hugging Face directory, why not)."""
+    arch = architecture(model_dir)
+    if arch is None:
+        return False, f"{model_dir}/config.json names no architecture"
+    if arch not in EXPORTABLE:
+        return False, f"the ONNX model builder does not export {arch}"
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return False, f"{model_dir} has no tokenizer.json, which the ONNX model builder needs"
+    return True, ""
+
+
+def source_stamp(model_dir: Path, precision: str) -> dict:
+    """What identifies a checkpoint and its export: path, config, weight files (name, size, mtime)."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted(p for p in model_dir.iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model"))
+    try:
+        from importlib.metadata import version
+
+        builder = version("onnxruntime-genai")
+    except Exception:  # metadata missing: still a stable key
+        builder = "?"
+    return {"dir": str(model_dir), "precision": precision, "builder": builder,
+            "config": json.loads((model_dir / "config.json").read_text()),
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def entry_dir(model_dir: Path, precision: str = "fp32", root: Path | None = None) -> Path:
+    stamp = source_stamp(model_dir, precision)
+    key = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+    return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}-{key}"
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / "model.onnx").is_file() and (entry / SOURCE_NAME).is_file()
+
+
+def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = None,
+                  progress: Callable[[str], None] | None = None) -> Path:
+    """The ONNX export of model_dir at `precision`, exported now if the cache has none for this checkpoint."""
+    from ..draft.export import export_draft
+
+    entry = entry_dir(model_dir, precision, root)
+    if _complete(entry):
+        log.info("target: using the cached ONNX export %s", entry)
+        return entry
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be exporting the same checkpoint
+        if _complete(entry):
+            return entry
+        say = progress or _stderr(entry)
+        say(f"exporting the target {model_dir} to ONNX ({precision}) once, into the cache {entry} "
+            "(set HETERO_SPEC_CACHE to move it)")
+        scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            export_draft(model_dir, scratch, precision, progress=say)
+            (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision), indent=2))
+            shutil.rmtree(entry, ignore_errors=True)
+            scratch.rename(entry)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return entry
+
+
+def _stderr(entry: Path) -> Callable[[str], None]:
+    start = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"hetero-spec [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return say
