@@ -14,7 +14,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default 128, 64 with --quick)")
     p.add_argument("--systems", default=None,
                    help="comma-separated subset of systems to run (default: all available)")
-    p.add_argument("--quick", action="store_true", help="a small run that finishes in under 3 minutes")
+    p.add_argument("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
     p.add_argument("--draft-hf", default=None, metavar="DIR",
                    help="Hugging Face checkpoint of the draft, the assistant of the hf_assisted systems "
                         "(default: models/draft two levels above the config, if present)")
@@ -28,6 +28,13 @@ def add_bench_parser(sub) -> None:
                         "adds hetero_spec_target_only, the engine without a draft, as their reference")
     p.add_argument("--sampling", default=None, choices=["rejection", "coupled"],
                    help="speculation.sampling of the hetero_spec systems (default: the config's)")
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help='your own prompts instead of the held-out ones: JSONL, one {"prompt": "text"} or '
+                        '{"token_ids": [1, 2, ...]} per line (all of them unless --prompts is given)')
+    p.add_argument("--gammas", default="4,6,8,10,12", metavar="LIST",
+                   help="draft lengths each speculative system (ours and ORT GenAI's) is calibrated over on "
+                        "the first two prompts before the timed runs, keeping its fastest (default "
+                        "4,6,8,10,12; 'config' uses speculation.gamma for all)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
                         "every system, the rest to the hetero_spec systems")

@@ -20,6 +20,19 @@ def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def export_cache(tmp_path_factory):
+    """Exports made on first use (target.backend onnx with a Hugging Face directory) go to a session folder,
+    never to the user's ~/.cache; tests that check the cache itself point HETERO_SPEC_CACHE elsewhere."""
+    old = os.environ.get("HETERO_SPEC_CACHE")
+    os.environ["HETERO_SPEC_CACHE"] = str(tmp_path_factory.mktemp("export-cache"))
+    yield Path(os.environ["HETERO_SPEC_CACHE"])
+    if old is None:
+        os.environ.pop("HETERO_SPEC_CACHE", None)
+    else:
+        os.environ["HETERO_SPEC_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def llama_target(models_dir) -> Path:
     return build_model("llama_gqa", models_dir / "llama", seed=1)

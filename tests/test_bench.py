@@ -35,7 +35,8 @@ def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert set(on_disk) == {"machine", "versions", "config", "settings", "systems", "analytic",
-                            "pipelined_vs_in_process"}
+                            "pipelined_vs_in_process", "comparisons"}
+    assert on_disk["comparisons"] == []  # no ORT GenAI peer ran
     assert on_disk["pipelined_vs_in_process"] == {"available": False}  # no two-process run here
     assert on_disk["machine"]["cpu_count"] >= 1 and isinstance(on_disk["machine"]["platform"], str)
     for pkg in ("python", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec"):
@@ -70,7 +71,7 @@ def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
         assert isinstance(a[key], float) and a[key] > 0
 
     md = (out / "bench.md").read_text()
-    assert "| system | tok/s |" in md and "| hetero_spec |" in md and "hetero-spec bench --config" in md
+    assert "| system | backend | layout | threads | gamma | tok/s |" in md and "| hetero_spec |" in md and "hetero-spec bench --config" in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -152,3 +153,49 @@ def test_pipelined_vs_in_process_is_per_prompt():
     pv = pipelined_vs_in_process({"hetero_spec": e(1.0, 2.0, 3.0), "hetero_spec_pipelined": e(0.5, 2.5, 2.0)})
     assert pv == {"available": True, "median_speedup": 1.5, "prompts_faster": 2, "prompts": 3}
     assert pipelined_vs_in_process({"hetero_spec": e(1.0)}) == {"available": False}
+
+
+def test_backends_layouts_peers_calibration_and_prompts_file(tmp_path, copy_config, llama_target):
+    """The onnx-backend systems in both layouts, ORT GenAI's peers, gamma calibrated per system, a JSONL
+    prompts file, each entry naming its backend, layout and threads, and the paired comparisons."""
+    pytest.importorskip("onnxruntime_genai")
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text('{"token_ids": [5, 17, 33, 2, 99, 100, 7]}\n\n{"prompt": "def f(x):"}\n')
+    systems = ["hetero_spec_onnx_target_only", "hetero_spec_onnx", "hetero_spec_onnx_pipelined",
+               "ort_genai_target_only", "ort_genai_spec"]
+    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", max_new_tokens=8, systems=systems,
+                                     gammas=(2, 3), prompts_file=pf))
+    assert report["settings"]["prompts"] == 2 and report["settings"]["prompt_tokens"][0] == 7
+    assert report["settings"]["gammas"] == [2, 3] and "--prompts-file" in report["settings"]["command"]
+    for name in systems:
+        e = _entry(report, name)
+        assert e["status"] == "ok", (name, e["reason"])
+        assert e["identical_to_target_only"] is True, name
+    x = {n: _entry(report, n)["extra"] for n in systems}
+    assert (x["hetero_spec_onnx"]["backend"], x["hetero_spec_onnx"]["layout"]) == ("onnx", "in_process")
+    assert x["hetero_spec_onnx"]["target_threads"] == 1 and x["hetero_spec_onnx"]["draft_threads"] == 1
+    assert x["hetero_spec_onnx_pipelined"]["layout"].startswith("two_process")
+    assert x["ort_genai_spec"]["backend"] == "onnxruntime-genai"
+    for n in ("hetero_spec_onnx", "hetero_spec_onnx_pipelined", "ort_genai_spec"):
+        assert set(x[n]["calibration_s"]) == {"2", "3"} and x[n]["gamma"] in (2, 3), n
+    assert "calibration_s" not in x["hetero_spec_onnx_target_only"]  # no draft, nothing to calibrate
+    pairs = {(c["system"], c["peer"]): c for c in report["comparisons"]}
+    c = pairs[("hetero_spec_onnx_pipelined", "ort_genai_spec")]
+    assert c["prompts"] == 2 and c["identical_outputs"] == 2 and c["median_speedup"] > 0
+    assert ("hetero_spec_onnx_target_only", "ort_genai_target_only") in pairs
+
+
+def test_prompts_file_errors_name_the_line(tmp_path, copy_config):
+    from hetero_spec.bench.prompts import prompts_from_file
+    from hetero_spec.config import load_config
+
+    cfg = load_config(copy_config)
+    for text, match in (('{"token_ids": [1, -2]}', "line 1.*non-negative"),
+                        ('\n{"prompt": 3}', "line 2.*non-empty text"),
+                        ("not json", "line 1: not JSON"),
+                        ('{"text": "x"}', 'line 1: expected an object with "prompt"'),
+                        ("", "no prompts")):
+        f = tmp_path / "p.jsonl"
+        f.write_text(text)
+        with pytest.raises(BenchError, match=match):
+            prompts_from_file(f, cfg)

@@ -20,13 +20,22 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"{name} must be >= 1, got {val}")
     if args.temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+    gammas = None
+    if not args.quick and args.gammas.strip() != "config":
+        try:
+            gammas = tuple(int(g) for g in args.gammas.split(",") if g.strip())
+        except ValueError:
+            raise BenchError(f"--gammas must be comma-separated integers or 'config', got {args.gammas!r}") from None
+        if not gammas or any(not 1 <= g <= 64 for g in gammas):
+            raise BenchError(f"--gammas: each draft length must be in 1..64, got {args.gammas!r}")
     return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=args.prompts,
                          max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
                          overrides=dict(parse_override(p) for p in args.overrides),
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
                          prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
                          ort_target=Path(args.ort_target) if args.ort_target else None,
-                         temperature=args.temperature, sampling=args.sampling)
+                         temperature=args.temperature, sampling=args.sampling, gammas=gammas,
+                         prompts_file=Path(args.prompts_file) if args.prompts_file else None)
 
 
 def run_bench_cli(args) -> int:

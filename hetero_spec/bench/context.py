@@ -44,6 +44,11 @@ class BenchSettings:
     seed BENCH_SEED and hetero_spec_target_only (the engine without a draft) joins as their reference."""
     sampling: str | None = None
     """speculation.sampling of the hetero_spec systems (rejection | coupled); None keeps the config's."""
+    gammas: tuple[int, ...] | None = None
+    """Draft lengths every speculative system (ours and ORT GenAI's) is calibrated over before the timed
+    runs, keeping its fastest; None: the config's speculation.gamma for all."""
+    prompts_file: Path | None = None
+    """JSONL of the user's own prompts ({"prompt": text} or {"token_ids": [...]} per line)."""
 
     @property
     def n_prompts(self) -> int:
@@ -76,11 +81,17 @@ class BenchContext:
     ort_target: Path | None = None
     temperature: float = 0.0
     seed: int = BENCH_SEED
+    gammas: tuple[int, ...] | None = None
     _hf_models: dict[Path, Any] = field(default_factory=dict)
 
     @property
     def gamma(self) -> int:
         return self.config.speculation.gamma
+
+    @property
+    def calibration_prompts(self) -> list[list[int]]:
+        """The prompts gamma is calibrated on (the first two; they are also timed later, like every prompt)."""
+        return self.prompts[:2]
 
     def hf_model(self, model_dir: Path):
         """A transformers causal LM in fp32 on CPU, loaded once per bench and shared by the baselines."""

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .context import BenchContext, RunOutput
-from .systems import System, register
+from .context import WARMUP_TOKENS, BenchContext, RunOutput
+from .systems import System, calibrate, cores, register
 
 log = logging.getLogger("hetero_spec.bench")
 
@@ -37,7 +37,7 @@ def _file_stamp(model_dir: Path) -> dict[str, Any]:
 
 def ort_target_dir(ctx: BenchContext) -> Path:
     """The target exported to ONNX under DIR/ort_models/target; reused while the checkpoint is unchanged."""
-    from ..draft.export import export_draft
+    from ..target.export_cache import SOURCE_NAME, cached_export
 
     out = ctx.out / "ort_models" / "target"
     stamp_path = out / "hetero_spec_source.json"
@@ -53,8 +53,11 @@ def ort_target_dir(ctx: BenchContext) -> Path:
         return out
     if out.exists():
         shutil.rmtree(out)
-    log.info("exporting the target %s to ONNX under %s", ctx.config.target.model, out)
-    export_draft(ctx.config.target.model, out, "fp32", quiet=True)
+    out.mkdir(parents=True)
+    src = cached_export(ctx.config.target.model, "fp32")  # the onnx backend's export: made once, shared
+    for f in src.iterdir():
+        if f.is_file() and f.name != SOURCE_NAME:
+            _place(f, out / f.name)
     stamp_path.write_text(json.dumps(stamp))
     return out
 
@@ -136,18 +139,29 @@ def _threads_overlay(threads: int) -> dict[str, Any]:
 
 @register
 class OrtGenaiTargetOnly(_OrtGenai):
-    """The target exported to ONNX (fp32), decoded alone by ONNX Runtime GenAI."""
+    """The target exported to ONNX (fp32), decoded alone by ONNX Runtime GenAI, one thread: the target's
+    device is one core here, as in the heterogeneous comparison."""
 
     name = "ort_genai_target_only"
     unavailable = staticmethod(_no_ort_genai)
+    all_cores = False
+
+    @property
+    def threads(self) -> int:
+        return cores() if self.all_cores else 1
 
     def setup(self, ctx: BenchContext) -> None:
-        self._load(ort_target_dir(ctx), _threads_overlay(ctx.torch_threads))
+        self._load(ort_target_dir(ctx), _threads_overlay(self.threads))
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        return {"backend": "onnxruntime-genai", "layout": "in_process", "target_threads": self.threads,
+                "draft_threads": None}
 
 
 @register
-class OrtGenaiSpec(_OrtGenai):
-    """ONNX Runtime GenAI's own speculative decoding: the ONNX target with the config's ONNX draft."""
+class OrtGenaiSpec(OrtGenaiTargetOnly):
+    """ONNX Runtime GenAI's own speculative decoding: the ONNX target with the config's ONNX draft, drafting
+    and verifying in turn on one device (one thread per model); max_draft_tokens calibrated over --gammas."""
 
     name = "ort_genai_spec"
     acceptance_keys = ("draft_tokens_accepted", "draft_tokens_proposed")
@@ -161,14 +175,57 @@ class OrtGenaiSpec(_OrtGenai):
             return "needs an ONNX draft exported by the model builder (draft.kind onnx, with genai_config.json)"
         return None
 
-    def setup(self, ctx: BenchContext) -> None:
+    def _load_k(self, ctx: BenchContext, k: int) -> None:
         target = ort_target_dir(ctx)
-        overlay = ort_spec_overlay(target, ctx.config.draft.model, ctx.gamma, ctx.config.draft.threads)
-        overlay["model"].update(_threads_overlay(ctx.torch_threads)["model"])
+        overlay = ort_spec_overlay(target, ctx.config.draft.model, k, self.threads)
+        overlay["model"].update(_threads_overlay(self.threads)["model"])
         self._load(target, overlay)
+        self.gamma = k
+
+    def setup(self, ctx: BenchContext) -> None:
+        self.calibration = None
+        if not ctx.gammas:
+            self._load_k(ctx, ctx.gamma)
+            return
+
+        def run_k(k: int, prompt: list[int], max_new: int) -> None:
+            if self.gamma != k:
+                self._load_k(ctx, k)
+                self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm the new sessions
+            self.run(prompt, max_new)
+
+        self.gamma = None
+        best, self.calibration = calibrate(run_k, ctx.gammas, ctx.calibration_prompts, ctx.max_new)
+        self._load_k(ctx, best)
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        return {**super().describe(ctx), "layout": "in_process (draft and verify in turn)",
+                "draft_threads": self.threads}
+
+    def extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gamma": self.gamma}
+        if self.calibration:
+            out["calibration_s"] = {str(k): round(v, 4) for k, v in self.calibration.items()}
+        return out
 
     def _stats(self, gen) -> dict[str, Any] | None:
         s = gen.get_speculative_stats()
         keep = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
                 "total_draft_ms", "total_target_ms", "effective_k")
         return {k: s[k] for k in keep if k in s}
+
+
+@register
+class OrtGenaiTargetOnlyAllCores(OrtGenaiTargetOnly):
+    """ORT GenAI's target alone with every core: what a user with this machine and nothing else runs."""
+
+    name = "ort_genai_target_only_all_cores"
+    all_cores = True
+
+
+@register
+class OrtGenaiSpecAllCores(OrtGenaiSpec):
+    """ORT GenAI's speculative decoding with every core for both models."""
+
+    name = "ort_genai_spec_all_cores"
+    all_cores = True

@@ -63,3 +63,48 @@ def heldout_prompt_ids(config: Config, config_path: Path, n: int, prompt_tokens:
     if len(prompts) < n:
         raise BenchError(f"found only {len(prompts)} held-out prompts of {prompt_tokens} tokens; asked for {n}")
     return [[int(t) for t in p] for p in prompts]
+
+
+def prompts_from_file(path: Path, config: Config) -> list[list[int]]:
+    """The user's prompts: JSONL, one object per line, {"prompt": "text"} (tokenized with the target's
+    tokenizer, no special tokens added) or {"token_ids": [...]}. Blank lines are skipped; every error names
+    the file, the line and the value."""
+    import json
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"--prompts-file {str(path)!r}: cannot read it: {exc}") from None
+    tok = None
+    out: list[list[int]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {str(path)!r} line {n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise BenchError(f"{where}: not JSON ({exc}): {line[:80]!r}") from None
+        if not isinstance(obj, dict) or len(set(obj) & {"prompt", "token_ids"}) != 1:
+            raise BenchError(f'{where}: expected an object with "prompt" (text) or "token_ids" (a list of '
+                             f"ints), got {line[:80]!r}")
+        if "token_ids" in obj:
+            ids = obj["token_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise BenchError(f'{where}: "token_ids" must be a non-empty list of non-negative ints, got '
+                                 f"{str(ids)[:80]}")
+        else:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+                raise BenchError(f'{where}: "prompt" must be non-empty text, got {str(obj["prompt"])[:80]!r}')
+            if tok is None:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(config.target.model)
+            ids = tok.encode(obj["prompt"], add_special_tokens=False)
+            if not ids:
+                raise BenchError(f"{where}: the prompt encodes to no tokens")
+        out.append([int(t) for t in ids])
+    if not out:
+        raise BenchError(f"--prompts-file {str(path)!r}: no prompts in it")
+    return out

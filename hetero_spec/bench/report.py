@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -70,7 +71,7 @@ def summarize(res: SystemResult, ref: SystemResult, ort_ref: SystemResult | None
             "tokens_per_s": round(n / run["wall_s"], 3) if run["wall_s"] > 0 else None,
             "speedup_vs_target_only": round(base["wall_s"] / run["wall_s"], 4),
             "identical_to_target_only": run["token_ids"] == base["token_ids"],
-            "stats": run["stats"]})
+            "token_ids_hash": hashlib.sha1(str(run["token_ids"]).encode()).hexdigest()[:12], "stats": run["stats"]})
     pp = entry["per_prompt"]
     entry["tokens_per_s"] = _median([p["tokens_per_s"] for p in pp if p["tokens_per_s"] is not None])
     entry["speedup_vs_target_only"] = _median([p["speedup_vs_target_only"] for p in pp])
@@ -162,6 +163,9 @@ def command_line(settings: BenchSettings) -> str:
         parts += ["--temperature", str(settings.temperature)]
     if settings.sampling:
         parts += ["--sampling", settings.sampling]
+    if settings.prompts_file is not None:
+        parts += ["--prompts-file", str(settings.prompts_file)]
+    parts += ["--gammas", ",".join(map(str, settings.gammas)) if settings.gammas else "config"]
     for k, v in settings.overrides.items():
         parts += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     return shlex.join(parts)
@@ -182,6 +186,8 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
         "versions": _versions(),
         "config": {"source": ctx.config.source, **ctx.config.model_dump(mode="json")},
         "settings": {"prompts": len(ctx.prompts), "max_new_tokens": ctx.max_new, "gamma": ctx.gamma,
+                     "gammas": list(ctx.gammas) if ctx.gammas else None,
+                     "prompts_file": str(settings.prompts_file) if settings.prompts_file else None,
                      "temperature": ctx.temperature, "sampling": ctx.config.speculation.sampling,
                      "seed": ctx.seed,
                      "prompt_tokens": [len(p) for p in ctx.prompts], "quick": settings.quick,
@@ -192,7 +198,32 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
         "systems": list(entries.values()),
         "analytic": analytic(entries, results, ctx.gamma),
         "pipelined_vs_in_process": pipelined_vs_in_process(entries),
+        "comparisons": [c for a, b in COMPARISONS if (c := paired(entries, a, b))["available"]],
     }
+
+
+# (system, peer): the ratios the README's goals are stated in, each paired per prompt in one run
+COMPARISONS = (
+    ("hetero_spec_onnx_pipelined", "ort_genai_spec"),
+    ("hetero_spec", "ort_genai_spec_all_cores"),
+    ("hetero_spec", "ort_genai_spec"),
+    ("hetero_spec_onnx_target_only", "ort_genai_target_only"),
+    ("hetero_spec_onnx_all_cores", "ort_genai_spec_all_cores"),
+    ("hetero_spec_onnx", "ort_genai_spec"),
+)
+
+
+def paired(entries: dict[str, dict[str, Any]], name: str, peer: str) -> dict[str, Any]:
+    """How much faster `name` ran than `peer`, prompt by prompt (peer wall time / name wall time; same
+    prompts, same interleaved pass): the median ratio, its range, and on how many prompts name was faster."""
+    a, b = entries.get(name), entries.get(peer)
+    if not a or not b or not a["per_prompt"] or len(a["per_prompt"]) != len(b["per_prompt"]):
+        return {"available": False}
+    ratios = [y["wall_s"] / x["wall_s"] for x, y in zip(a["per_prompt"], b["per_prompt"]) if x["wall_s"] > 0]
+    same = sum(x.get("token_ids_hash") == y.get("token_ids_hash") for x, y in zip(a["per_prompt"], b["per_prompt"]))
+    return {"available": True, "system": name, "peer": peer, "median_speedup": round(_median(ratios), 4),
+            "min": round(min(ratios), 4), "max": round(max(ratios), 4),
+            "prompts_faster": sum(r > 1.0 for r in ratios), "prompts": len(ratios), "identical_outputs": same}
 
 
 def pipelined_vs_in_process(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -237,17 +268,31 @@ def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = ["# hetero-spec bench", "",
              f"`{s['command']}`", "",
-             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, {_decoding(s)}, gamma {s['gamma']}, "
+             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, {_decoding(s)}, "
+             f"{'gamma per system, calibrated over ' + str(s['gammas']) if s.get('gammas') else 'gamma ' + str(s['gamma'])}, "
              f"torch threads {s['torch_threads']}, {report['machine']['cpu_count']} CPUs "
              f"({report['machine']['cpu_model']}); {s['order']}.", "",
-             "| system | tok/s | speedup vs target_only | acceptance | identical | status |",
-             "|---|---:|---:|---:|:---:|---|"]
+             "| system | backend | layout | threads | gamma | tok/s | speedup vs target_only | acceptance | "
+             "identical | status |",
+             "|---|---|---|---|---:|---:|---:|---:|:---:|---|"]
     for e in report["systems"]:
         ident = {True: "yes", False: "**no**", None: "-"}[e["identical_to_target_only"]]
         status = e["status"] if e["status"] == "ok" else f"{e['status']}: {e['reason']}"
-        lines.append(f"| {e['name']} | {_fmt(e['tokens_per_s'], '.1f')} | "
+        x = e["extra"]
+        threads = "-" if x.get("target_threads") is None else str(x["target_threads"])
+        if x.get("draft_threads") is not None:
+            threads += f" + {x['draft_threads']}"
+        lines.append(f"| {e['name']} | {x.get('backend', '-')} | {x.get('layout', '-')} | {threads} | "
+                     f"{x.get('gamma', '-')} | {_fmt(e['tokens_per_s'], '.1f')} | "
                      f"{_fmt(e['speedup_vs_target_only'], '.2f')}x | {_fmt(e['acceptance_rate'], '.3f')} | "
                      f"{ident} | {status} |")
+    if report.get("comparisons"):
+        lines += ["", "Paired per prompt (peer wall time / system wall time, median over prompts):", "",
+                  "| system | vs peer | median | range | faster on | identical outputs |",
+                  "|---|---|---:|---|---:|---:|"]
+        for c in report["comparisons"]:
+            lines.append(f"| {c['system']} | {c['peer']} | {c['median_speedup']:.2f}x | {c['min']:.2f}-{c['max']:.2f} "
+                         f"| {c['prompts_faster']}/{c['prompts']} | {c['identical_outputs']}/{c['prompts']} |")
     lines += _sampled_lines(report)
     a = report["analytic"]
     lines.append("")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import Config, check_paths, load_config
 from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings
-from .prompts import heldout_prompt_ids
+from .prompts import heldout_prompt_ids, prompts_from_file
 from .report import build_report, write_outputs
 from .systems import SYSTEMS, System
 
@@ -102,6 +102,7 @@ def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
             continue
         state = ProcState.capture()
         res.extra.update(cpus=sorted(state.cpus) if state.cpus is not None else None, torch_threads=state.threads)
+        res.extra.update(system.describe(ctx))
         live[name] = (system, state)
     baseline.apply()
     return live, results
@@ -157,10 +158,14 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     out.mkdir(parents=True, exist_ok=True)
     draft_hf = settings.draft_hf if settings.draft_hf is not None else default_draft_hf(settings.config)
     t = time.perf_counter()
-    if prompt_ids is None:
+    n_prompts = settings.n_prompts
+    if prompt_ids is None and settings.prompts_file is not None:
+        prompt_ids = prompts_from_file(settings.prompts_file, config)
+        n_prompts = settings.prompts or len(prompt_ids)
+    elif prompt_ids is None:
         prompt_ids = heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
     log.info("%d prompts ready in %.1f s", len(prompt_ids), time.perf_counter() - t)
-    prompts = [list(p) for p in prompt_ids[:settings.n_prompts]]
+    prompts = [list(p) for p in prompt_ids[:n_prompts]]
     if not prompts or any(not p for p in prompts):
         raise BenchError("no prompts to benchmark (or an empty prompt)")
     context = context_len(config)
@@ -173,7 +178,8 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     threads = config.target.threads or original.threads
     ctx = BenchContext(config=config, overrides=dict(settings.overrides), out=out, draft_hf=draft_hf,
                        prompts=prompts, max_new=settings.max_new, torch_threads=threads,
-                       ort_target=settings.ort_target, temperature=settings.temperature)
+                       ort_target=settings.ort_target, temperature=settings.temperature,
+                       gammas=settings.gammas)
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -33,6 +34,29 @@ class System:
     def extra(self) -> dict[str, Any]:
         """System-specific facts for the report (e.g. the calibrated constant)."""
         return {}
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        """What runs: backend, layout, threads (shown in bench.json and bench.md)."""
+        return {"backend": "torch (transformers)", "layout": "in_process", "target_threads": ctx.torch_threads,
+                "draft_threads": None}
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def calibrate(run_k, candidates: tuple[int, ...], prompts: list[list[int]], max_new: int
+              ) -> tuple[int, dict[int, float]]:
+    """Give a speculative system its best gamma before it is compared: time each candidate on the
+    calibration prompts (untimed for the report) and keep the fastest. run_k(k, prompt, max_new)."""
+    times: dict[int, float] = {}
+    for k in candidates:
+        t = time.perf_counter()
+        for p in prompts:
+            run_k(k, p, max_new)
+        times[k] = time.perf_counter() - t
+    return min(times, key=times.get), times
 
 
 SYSTEMS: dict[str, type[System]] = {}
@@ -122,23 +146,51 @@ class HfAssistedBestConst(HfAssisted):
 
 @register
 class HeteroSpec(System):
-    """This project's engine, in process: `Engine.generate(prompt_ids, temperature=--temperature, seed=0)`."""
+    """This project's engine with the config as given: `Engine.generate(prompt_ids, gamma=best,
+    temperature=--temperature, seed=0)`; gamma is calibrated over --gammas first (the config's otherwise)."""
 
     name = "hetero_spec"
     acceptance_keys = ("accepted", "drafted")
     runtime_overrides: dict[str, Any] = {}
+
+    def overrides(self, ctx: BenchContext) -> dict[str, Any]:
+        return dict(self.runtime_overrides)
 
     def setup(self, ctx: BenchContext) -> None:
         from ..engine import Engine
 
         # ctx.config already holds the --set overrides, --sampling and CPU_FP32
         self.temperature, self.seed = ctx.temperature, ctx.seed
-        self.engine = Engine.from_config(ctx.config, overrides=self.runtime_overrides or None)
+        self.engine = Engine.from_config(ctx.config, overrides=self.overrides(ctx) or None)
+        cfg = self.engine.config
+        self.gamma, self.calibration = cfg.speculation.gamma, None
+        if ctx.gammas and cfg.draft.kind != "none":
+            self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm before timing candidates
+            self.gamma, self.calibration = calibrate(self._run_k, ctx.gammas, ctx.calibration_prompts,
+                                                     ctx.max_new)
+
+    def _run_k(self, k: int, prompt_ids: list[int], max_new: int):
+        return self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=self.temperature,
+                                    seed=self.seed, gamma=k)
 
     def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
-        out = self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=self.temperature,
-                                   seed=self.seed)
+        out = self._run_k(self.gamma, prompt_ids, max_new)
         return RunOutput(out.token_ids, out.stats)
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        cfg = self.engine.config
+        two = cfg.runtime.mode == "two_process"
+        plan = getattr(self.engine, "_cpu_plan", None)
+        threads = plan.threads if plan is not None else cfg.target.threads or ctx.torch_threads
+        return {"backend": cfg.target.backend, "layout": cfg.runtime.mode + (" (draft overlapped)" if two else ""),
+                "target_threads": threads, "draft_threads": cfg.draft.threads if cfg.draft.kind == "onnx" else None,
+                "draft": cfg.draft.kind}
+
+    def extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gamma": self.gamma}
+        if self.calibration:
+            out["calibration_s"] = {str(k): round(v, 4) for k, v in self.calibration.items()}
+        return out
 
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:
@@ -147,19 +199,15 @@ class HeteroSpec(System):
 
 @register
 class HeteroSpecPipelined(HeteroSpec):
-    """The engine with the draft in its own process (runtime.mode = two_process)."""
+    """The config's engine with the draft in its own process (runtime.mode = two_process)."""
 
     name = "hetero_spec_pipelined"
     runtime_overrides = {"runtime.mode": "two_process"}
 
     @staticmethod
     def unavailable(ctx: BenchContext) -> str | None:
-        from pydantic import ValidationError
-
-        try:
-            RuntimeConfig.model_validate({"mode": "two_process"})
-        except ValidationError:
-            return "this build's runtime.mode does not accept two_process yet"
+        if ctx.config.draft.kind != "onnx":
+            return "two_process needs draft.kind: onnx"
         return None
 
 
@@ -171,3 +219,97 @@ class HeteroSpecTargetOnly(HeteroSpec):
     name = "hetero_spec_target_only"
     acceptance_keys = None
     runtime_overrides = {"draft.kind": "none", "runtime.mode": "in_process"}
+
+
+def _onnx_target_unavailable(ctx: BenchContext) -> str | None:
+    from ..target.export_cache import exportable
+
+    model = ctx.config.target.model
+    if (model / "model.onnx").is_file():
+        return None
+    ok, why = exportable(model)
+    return None if ok else f"no ONNX target: {why}"
+
+
+class _Variant(HeteroSpec):
+    """The engine with a fixed backend, layout and thread split, whatever the config says."""
+
+    backend, mode, all_cores = "onnx", "in_process", False
+
+    @staticmethod
+    def unavailable(ctx: BenchContext) -> str | None:
+        return _onnx_target_unavailable(ctx)
+
+    def overrides(self, ctx: BenchContext) -> dict[str, Any]:
+        n = cores() if self.all_cores else 1
+        out = {"target.backend": self.backend, "runtime.mode": self.mode, "target.threads": n,
+               "draft.threads": n, **self.runtime_overrides}
+        if self.mode == "two_process":
+            out.pop("target.threads")  # the worker's core is taken first; the target gets the rest
+        return out
+
+
+@register
+class HeteroSpecOnnxTargetOnly(_Variant):
+    """The onnx backend without a draft, one thread: our target step against ORT GenAI's."""
+
+    name = "hetero_spec_onnx_target_only"
+    acceptance_keys = None
+    runtime_overrides = {"draft.kind": "none"}
+
+
+@register
+class HeteroSpecOnnx(_Variant):
+    """The onnx backend, draft and verify in turn in one process, one thread each (ORT GenAI's layout)."""
+
+    name = "hetero_spec_onnx"
+
+
+@register
+class HeteroSpecOnnxAllCores(_Variant):
+    """The onnx backend in process with every core for the target and the draft."""
+
+    name = "hetero_spec_onnx_all_cores"
+    all_cores = True
+
+
+@register
+class HeteroSpecOnnxPipelined(_Variant):
+    """The heterogeneous layout: the onnx target on its core(s), the draft worker on its own core."""
+
+    name = "hetero_spec_onnx_pipelined"
+    mode = "two_process"
+
+    @staticmethod
+    def unavailable(ctx: BenchContext) -> str | None:
+        if ctx.config.draft.kind != "onnx":
+            return "two_process needs draft.kind: onnx"
+        if cores() < 2:
+            return "the heterogeneous layout needs 2 CPUs (one for the draft worker)"
+        return _onnx_target_unavailable(ctx)
+
+
+@register
+class HeteroSpecTorch(_Variant):
+    """The torch (transformers) backend in process, one target thread."""
+
+    name = "hetero_spec_torch"
+    backend = "torch"
+
+    @staticmethod
+    def unavailable(ctx: BenchContext) -> str | None:
+        return None
+
+
+@register
+class HeteroSpecTorchPipelined(HeteroSpecOnnxPipelined):
+    """The torch backend with the draft worker on its own core."""
+
+    name = "hetero_spec_torch_pipelined"
+    backend = "torch"
+
+    @staticmethod
+    def unavailable(ctx: BenchContext) -> str | None:
+        if ctx.config.draft.kind != "onnx":
+            return "two_process needs draft.kind: onnx"
+        return None if cores() >= 2 else "needs 2 CPUs"
