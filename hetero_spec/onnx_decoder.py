@@ -115,6 +115,8 @@ class OnnxDecoder:
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         width = logits_out.shape[-1]
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
+        self.logits_dtype = _ORT_DTYPES.get(logits_out.type, np.float32)
+        self._ones = np.ones((1, 256), dtype=np.int64)
         self.context_len = int(self.genai_config.get("context_length") or 1 << 30)
 
     def new_state(self) -> DecoderState:
@@ -123,9 +125,12 @@ class OnnxDecoder:
     def append(self, state: DecoderState, tokens: list[int]) -> np.ndarray:
         """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width]."""
         n = len(tokens)
+        total = state.n_past + n
+        if total > self._ones.shape[1]:
+            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         feeds = {
             "input_ids": np.asarray([tokens], dtype=np.int64),
-            "attention_mask": np.ones((1, state.n_past + n), dtype=np.int64),
+            "attention_mask": self._ones[:, :total],  # a contiguous view: no per-step allocation
         }
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(state.n_past, state.n_past + n, dtype=np.int64)[None]
@@ -147,9 +152,11 @@ class OnnxDecoder:
         io = state.binding
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
-        io.bind_output("logits", "cpu")
+        # the logits go straight into a numpy array of ours: no OrtValue wrappers, no copy out
+        logits = np.empty((1, n, self.model_vocab), dtype=self.logits_dtype)
+        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        return logits
 
     def _grow(self, state: DecoderState, needed: int) -> None:
         """New buffers of at least `needed` positions holding the cached ones; rebinds past and present."""
@@ -162,7 +169,6 @@ class OnnxDecoder:
 
     def _bind(self, state: DecoderState, kv: list[np.ndarray]) -> None:
         io = self.session.io_binding()
-        io.bind_output("logits", "cpu")  # logits first: get_outputs()[0] is the logits
         for past, present, buf in zip(self.past_names, self.present_names, kv):
             value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares buf's memory: the kernel writes into it
             io.bind_ortvalue_input(past, value)
