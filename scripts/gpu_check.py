@@ -40,6 +40,32 @@ def _build_pair(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
+def _onnx_backend_rows(target: Path, draft: Path, prompt: list[int], tokens: int) -> list[tuple[str, str, str]]:
+    """target.backend onnx on the CUDA execution provider (onnxruntime-gpu), against the same export decoded
+    alone; skipped with a reason when this onnxruntime build has no CUDA EP."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return [("onnx backend, CUDA EP", "skipped",
+                 f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (pip install onnxruntime-gpu)")]
+    from hetero_spec import Engine
+
+    rows = []
+    cfg = {"target": {"model": str(target), "backend": "onnx", "providers": ["CUDAExecutionProvider"]},
+           "draft": {"kind": "none"}}
+    with Engine.from_config(cfg) as eng:
+        ref = eng.generate(prompt, max_new_tokens=tokens)
+        rows.append(("onnx backend, CUDA EP: loads", str(eng.target.decoder.session.get_providers()[0]),
+                     f"layout {eng.target.decoder.layout}, {ref.stats['tokens_per_s']:.0f} tok/s target-only"))
+    for mode in ("in_process", "two_process"):
+        c = {**cfg, "draft": {"kind": "onnx", "model": str(draft)}, "runtime": {"mode": mode}}
+        with Engine.from_config(c) as eng:
+            out = eng.generate(prompt, max_new_tokens=tokens, gamma=4)
+            rows.append((f"onnx backend, CUDA EP, {mode}: identical to its target-only",
+                         str(out.token_ids == ref.token_ids), f"acceptance {out.stats['acceptance_rate']:.2f}"))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", help="HF target directory (default: a random model built here)")
@@ -125,6 +151,8 @@ def main() -> int:
                 rows.append((f"{mode}: per round draft / wait / verify (ms)",
                              f"{draft_ms:.3f} / {wait_ms:.3f} / {verify_ms:.3f}",
                              f"transfer {gate.get('transfer_ms')} ms, staging copies {eng.target.staging.copies}"))
+        rows += _onnx_backend_rows(target, draft, prompt, args.tokens)
+        ok &= all(r[1] != "False" for r in rows[-3:])
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print("| check | result | detail |\n|---|---|---|")
     for r in rows:

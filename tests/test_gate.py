@@ -84,3 +84,22 @@ def test_disabled_gate_never_switches():
         g.observe_verify(0.001)
         assert g.decide(4)
     assert g.on and g.switches == []
+
+
+def test_a_block_is_worth_more_verifications_when_rounds_commit_more_tokens():
+    """The measured case: a noisy draft sample of 15.5 ms per block against a 9.4 ms verify. With rounds
+    committing ~4.8 tokens a block is worth 2.4 verifies, so speculation stays on; with nothing accepted it
+    is worth one verify, so the same costs turn it off."""
+    for per_round, on in ((4.8, True), (1.0, False)):
+        g = CostGate(clock=Clock())
+        for _ in range(4):
+            g.observe_verify(0.0094)
+            g.observe_proposal(0.0155 / 8, 1, 0.0)
+            g.observe_round(8, int(per_round) - 1 if per_round > 1 else 0)
+            g.tokens_per_round.value = per_round  # exact, not the moving average of the ints above
+            g.decide(8)
+        assert g.on is on, per_round
+        assert g.worth() == pytest.approx(max(1.0, 0.5 * per_round))
+    g = CostGate(clock=Clock())
+    g.observe_round(0, 0)  # a round without drafts says nothing about acceptance
+    assert g.tokens_per_round.value is None and g.worth() == 1.0

@@ -151,3 +151,36 @@ print("torch" in sys.modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_onnx_target_stop_rules_in_both_layouts(monkeypatch, arch, llama_copy_onnx, qwen2_copy_onnx):
+    """Identity with the ONNX target alone (Llama-GQA and Qwen2) at gamma 1, 3 and 8, with a stop token inside
+    an accepted block, max_new_tokens inside a block and the context limit, in process and two-process."""
+    from tests.test_pipelined_mem import mem_engine
+
+    model = {"llama": llama_copy_onnx, "qwen2": qwen2_copy_onnx}[arch]
+    prompt = PROMPTS[0]
+    with Engine.from_config(_cfg(model, "none")) as alone:
+        free = alone.generate(prompt, max_new_tokens=30).token_ids
+        pos = next(i for i in range(4, 30) if free[i] not in free[:i] and free[i] not in alone.target.eos_token_ids)
+        stop = free[pos]
+        ctx = alone.target.context_len
+        long_prompt = [(7 * i + 3) % 200 + 10 for i in range(ctx - 13)]
+        ref_ctx = alone.generate(long_prompt, max_new_tokens=100).token_ids
+        assert len(long_prompt) + len(ref_ctx) == ctx
+    pipelined = {"runtime.mode": "two_process", "runtime.pin_cpus": False, "runtime.heartbeat_s": 1e6}
+    for layout, extra in (("in_process", {}), ("two_process", pipelined)):
+        cfg = _cfg(model, "onnx", model, **extra)
+        eng = mem_engine(monkeypatch, cfg, model)[0] if extra else Engine.from_config(cfg)
+        with eng:
+            for gamma in (1, 3, 8):
+                out = eng.generate(prompt, max_new_tokens=30, gamma=gamma, stop_token_ids=[stop])
+                assert (out.token_ids, out.finish_reason) == (free[:pos + 1], "stop"), (layout, gamma)
+                if gamma == 8 and layout == "in_process":  # the stop came inside a block: tokens were drafted past it
+                    assert out.stats["drafted"] > len(out.token_ids) - out.stats["rounds"]
+                for max_new in (1, 5, 11):
+                    out = eng.generate(prompt, max_new_tokens=max_new, gamma=gamma)
+                    assert (out.token_ids, out.finish_reason) == (free[:max_new], "length"), (layout, gamma, max_new)
+                out = eng.generate(long_prompt, max_new_tokens=100, gamma=gamma)
+                assert (out.token_ids, out.finish_reason) == (ref_ctx, "context"), (layout, gamma)

@@ -78,14 +78,15 @@ def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
     live: dict[str, tuple[System, ProcState]] = {}
     results = {n: SystemResult(n) for n in names}
     warm_prompt = ctx.prompts[0]
-    for name in names:
+    for i, name in enumerate(names, 1):
         cls, res = SYSTEMS[name], results[name]
         if reason := cls.unavailable(ctx):
             res.status, res.reason = "skipped", reason
             continue
         system = cls()
         try:
-            log.info("setting up %s", name)
+            calib = f", calibrating gamma over {list(ctx.gammas)}" if ctx.gammas and cls.acceptance_keys else ""
+            print(f"bench: setting up {name} ({i}/{len(names)}{calib})", file=sys.stderr, flush=True)
             baseline.apply()
             t = time.perf_counter()
             system.setup(ctx)

@@ -187,7 +187,7 @@ class HeteroSpec(System):
                 "draft": cfg.draft.kind}
 
     def extra(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"gamma": self.gamma}
+        out: dict[str, Any] = {"gamma": self.gamma if self.engine.config.draft.kind != "none" else None}
         if self.calibration:
             out["calibration_s"] = {str(k): round(v, 4) for k, v in self.calibration.items()}
         return out

@@ -338,6 +338,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
             if timeline is not None:
                 timeline.verify.append((t0, t1, len(ids), len(draft.ids)))
             stats.record_round(len(draft.ids), n)
+            gate.observe_round(len(draft.ids), n)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)
             if not stats.finish_reason:
@@ -345,7 +346,7 @@ def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, st
             stats.new_tokens = generated
             stats.time_total_s = time.perf_counter() - t_start
             yield emitted
-            # 5) adapt: the cost gate turns speculation off when drafting + transfer > verification
+            # 5) adapt: the cost gate turns speculation off when a block's drafting costs more than it is worth
             gate.decide(req.gamma)
             link.control(gate.drafting, ids)
     finally:

@@ -4,8 +4,11 @@ The pipelined scheduler feeds it measurements (moving averages): the draft's tim
 proposal transfer time, and the target's verification time. States:
 
 * ON: the target waits (within a budget) for draft tokens and verifies them.
-* OFF: when draft + transfer for a block exceeds verification (or the draft misses rounds entirely),
-  the target decodes alone and the worker is paused.
+* OFF: when draft + transfer for a block exceeds what the block is worth (or the draft misses rounds
+  entirely), the target decodes alone and the worker is paused. A block is worth `max(1, step_ratio * E)`
+  verifications, E being the tokens a speculating round commits (moving average): with the draft
+  overlapped, a round costs about max(verify, draft block) and yields E tokens, against E target steps of
+  at least step_ratio verifications each. Before any round is seen, E counts as 2 (worth one verification).
 * PROBING: every `probe_interval_s` the worker drafts again in the background while the target keeps
   decoding alone (probing costs the target nothing); the first fresh timings decide ON or OFF.
 """
@@ -48,6 +51,10 @@ class CostGate:
     n_draft_samples: int = 0
     min_samples: int = 3
     max_misses: int = 2
+    tokens_per_round: Ema = field(default_factory=Ema)
+    step_ratio: float = 0.5
+    """Lower bound of one target step over a verification of a block (a verify of gamma + 1 tokens costs
+    more than one step, but on bandwidth-bound hardware less than twice as much)."""
     clock: Callable[[], float] = time.monotonic  # a seam for tests
 
     def __post_init__(self) -> None:
@@ -62,6 +69,16 @@ class CostGate:
 
     def observe_verify(self, seconds: float) -> None:
         self.verify_s.add(seconds)
+
+    def observe_round(self, drafted: int, accepted: int) -> None:
+        """A verified round: the tokens it committed (accepted drafts + the target's own) when it speculated."""
+        if drafted > 0:
+            self.tokens_per_round.add(accepted + 1)
+
+    def worth(self) -> float:
+        """How many verifications a block of drafts is worth (see the module docstring)."""
+        e = self.tokens_per_round.value
+        return 1.0 if e is None else max(1.0, self.step_ratio * e)
 
     def observe_wait(self, got_tokens: int) -> None:
         """A round that waited its whole budget and got no draft token is a miss: evidence that the
@@ -111,11 +128,12 @@ class CostGate:
         now = self.clock()
         self._account(now)
         cost, verify = self.block_cost(gamma), self.verify_s.value
-        too_slow = cost is not None and verify is not None and cost > verify
+        worth = self.worth()
+        too_slow = cost is not None and verify is not None and cost > worth * verify
         if self.on:
             if too_slow and self.n_draft_samples >= self.min_samples:
-                self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > verify {verify * 1e3:.2f} ms "
-                                    f"for gamma={gamma}")
+                self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > {worth:.2f} x verify "
+                                    f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif self.misses >= self.max_misses:
                 self._switch(False, f"no draft tokens within the wait budget for {self.misses} rounds")
         elif self.probing:
@@ -124,7 +142,7 @@ class CostGate:
                 if too_slow:
                     self._off_at = now
                 else:
-                    self._switch(True, f"probe: draft+transfer {cost * 1e3:.2f} ms <= verify "
+                    self._switch(True, f"probe: draft+transfer {cost * 1e3:.2f} ms <= {worth:.2f} x verify "
                                        f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif now - self._probe_t0 >= self.probe_interval_s:
                 self.probing = False
@@ -142,4 +160,6 @@ class CostGate:
         return {"on": self.on, "probing": self.probing, "time_spec_on_s": round(self.time_on_s, 4),
                 "time_spec_off_s": round(self.time_off_s, 4), "switches": self.switches[-20:],
                 "n_switches": len(self.switches), "draft_ms_per_token": ms(self.draft_tok_s),
-                "transfer_ms": ms(self.transfer_s), "verify_ms": ms(self.verify_s)}
+                "transfer_ms": ms(self.transfer_s), "verify_ms": ms(self.verify_s),
+                "tokens_per_round": None if self.tokens_per_round.value is None else round(self.tokens_per_round.value, 3),
+                "block_worth_verifies": round(self.worth(), 3)}
