@@ -17,10 +17,11 @@ class Clock:
 
 def test_slow_draft_turns_speculation_off_then_probes_and_comes_back():
     clk = Clock()
-    g = CostGate(probe_interval_s=0.5, clock=clk)
+    g = CostGate(probe_interval_s=0.5, min_rounds=3, clock=clk)
     for _ in range(3):  # 30 ms per draft token against a 10 ms verification: gamma 4 costs 120 ms
         g.observe_proposal(draft_s=0.030, n_tokens=1, transfer_s=0.0001)
         g.observe_verify(0.010)
+        g.observe_round(4, 0)
         clk.t += 0.1
         g.decide(4)
     assert not g.on and "draft+transfer" in g.switches[-1]["reason"]
@@ -44,7 +45,7 @@ def test_slow_draft_turns_speculation_off_then_probes_and_comes_back():
 
 def test_a_probe_that_is_still_slow_stays_off():
     clk = Clock()
-    g = CostGate(probe_interval_s=0.5, min_samples=1, clock=clk)
+    g = CostGate(probe_interval_s=0.5, min_samples=1, min_rounds=0, clock=clk)
     g.observe_verify(0.010)
     g.observe_proposal(0.050, 1, None)
     g.decide(4)
@@ -91,7 +92,7 @@ def test_a_block_is_worth_more_verifications_when_rounds_commit_more_tokens():
     committing ~4.8 tokens a block is worth 2.4 verifies, so speculation stays on; with nothing accepted it
     is worth one verify, so the same costs turn it off."""
     for per_round, on in ((4.8, True), (1.0, False)):
-        g = CostGate(clock=Clock())
+        g = CostGate(min_rounds=4, clock=Clock())
         for _ in range(4):
             g.observe_verify(0.0094)
             g.observe_proposal(0.0155 / 8, 1, 0.0)
@@ -103,3 +104,13 @@ def test_a_block_is_worth_more_verifications_when_rounds_commit_more_tokens():
     g = CostGate(clock=Clock())
     g.observe_round(0, 0)  # a round without drafts says nothing about acceptance
     assert g.tokens_per_round.value is None and g.worth() == 1.0
+
+
+def test_no_cost_off_before_min_rounds():
+    """A cold first round (a slow draft sample, nothing accepted) does not turn a request off."""
+    g = CostGate(min_rounds=4, clock=Clock())
+    for i in range(4):
+        g.observe_verify(0.0074)
+        g.observe_proposal(0.0077 / 6, 1, None)
+        g.observe_round(6, 0)
+        assert g.decide(6) is (i < 3), i  # off only once 4 rounds have shown the draft does not pay

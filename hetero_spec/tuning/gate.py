@@ -52,6 +52,10 @@ class CostGate:
     min_samples: int = 3
     max_misses: int = 2
     tokens_per_round: Ema = field(default_factory=Ema)
+    n_rounds: int = 0
+    min_rounds: int = 4
+    """Speculating rounds seen before the draft's cost may turn speculation off: the first rounds of a
+    request measure a cold draft (one round once turned a whole demo request off)."""
     step_ratio: float = 0.5
     """Lower bound of one target step over a verification of a block (a verify of gamma + 1 tokens costs
     more than one step, but on bandwidth-bound hardware less than twice as much)."""
@@ -74,6 +78,7 @@ class CostGate:
         """A verified round: the tokens it committed (accepted drafts + the target's own) when it speculated."""
         if drafted > 0:
             self.tokens_per_round.add(accepted + 1)
+            self.n_rounds += 1
 
     def worth(self) -> float:
         """How many verifications a block of drafts is worth (see the module docstring)."""
@@ -131,7 +136,7 @@ class CostGate:
         worth = self.worth()
         too_slow = cost is not None and verify is not None and cost > worth * verify
         if self.on:
-            if too_slow and self.n_draft_samples >= self.min_samples:
+            if too_slow and self.n_draft_samples >= self.min_samples and self.n_rounds >= self.min_rounds:
                 self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > {worth:.2f} x verify "
                                     f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif self.misses >= self.max_misses:
