@@ -35,6 +35,8 @@ def add_bench_parser(sub) -> None:
                    help="draft lengths each speculative system (ours and ORT GenAI's) is calibrated over on "
                         "the first two prompts before the timed runs, keeping its fastest (default "
                         "4,6,8,10,12; 'config' uses speculation.gamma for all)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per system and prompt; a prompt's time is their median (default 1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
                         "every system, the rest to the hetero_spec systems")

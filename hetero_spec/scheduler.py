@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
-    from .target.verifier import TargetModel, TargetState
+    from .target.base import Verifier
 
 
 @dataclass
@@ -46,7 +46,7 @@ def check_request(req: Request, context_len: int) -> None:
             f"(target.max_context or the model's max_position_embeddings), leaving no room for a new token")
 
 
-def verify_block(target: TargetModel, state: TargetState, params: SamplingParams, ids: list[int],
+def verify_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int],
                  draft: Draft) -> tuple[int, int]:
     """3) verify one block in one target forward pass; returns (n_accepted, next_token).
 
@@ -91,7 +91,7 @@ def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: in
     return emitted, generated
 
 
-def decode(target: TargetModel, proposer: Proposer | None, req: Request, stats: Stats) -> Iterator[list[int]]:
+def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats) -> Iterator[list[int]]:
     """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()

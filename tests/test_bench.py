@@ -199,3 +199,38 @@ def test_prompts_file_errors_name_the_line(tmp_path, copy_config):
         f.write_text(text)
         with pytest.raises(BenchError, match=match):
             prompts_from_file(f, cfg)
+
+
+def test_order_rotates_per_prompt_and_repeats_take_the_median(monkeypatch):
+    """No system always runs right after the same neighbour; with repeats a prompt's time is the median."""
+    from types import SimpleNamespace
+
+    from hetero_spec.bench import run as run_mod
+    from hetero_spec.bench.context import RunOutput
+    from hetero_spec.bench.run import ProcState, SystemResult, _interleave
+
+    calls: list[str] = []
+    ticks = iter(range(1000))
+    monkeypatch.setattr(run_mod.time, "perf_counter", lambda: float(next(ticks)) ** 2)  # growing durations
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, prompt, max_new):
+            calls.append(self.name)
+            return RunOutput([len(prompt)])
+
+    names = ["a", "b", "c"]
+    state = ProcState(None, 1)
+    monkeypatch.setattr(ProcState, "apply", lambda self: None)
+    live = {n: (Fake(n), state) for n in names}
+    results = {n: SystemResult(n) for n in names}
+    ctx = SimpleNamespace(prompts=[[1], [1, 2], [1, 2, 3]], max_new=4)
+    _interleave(ctx, live, results, repeats=2)
+    assert calls[:6] == ["a", "b", "c", "b", "c", "a"] and calls[6:9] == ["c", "a", "b"]
+    assert len(calls) == 3 * 3 * 2
+    for n in names:
+        assert [r["token_ids"] for r in results[n].runs] == [[1], [2], [3]]
+        for r in results[n].runs:
+            assert len(r["repeats_s"]) == 2 and r["wall_s"] == sum(r["repeats_s"]) / 2

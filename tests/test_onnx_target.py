@@ -184,3 +184,32 @@ def test_onnx_target_stop_rules_in_both_layouts(monkeypatch, arch, llama_copy_on
                     assert (out.token_ids, out.finish_reason) == (free[:max_new], "length"), (layout, gamma, max_new)
                 out = eng.generate(long_prompt, max_new_tokens=100, gamma=gamma)
                 assert (out.token_ids, out.finish_reason) == (ref_ctx, "context"), (layout, gamma)
+
+
+def test_both_backends_implement_the_verifier_interface(llama_copy_onnx, llama_target):
+    from hetero_spec.target.base import Verifier
+    from hetero_spec.target.verifier import TargetModel
+
+    for t in (OnnxTarget(llama_copy_onnx), TargetModel(llama_target, device="cpu", dtype="float32")):
+        assert isinstance(t, Verifier) and t.backend in ("onnx", "torch")
+        st = t.new_state()
+        t.prefill(st, PROMPTS[0])
+        assert st.n_cached == len(PROMPTS[0]) - 1
+
+
+def test_demo_pair_onnx_backend_agrees_with_torch():
+    """The shipped demo target under both backends (fp32), greedy, on held-out prompts: token for token equal.
+    (ONNX Runtime and PyTorch may round differently; on these prompts they never pick different tokens.)"""
+    from pathlib import Path
+
+    from hetero_spec.bench.prompts import heldout_prompt_ids
+    from hetero_spec.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "cpu-demo.yaml"
+    prompts = heldout_prompt_ids(load_config(demo), demo, 3, 64)
+    outs = {}
+    for backend in ("torch", "onnx"):
+        with Engine.from_config(demo, overrides={"target.backend": backend, "runtime.mode": "in_process"}) as eng:
+            assert eng.target.backend == backend
+            outs[backend] = [eng.generate(p, max_new_tokens=48).token_ids for p in prompts]
+    assert outs["onnx"] == outs["torch"]

@@ -15,6 +15,7 @@ from .run import run_bench
 def settings_from_args(args) -> BenchSettings:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     for name, val in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                      ("--repeats", args.repeats),
                       ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:
             raise BenchError(f"{name} must be >= 1, got {val}")
@@ -34,7 +35,7 @@ def settings_from_args(args) -> BenchSettings:
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
                          prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
                          ort_target=Path(args.ort_target) if args.ort_target else None,
-                         temperature=args.temperature, sampling=args.sampling, gammas=gammas,
+                         temperature=args.temperature, sampling=args.sampling, gammas=gammas, repeats=args.repeats,
                          prompts_file=Path(args.prompts_file) if args.prompts_file else None)
 
 

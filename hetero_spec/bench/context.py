@@ -47,6 +47,8 @@ class BenchSettings:
     gammas: tuple[int, ...] | None = None
     """Draft lengths every speculative system (ours and ORT GenAI's) is calibrated over before the timed
     runs, keeping its fastest; None: the config's speculation.gamma for all."""
+    repeats: int = 1
+    """Timed runs per system and prompt (the prompt's time is their median)."""
     prompts_file: Path | None = None
     """JSONL of the user's own prompts ({"prompt": text} or {"token_ids": [...]} per line)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_paths, load_config
-from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings
+from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings, RunOutput
 from .prompts import heldout_prompt_ids, prompts_from_file
 from .report import build_report, write_outputs
 from .systems import SYSTEMS, System
@@ -117,33 +118,59 @@ def _close(system: System) -> None:
 
 
 def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
-                results: dict[str, SystemResult]) -> None:
-    """Per prompt, each live system once, in registry order, each in the process state it set up."""
+                 results: dict[str, SystemResult], repeats: int = 1) -> None:
+    """Per prompt, each live system `repeats` times, each in the process state it set up. The order of the
+    systems rotates from prompt to prompt (and repeat to repeat), so that no system always runs right after
+    the same neighbour (whose caches and clocks it would inherit). With repeats > 1 a prompt's time is the
+    median of its repeats (the output must be the same every time)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(ctx.prompts) * len(live), desc="bench", unit="run", file=sys.stderr,
+    names = list(live)
+    bar = tqdm(total=len(ctx.prompts) * len(names) * repeats, desc="bench", unit="run", file=sys.stderr,
                dynamic_ncols=True)
     try:
         for i, prompt in enumerate(ctx.prompts):
-            for name in list(live):
-                bar.set_postfix_str(f"prompt {i + 1}/{len(ctx.prompts)} {name}")
-                system, state = live[name]
-                state.apply()
-                t = time.perf_counter()
-                try:
-                    out = system.run(prompt, ctx.max_new)
-                except Exception as exc:
-                    if name == "target_only":
-                        raise BenchError(f"target_only failed on prompt {i}: {exc}") from exc
-                    res = results[name]
-                    res.status, res.reason = "failed", f"prompt {i}: {type(exc).__name__}: {exc}"
-                    _close(live.pop(name)[0])
-                    continue
-                wall = time.perf_counter() - t
-                results[name].runs.append({"wall_s": wall, "token_ids": out.token_ids, "stats": out.stats})
-                bar.update(1)
+            walls: dict[str, list[float]] = {n: [] for n in names}
+            outs: dict[str, RunOutput] = {}
+            for r in range(repeats):
+                shift = (i * repeats + r) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    if name not in live:
+                        continue
+                    bar.set_postfix_str(f"prompt {i + 1}/{len(ctx.prompts)} {name}")
+                    out = _timed_run(ctx, live, results, name, i, prompt, walls)
+                    if out is not None:
+                        if name in outs and outs[name].token_ids != out.token_ids:
+                            res = results[name]
+                            res.status, res.reason = "failed", f"prompt {i}: output changed between repeats"
+                            _close(live.pop(name)[0])
+                            continue
+                        outs.setdefault(name, out)
+                    bar.update(1)
+            for name, out in outs.items():
+                if name in live:
+                    results[name].runs.append({"wall_s": statistics.median(walls[name]), "token_ids": out.token_ids,
+                                               "stats": out.stats, "repeats_s": walls[name]})
     finally:
         bar.close()
+
+
+def _timed_run(ctx: BenchContext, live: dict[str, tuple[System, ProcState]], results: dict[str, SystemResult],
+               name: str, i: int, prompt: list[int], walls: dict[str, list[float]]) -> RunOutput | None:
+    system, state = live[name]
+    state.apply()
+    t = time.perf_counter()
+    try:
+        out = system.run(prompt, ctx.max_new)
+    except Exception as exc:
+        if name == "target_only":
+            raise BenchError(f"target_only failed on prompt {i}: {exc}") from exc
+        res = results[name]
+        res.status, res.reason = "failed", f"prompt {i}: {type(exc).__name__}: {exc}"
+        _close(live.pop(name)[0])
+        return None
+    walls[name].append(time.perf_counter() - t)
+    return out
 
 
 def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
@@ -188,7 +215,7 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     live: dict[str, tuple[System, ProcState]] = {}
     try:
         live, results = _start_systems(ctx, names, ProcState(original.cpus, threads))
-        _interleave(ctx, live, results)
+        _interleave(ctx, live, results, settings.repeats)
     finally:
         for name, (system, _) in live.items():
             results[name].extra.update(system.extra())

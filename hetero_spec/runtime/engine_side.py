@@ -17,7 +17,7 @@ from .pipelined import decode_pipelined
 from .supervisor import DraftSupervisor, WorkerSpec
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
-    from ..target.verifier import TargetModel
+    from ..target.base import Verifier
 
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class PipelinedRuntime:
             pin_threads(self.sup.thread_ids, self.draft_cpus)
         self.sup.start()
 
-    def decode(self, target: TargetModel, req: Request, stats: Stats):
+    def decode(self, target: Verifier, req: Request, stats: Stats):
         """The decode loop's thread runs on the target's cores while it serves the request."""
         r = self.config.runtime
         max_ahead = r.max_ahead or 2 * req.gamma + 1  # this block, its bonus token, the next block

@@ -35,7 +35,7 @@ from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
-    from ..target.verifier import TargetModel
+    from ..target.base import Verifier
 
 
 
@@ -305,7 +305,7 @@ class DraftLink:
         self._leave(self.w)
 
 
-def decode_pipelined(target: TargetModel, sup: DraftSupervisor, req: Request, stats: Stats,
+def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats: Stats,
                      gate: CostGate, max_ahead: int, trace: bool = False,
                      clock=time.monotonic) -> Iterator[list[int]]:
     """Generate one request with the draft in its own process; yields each round's committed tokens."""

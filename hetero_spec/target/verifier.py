@@ -56,8 +56,9 @@ class TargetState:
 
 
 class TargetModel:
-    """A loaded Hugging Face causal LM used as the verifier."""
+    """A loaded Hugging Face causal LM used as the verifier (implements target.base.Verifier)."""
 
+    backend = "torch"
     def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
                  threads: int | None = None, max_context: int | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,35 @@
+"""The target-side interface: what the decode loops (scheduler.py, runtime/pipelined.py) need of a verifier.
+
+Two backends implement it: `verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget`
+(ONNX Runtime; never imports torch). Each request's state (KV cache and its length, `n_cached`) lives in the
+object `new_state()` returns, never in the model, so one loaded model serves many requests (batching will
+hold several states at once).
+
+Cache invariant: the state caches every committed token but the last, which is fed at the start of the next
+pass together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    backend: str  # "torch" | "onnx"
+    vocab_width: int  # width of the logits the loop works in
+    context_len: int  # prompt + generated tokens may not exceed it
+    eos_token_ids: set[int]
+    tokenizer: Any  # encode(text) / decode(ids, skip_special_tokens=...), or None
+
+    def new_state(self) -> Any:
+        """A fresh per-request state (empty cache, n_cached == 0)."""
+
+    def prefill(self, state: Any, prompt_ids: list[int]) -> None:
+        """Cache every prompt token but the last."""
+
+    def verify(self, state: Any, last_token: int, draft_ids: list[int], greedy: bool) -> Any:
+        """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
+
+    def rollback(self, state: Any, n_keep: int) -> None:
+        """Keep the first n_keep cached positions (drop the rejected drafts)."""
