@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from .errors import HeteroSpecError
@@ -67,6 +68,34 @@ def _add_export(sub) -> None:
                    help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
 
 
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure this machine's costs, fit the cost model, recommend gamma",
+                       description="Measure, on the configured target backend and draft: verification time of "
+                                   "k = 0..16 draft tokens, the draft's time per token, transfer time against "
+                                   "payload, prefill time, the draft's acceptance on calibration prompts, and "
+                                   "goodput at a few gammas. Fit the cost model, and write PROFILE.yaml (with the "
+                                   "recommended gamma per layout) and PROFILE.png (goodput against gamma). Use it "
+                                   "with speculation: {gamma: auto, profile: PROFILE.yaml}.")
+    p.add_argument("--config", required=True, help="YAML config (its target and onnx draft are measured)")
+    p.add_argument("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
+    p.add_argument("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help='calibration prompts: JSONL, one {"prompt": "text"} or {"token_ids": [...]} per line '
+                        "(default: held-out prompts)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key (repeatable)")
+
+
+def _cmd_profile(args) -> int:
+    from .config import parse_override
+    from .tuning.profile import run_profile
+
+    run_profile(Path(args.config), Path(args.out), quick=args.quick,
+                prompts_file=Path(args.prompts_file) if args.prompts_file else None,
+                overrides=dict(parse_override(o) for o in args.overrides))
+    return 0
+
+
 def _add_keys(sub) -> None:
     p = sub.add_parser("keys", help="create CURVE keys for a TCP link beyond loopback (runtime.curve_keys)",
                        description="Create a directory (mode 0700) with ZeroMQ CURVE certificates: "
@@ -89,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_export(sub)
     _add_keys(sub)
+    _add_profile(sub)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -180,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export,
-                "keys": _cmd_keys}
+                "keys": _cmd_keys, "profile": _cmd_profile}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench

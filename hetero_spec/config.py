@@ -77,8 +77,13 @@ class DraftConfig(_Section):
 
 
 class SpeculationConfig(_Section):
-    gamma: int = Field(default=4, ge=1, le=64)
-    """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass."""
+    gamma: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = 4
+    """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass.
+    `auto`: each round (in process; each request, two_process) takes the gamma with the highest predicted
+    goodput from the cost model (`profile`, or costs learned as the engine runs) and the acceptance
+    estimated online (tuning/gamma.py)."""
+    profile: Path | None = None
+    """A profile written by `hetero-spec profile` (its fitted cost model seeds `gamma: auto`)."""
     sampling: Literal["rejection", "coupled"] = "coupled"
     """How sampled (temperature > 0) tokens are verified; both keep the target's distribution exactly.
     `coupled`: draft and target share Gumbel noise keyed by (seed, position); a draft token is accepted iff
@@ -183,7 +188,7 @@ def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
     return cur
 
 
-_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"))  # directory paths
+_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("speculation", "profile"))  # directory paths
 
 
 def _section_model(parts: list[str]) -> type[BaseModel] | None:

@@ -26,6 +26,7 @@ from .metrics import Stats
 from .sampling import SamplingParams
 from .scheduler import Request, decode
 from .target.backends import choose_backend, load_target
+from .tuning.profile import load_tuning
 from .validation import check_stop_ids, prompt_token_ids, request_args
 
 log = logging.getLogger("hetero_spec")
@@ -127,6 +128,8 @@ class Engine:
         self._parts: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _release, self._parts)
         threads = t.threads
+        # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
+        self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
         try:
             if config.runtime.mode == "two_process":
                 from .runtime.engine_side import CpuPlan
@@ -140,7 +143,7 @@ class Engine:
 
                 self._check_draft(config)
                 self.runtime = self._parts["runtime"] = PipelinedRuntime(
-                    config, self.target.vocab_width, context_len=self.target.context_len)
+                    config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
             else:
                 self.proposer = self._parts["proposer"] = self._make_proposer(config)
         except BaseException:
@@ -222,7 +225,7 @@ class Engine:
                 if self.runtime is not None:
                     yield from self.runtime.decode(self.target, req, stats)
                 else:
-                    yield from decode(self.target, self.proposer, req, stats)
+                    yield from decode(self.target, self.proposer, req, stats, self.tuning)
         finally:
             if self._closed:  # close() came while this request ran: release now that it is over
                 self._finalizer()

@@ -22,7 +22,7 @@ class Stats:
     time_wait_s: float = 0.0  # two-process: the target waiting for draft tokens
     finish_reason: str = ""
     proposer: str = "none"
-    gamma: int = 0
+    gamma: int | str = 0  # the configured gamma, or "auto" (the choices are in extra.gamma_auto)
     extra: dict = field(default_factory=dict)  # runtime-specific: gate, stale proposals, restarts
 
     def record_round(self, drafted: int, accepted: int) -> None:

@@ -19,6 +19,7 @@ from .errors import PromptTooLongError, RequestError
 from .metrics import Stats
 from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
+from .tuning.gamma import GammaPolicy, Tuning
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
     from .target.base import Verifier
@@ -31,7 +32,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     params: SamplingParams
-    gamma: int
+    gamma: int | str  # an int, or "auto" (tuning/gamma.py)
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -91,10 +92,13 @@ def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: in
     return emitted, generated
 
 
-def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats) -> Iterator[list[int]]:
-    """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes."""
+def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
+           tuning: Tuning | None = None) -> Iterator[list[int]]:
+    """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes.
+    tuning: what the engine learns across requests (gamma: auto); None: a fresh one."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()
+    policy = GammaPolicy(tuning or Tuning(), "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
     stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
     stats.proposer = proposer.name if proposer is not None else "none"
     state = target.new_state()
@@ -107,16 +111,19 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
         generated = 0
         while not stats.finish_reason:
             remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
-            k = min(req.gamma, remaining - 1) if proposer is not None else 0
+            k = min(policy.choose(), remaining - 1) if proposer is not None else 0
             # 1) propose (2) send is a no-op in process)
             t = time.perf_counter()
             draft = proposer.propose(k) if k > 0 else Draft(ids=[])
-            stats.time_draft_s += time.perf_counter() - t
+            draft_s = time.perf_counter() - t
+            stats.time_draft_s += draft_s
             # 3) verify
             t = time.perf_counter()
             n, nxt = verify_block(target, state, req.params, ids, draft)
-            stats.time_verify_s += time.perf_counter() - t
+            verify_s = time.perf_counter() - t
+            stats.time_verify_s += verify_s
             stats.record_round(len(draft.ids), n)
+            policy.observe(len(draft.ids), n, verify_s, draft_s if draft.ids else None)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated,
                                                target.context_len, stats)
@@ -125,6 +132,8 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
             stats.new_tokens = generated
             stats.time_total_s = time.perf_counter() - t_start
             yield emitted
-            # 5) adapt: the in-process loop keeps gamma fixed (the pipelined scheduler tunes it)
+            # 5) adapt: with gamma auto, the next round's choice sees this round's costs and acceptance
     finally:
         stats.time_total_s = time.perf_counter() - t_start
+        if policy.fixed is None:
+            stats.extra["gamma_auto"] = policy.summary()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..config import Config
 from ..metrics import Stats
 from ..scheduler import Request
+from ..tuning.gamma import GammaPolicy, Tuning
 from ..tuning.gate import CostGate
 from .pipelined import decode_pipelined
 from .supervisor import DraftSupervisor, WorkerSpec
@@ -112,9 +114,10 @@ class PipelinedRuntime:
     are seams for tests (an in-memory worker, a fake clock, a gate held in one state)."""
 
     def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, launcher=None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, tuning: Tuning | None = None):
         r, d = config.runtime, config.draft
         self.config = config
+        self.tuning = tuning or Tuning()
         self.clock = clock
         self.make_gate = lambda: CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s)
         self.draft_cpus = draft_cpus(config)
@@ -133,10 +136,14 @@ class PipelinedRuntime:
     def decode(self, target: Verifier, req: Request, stats: Stats):
         """The decode loop's thread runs on the target's cores while it serves the request."""
         r = self.config.runtime
+        # gamma auto: chosen once per request here (the worker drafts max_ahead tokens ahead of it)
+        policy = GammaPolicy(self.tuning, "two_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
+        if policy.fixed is None:
+            req = dataclasses.replace(req, gamma=max(1, policy.choose()))
         max_ahead = r.max_ahead or 2 * req.gamma + 1  # this block, its bonus token, the next block
         with pinned_thread(self.target_cpus):
             yield from decode_pipelined(target, self.sup, req, stats, self.make_gate(), max_ahead,
-                                        trace=r.trace, clock=self.clock)
+                                        trace=r.trace, clock=self.clock, policy=policy)
 
     def close(self) -> None:
         self.sup.close()

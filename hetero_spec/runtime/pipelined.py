@@ -31,6 +31,7 @@ from ..draft.base import Draft
 from ..metrics import Stats
 from ..scheduler import Request, check_request, commit_tokens, verify_block
 from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
+from ..tuning.gamma import GammaPolicy
 from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
 
@@ -307,7 +308,7 @@ class DraftLink:
 
 def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats: Stats,
                      gate: CostGate, max_ahead: int, trace: bool = False,
-                     clock=time.monotonic) -> Iterator[list[int]]:
+                     clock=time.monotonic, policy: GammaPolicy | None = None) -> Iterator[list[int]]:
     """Generate one request with the draft in its own process; yields each round's committed tokens."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()
@@ -339,6 +340,8 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                 timeline.verify.append((t0, t1, len(ids), len(draft.ids)))
             stats.record_round(len(draft.ids), n)
             gate.observe_round(len(draft.ids), n)
+            if policy is not None:
+                policy.observe(len(draft.ids), n, t1 - t0, None)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)
             if not stats.finish_reason:
@@ -357,3 +360,8 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                            dropped_messages=link.dropped, rejected_messages=link.rejected)
         if timeline is not None:
             stats.extra["timeline"] = {"verify": timeline.verify, "draft": timeline.draft}
+        if policy is not None:
+            if gate.draft_tok_s.value is not None:  # the worker's drafting cost, as its proposals report it
+                policy.tuning.observe_draft_token(gate.draft_tok_s.value)
+            if policy.fixed is None:
+                stats.extra["gamma_auto"] = policy.summary()

@@ -1,0 +1,86 @@
+"""A measured cost model of one speculative round, and the gamma that maximises predicted goodput.
+
+Notation (Leviathan et al. 2023): a = per-token acceptance (the chance the target accepts a draft token given
+it accepted the ones before), g = gamma (draft tokens per round).
+
+- Expected tokens committed per round: E(a, g) = (1 - a^(g+1)) / (1 - a)   (g + 1 when a = 1).
+- Verification of the block [last, d1..dg] in one target pass: V(g) = verify_fixed_s + verify_per_token_s * (g + 1),
+  fitted to measured verify times (`fit_line`).
+- Round time by layout:
+  - in_process (draft and verify in turn): R = g * d + V(g).
+  - two_process (the draft worker drafts block n+1 while the target verifies block n): when the whole block
+    was accepted (probability a^g) the next block is ready; otherwise the worker drafts it from the correction
+    while the target waits, R = V(g) + transfer + (1 - a^g) * max(0, g * d - hidden) with hidden = 0 unless a
+    pre-drafted branch covers it (not modelled: a conservative estimate).
+- Goodput = E(a, g) / R(g) committed tokens per second; target-only's is 1 / V(0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+LAYOUTS = ("in_process", "two_process")
+
+
+def expected_tokens(a: float, g: int) -> float:
+    """E(a, g) = (1 - a^(g+1)) / (1 - a): tokens a round of g drafts commits, the target's own included."""
+    if g <= 0:
+        return 1.0
+    a = min(max(a, 0.0), 1.0)
+    return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = c0 + c1 * x over (x, y) points; c1 = 0 with fewer than two distinct x."""
+    n = len(points)
+    if n == 0:
+        raise ValueError("no points to fit")
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return my, 0.0
+    c1 = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - c1 * mx, c1
+
+
+@dataclass
+class CostModel:
+    """Seconds: one verification pass is verify_fixed_s + verify_per_token_s * tokens; one draft token
+    draft_token_s; one proposal's transfer transfer_s (two_process)."""
+
+    verify_fixed_s: float
+    verify_per_token_s: float
+    draft_token_s: float
+    transfer_s: float = 0.0
+
+    def verify(self, g: int) -> float:
+        """V(g): one target pass over g drafts plus the last committed token."""
+        return self.verify_fixed_s + self.verify_per_token_s * (g + 1)
+
+    def round_time(self, g: int, a: float, layout: str) -> float:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if g <= 0:
+            return self.verify(0)
+        if layout == "in_process":
+            return g * self.draft_token_s + self.verify(g)
+        miss = 1.0 - min(max(a, 0.0), 1.0) ** g
+        return self.verify(g) + self.transfer_s + miss * g * self.draft_token_s
+
+    def goodput(self, g: int, a: float, layout: str) -> float:
+        """Predicted committed tokens per second at gamma g (g = 0: the target alone)."""
+        return expected_tokens(a, g) / self.round_time(g, a, layout)
+
+    def best_gamma(self, a: float, layout: str, g_max: int = 16) -> tuple[int, float]:
+        """(gamma in 0..g_max with the highest predicted goodput, that goodput); 0 means do not speculate."""
+        best = max(range(g_max + 1), key=lambda g: (self.goodput(g, a, layout), -g))
+        return best, self.goodput(best, a, layout)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(**{k: float(d[k]) for k in ("verify_fixed_s", "verify_per_token_s", "draft_token_s")},
+                   transfer_s=float(d.get("transfer_s", 0.0)))

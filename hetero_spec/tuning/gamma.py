@@ -1,0 +1,120 @@
+"""`speculation.gamma: auto`: each round's gamma maximises predicted goodput E(a, g) / R(g) (cost_model.py).
+
+- a: per-token acceptance estimated online, per request, starting from a global prior that persists across
+  the Engine's requests (`Tuning`): (accepted + prior * weight) / (tested + weight), where a draft token is
+  "tested" when the target saw it before the first rejection of its round.
+- R: the round time of the layout in use, from a profile (`hetero-spec profile`, `speculation.profile`), or
+  learned as the engine runs: verification time is fitted as a line in the block length over the rounds seen
+  so far, and the draft's time per token is a moving average. Until both are known, rounds cycle through a
+  few gammas (2, 4, 8) so that the line has distinct points.
+
+The chosen gamma and its reason go into the request's stats (`extra.gamma_auto`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .cost_model import CostModel, expected_tokens, fit_line
+
+EXPLORE = (2, 4, 8)  # gammas tried while the cost model is still unknown
+
+
+@dataclass
+class Acceptance:
+    """Accepted and tested draft tokens (see the module docstring)."""
+
+    accepted: float = 0.0
+    tested: float = 0.0
+
+    def observe(self, k: int, n: int) -> None:
+        if k > 0:
+            self.accepted += n
+            self.tested += n + (1 if n < k else 0)
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.tested + weight)
+
+
+@dataclass
+class Tuning:
+    """What the engine learns across requests: acceptance and costs. One per Engine (requests run one at a
+    time; batched serving will hold one per strategy)."""
+
+    profile: CostModel | None = None
+    prior_acceptance: float = 0.7
+    prior_weight: float = 16.0
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
+    draft_token_s: float | None = None
+    alpha: float = 0.2
+
+    def global_acceptance(self) -> float:
+        return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
+
+    def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
+        self.acceptance.observe(k, n)
+        self.verify_points.append((k + 1, verify_s))
+        if draft_s is not None and k > 0:
+            self.observe_draft_token(draft_s / k)
+
+    def observe_draft_token(self, seconds: float) -> None:
+        """One measurement of the draft's time per token (moving average)."""
+        a = self.alpha
+        self.draft_token_s = seconds if self.draft_token_s is None else (1 - a) * self.draft_token_s + a * seconds
+
+    def model(self) -> CostModel | None:
+        """The profile, else the costs learned so far (None until verify has two distinct block lengths and
+        the draft has been timed)."""
+        if self.profile is not None:
+            return self.profile
+        if self.draft_token_s is None or len({x for x, _ in self.verify_points}) < 2:
+            return None
+        c0, c1 = fit_line(list(self.verify_points))
+        return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0),
+                         draft_token_s=self.draft_token_s)
+
+
+@dataclass
+class GammaPolicy:
+    """One request's gamma choices. `fixed`: a configured integer gamma (no choice made)."""
+
+    tuning: Tuning
+    layout: str
+    fixed: int | None = None
+    g_max: int = 16
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    choices: Counter = field(default_factory=Counter)
+    reason: str = ""
+    _round: int = 0
+
+    def estimate(self) -> float:
+        """This request's acceptance, starting from the global estimate."""
+        return self.acceptance.rate(self.tuning.global_acceptance(), self.tuning.prior_weight)
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        self._round += 1
+        model = self.tuning.model()
+        if model is None:
+            g = EXPLORE[(self._round - 1) % len(EXPLORE)]
+            self.reason = "exploring: no profile and too few measurements for a cost model yet"
+        else:
+            a = self.estimate()
+            g, rate = model.best_gamma(a, self.layout, self.g_max)
+            if g == 0 and self._round % 16 == 0:
+                g = 2  # re-probe now and then: acceptance may have risen
+            self.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {g} "
+                           f"(E={expected_tokens(a, g):.2f}, round {model.round_time(g, a, self.layout) * 1e3:.2f} ms)")
+        self.choices[g] += 1
+        return g
+
+    def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
+        self.acceptance.observe(k, n)
+        self.tuning.observe(k, n, verify_s, draft_s)
+
+    def summary(self) -> dict:
+        return {"choices": {str(g): c for g, c in sorted(self.choices.items())}, "last_reason": self.reason,
+                "acceptance_estimate": round(self.estimate(), 4)}

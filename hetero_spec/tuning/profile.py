@@ -1,0 +1,237 @@
+"""`hetero-spec profile`: measure this machine's costs for a config, fit the cost model, recommend gamma.
+
+Measured on the configured target backend and draft (in process, one request at a time):
+- target verification time of a block of k drafts (k + 1 tokens in one pass) after a fixed context;
+- the draft's time per token;
+- transfer time of one message against its payload (ZeroMQ PAIR over IPC, as the two-process runtime uses);
+- prefill time against prompt length;
+- the draft's per-token acceptance on calibration prompts (held-out prompts, or --prompts-file);
+- measured goodput (committed tokens/s, in process) at a few gammas, next to the model's prediction.
+
+Writes PROFILE.yaml (machine, measured points, the fitted CostModel, acceptance, recommended gamma per layout,
+measured goodput) and PROFILE.png (goodput against gamma). `speculation: {gamma: auto, profile: PROFILE.yaml}`
+uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
+from .gamma import Tuning
+
+
+def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
+    """A Tuning seeded by a profile (its cost model and acceptance), or an empty one (learn as it runs)."""
+    if path is None:
+        return Tuning()
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(source, "speculation.profile", str(path), f"cannot read the profile: {exc}") from None
+    try:
+        model = CostModel.from_dict(raw["cost_model"])
+        a = float(raw["acceptance"]["per_token"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(source, "speculation.profile", str(path),
+                          f"not a profile written by `hetero-spec profile` (missing or bad {exc})") from None
+    return Tuning(profile=model, prior_acceptance=min(max(a, 0.0), 1.0))
+
+
+def _median_s(fn, reps: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[tuple[int, float]]:
+    state = target.new_state()
+    target.prefill(state, prompt)
+    base = state.n_cached
+
+    def once(k: int):
+        target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
+        target.rollback(state, base)
+
+    return [(k + 1, _median_s(lambda k=k: once(k), reps)) for k in ks]
+
+
+def _draft_token_s(drafter, prompt: list[int], reps: int) -> float:
+    """Median time per greedy draft token, 8 at a time after the prompt (its prefill is not counted)."""
+    import numpy as np
+
+    dec, st = drafter.decoder, drafter.decoder.new_state()
+    dec.append(st, prompt)
+    base = st.n_past
+
+    def once():
+        tok = prompt[-1]
+        for _ in range(8):
+            tok = int(np.argmax(dec.append(st, [tok])[-1]))
+        dec.rewind(st, base)
+
+    return _median_s(once, reps) / 8
+
+
+def _transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
+    """One-way time of a message of each size: half a ZeroMQ PAIR round trip over IPC."""
+    import tempfile
+
+    import zmq
+
+    ctx = zmq.Context()
+    with tempfile.TemporaryDirectory(prefix="hetero-spec-profile-") as tmp:
+        addr = f"ipc://{tmp}/echo"
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind(addr)
+        b.connect(addr)
+        stop = threading.Event()
+
+        def echo():
+            while not stop.is_set():
+                if b.poll(50):
+                    b.send(b.recv(copy=False), copy=False)
+
+        th = threading.Thread(target=echo, daemon=True)
+        th.start()
+        out = []
+        for size in sizes:
+            payload = os.urandom(size)
+
+            def rt(payload=payload):
+                a.send(payload, copy=False)
+                a.recv(copy=False)
+
+            out.append((size, _median_s(rt, reps) / 2))
+        stop.set()
+        th.join()
+        a.close(0)
+        b.close(0)
+    ctx.term()
+    return out
+
+
+def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:
+    """Per-token acceptance over calibration prompts (greedy): accepted / (accepted + rejections)."""
+    acc = rej = drafted = 0
+    for p in prompts:
+        s = engine.generate(p, max_new_tokens=max_new, gamma=gamma).stats
+        hist = s["accept_hist"]
+        acc += s["accepted"]
+        drafted += s["drafted"]
+        rej += sum(c for n, c in enumerate(hist) if n < gamma)
+    a = acc / max(1, acc + rej)
+    return a, {"accepted": acc, "drafted": drafted, "rejections": rej, "prompts": len(prompts),
+               "max_new_tokens": max_new, "gamma": gamma}
+
+
+def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file: Path | None = None,
+                overrides: dict | None = None, say=None) -> dict[str, Any]:
+    """Measure, fit, recommend; write out (YAML) and out with .png. Returns the profile dict."""
+    import yaml
+
+    from ..bench.prompts import heldout_prompt_ids, prompts_from_file
+    from ..config import load_config
+    from ..engine import Engine
+
+    say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    over = {**(overrides or {}), "runtime.mode": "in_process"}  # every cost is measured on its own
+    config = load_config(config_path, overrides=over)
+    if config.draft.kind != "onnx":
+        raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
+                          "profile measures a model draft: use draft.kind: onnx")
+    n_prompts, max_new = (2, 48) if quick else (6, 128)
+    ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
+    reps = 8 if quick else 20
+    say(f"loading {config_path} (target backend {config.target.backend})")
+    with Engine.from_config(config) as eng:
+        if prompts_file is not None:
+            prompts = prompts_from_file(prompts_file, config)[:n_prompts]
+        else:
+            prompts = heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128)
+        ctx_prompt, calib = prompts[0], prompts[1:] or prompts
+        say(f"target verification, k = {ks[0]}..{ks[-1]} draft tokens after {len(ctx_prompt)} cached")
+        vpoints = _verify_points(eng.target, ctx_prompt, ks, reps)
+        say("draft time per token")
+        d_tok = _draft_token_s(eng.proposer, ctx_prompt, reps)
+        say("transfer time against payload")
+        tpoints = _transfer_points([64, 4096, 65536, 1 << 20], reps)
+        say("prefill time against prompt length")
+        ppoints = []
+        for n in (16, 64, len(ctx_prompt)):
+            def pre(n=n):
+                eng.target.prefill(eng.target.new_state(), ctx_prompt[:n])
+            ppoints.append((n, _median_s(pre, max(2, reps // 4))))
+        say(f"acceptance on {len(calib)} calibration prompts x {max_new} tokens")
+        a, acc_info = _acceptance(eng, calib, max_new)
+        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
+        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok,
+                          transfer_s=tpoints[0][1])
+        measured_g = [2, 4, 8, 12] if quick else [1, 2, 4, 6, 8, 10, 12, 16]
+        say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
+        measured = {}
+        for g in measured_g:
+            stats = [eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib]
+            measured[g] = sum(s["new_tokens"] for s in stats) / sum(s["time_total_s"] - s["time_prefill_s"]
+                                                                   for s in stats)
+    recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
+    profile = {
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None},
+        "config": str(config_path), "target_backend": config.target.backend,
+        "target_threads": config.target.threads, "draft": str(config.draft.model),
+        "draft_threads": config.draft.threads, "quick": quick,
+        "measured": {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints},
+                     "draft_token_s": round(d_tok, 6),
+                     "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
+                     "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
+                     "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
+        "cost_model": {k: round(v, 7) for k, v in model.to_dict().items()},
+        "acceptance": {"per_token": round(a, 4), **acc_info},
+        "recommended_gamma": recommended,
+        "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
+                                    for lay in LAYOUTS},
+        "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
+                   "(1 - a^g) * g * d; V(g) = verify_fixed_s + verify_per_token_s * (g + 1)",
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(profile, sort_keys=False))
+    _plot(profile, out.with_suffix(".png"))
+    say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
+        f"{recommended} at acceptance {a:.3f} (E at gamma 8: {expected_tokens(a, 8):.2f})")
+    return profile
+
+
+def _plot(profile: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for lay, pts in profile["predicted_goodput_tok_s"].items():
+        ax.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")
+    meas = profile["measured"]["goodput_tok_s_in_process"]
+    ax.plot([int(g) for g in meas], list(meas.values()), "o", label="measured, in_process")
+    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_ylabel("goodput (committed tokens/s)")
+    ax.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
+    ax.legend()
+    fig.savefig(path, dpi=110)

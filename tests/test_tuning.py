@@ -1,0 +1,147 @@
+"""Tuning: the cost model's formulas on constructed numbers, the online estimates, gamma: auto (lossless, with
+its choices in stats), and `hetero-spec profile` on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.errors import ConfigError
+from hetero_spec.tuning.cost_model import CostModel, expected_tokens, fit_line
+from hetero_spec.tuning.gamma import EXPLORE, Acceptance, GammaPolicy, Tuning
+from hetero_spec.tuning.profile import load_tuning, run_profile
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
+
+
+def test_expected_tokens_and_line_fit():
+    assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0 and expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert fit_line([(1, 3.0), (2, 5.0), (4, 9.0)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(3, 2.0), (3, 4.0)]) == (3.0, 0.0)
+
+
+def test_round_time_by_layout():
+    m = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006, transfer_s=0.0001)
+    v = 0.005 + 0.0004 * 9
+    assert m.verify(8) == pytest.approx(v)
+    assert m.round_time(8, 0.8, "in_process") == pytest.approx(8 * 0.0006 + v)
+    assert m.round_time(8, 0.8, "two_process") == pytest.approx(v + 0.0001 + (1 - 0.8 ** 8) * 8 * 0.0006)
+    assert m.round_time(0, 0.8, "in_process") == pytest.approx(0.005 + 0.0004)
+    assert m.goodput(8, 0.8, "in_process") == pytest.approx(expected_tokens(0.8, 8) / (8 * 0.0006 + v))
+    with pytest.raises(ValueError, match="layout"):
+        m.round_time(2, 0.5, "three_process")
+
+
+def test_best_gamma_depends_on_the_hardware():
+    """Long blocks pay where a verify costs the same for any length (a wide GPU), short ones where each
+    verified token costs (a CPU); nothing pays with a useless draft."""
+    gpu = CostModel(verify_fixed_s=0.020, verify_per_token_s=0.00005, draft_token_s=0.0005)
+    cpu = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0008, draft_token_s=0.0012)
+    g_gpu, _ = gpu.best_gamma(0.85, "in_process")
+    g_cpu, _ = cpu.best_gamma(0.85, "in_process")
+    assert g_gpu > g_cpu >= 1
+    assert cpu.best_gamma(0.02, "in_process")[0] == 0  # target alone is faster
+    # overlapping the draft (two_process) makes longer blocks pay than drafting in turn
+    assert cpu.best_gamma(0.85, "two_process")[0] >= g_cpu
+
+
+def test_acceptance_counts_only_tested_tokens():
+    acc = Acceptance()
+    acc.observe(4, 4)  # all accepted: 4 tested
+    acc.observe(4, 1)  # one accepted, then a rejection: 2 tested
+    acc.observe(0, 0)  # no drafts: nothing
+    assert (acc.accepted, acc.tested) == (5, 6)
+    assert acc.rate(prior=0.5, weight=2) == pytest.approx((5 + 1) / 8)
+
+
+def test_online_model_needs_two_block_lengths_and_a_draft_timing():
+    t = Tuning()
+    t.observe(4, 2, verify_s=0.007, draft_s=None)
+    assert t.model() is None
+    t.observe(8, 8, verify_s=0.009, draft_s=0.004)
+    m = t.model()
+    # verify = c0 + c1 * tokens through (5, 7 ms) and (9, 9 ms): c1 = 0.5 ms, c0 = 4.5 ms
+    assert m.verify_per_token_s == pytest.approx(0.0005) and m.verify_fixed_s == pytest.approx(0.0045)
+    assert m.draft_token_s == pytest.approx(0.0005)
+
+
+def test_policy_explores_then_follows_the_model_and_learns_across_requests():
+    t = Tuning(prior_acceptance=0.7)
+    p = GammaPolicy(t, "in_process")
+    assert [p.choose() for _ in range(3)] == list(EXPLORE) and "exploring" in p.reason
+    for k, n, v in ((2, 2, 0.006), (4, 1, 0.007), (8, 3, 0.009)):
+        p.observe(k, n, v, 0.0005 * k)
+    g = p.choose()
+    a = p.estimate()
+    assert g == t.model().best_gamma(a, "in_process")[0] and f"a={a:.3f}" in p.reason
+    # the next request starts from what this one learned (the global estimate), not from the prior
+    q = GammaPolicy(t, "in_process")
+    assert q.estimate() == pytest.approx(t.global_acceptance()) != pytest.approx(0.7)
+    assert GammaPolicy(t, "in_process", fixed=5).choose() == 5
+    assert p.summary()["choices"] == {"2": 1, "4": 1, "8": 1, str(g): 1 + (g in EXPLORE)}
+
+
+def test_config_accepts_auto_and_names_a_bad_gamma(llama_target):
+    from hetero_spec.config import build_config
+
+    assert build_config({"target": {"model": str(llama_target)}, "speculation": {"gamma": "auto"}}) \
+        .speculation.gamma == "auto"
+    with pytest.raises(ConfigError, match="speculation.gamma"):
+        build_config({"target": {"model": str(llama_target)}, "speculation": {"gamma": "fast"}})
+
+
+@pytest.fixture(scope="module")
+def reference(llama_target):
+    with Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                             "draft": {"kind": "none"}}) as eng:
+        return [eng.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
+
+
+def test_gamma_auto_is_lossless_and_reports_its_choices(monkeypatch, llama_target, llama_random_onnx, reference):
+    from tests.test_pipelined_mem import mem_engine
+
+    base = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+            "draft": {"kind": "onnx", "model": str(llama_random_onnx)}, "speculation": {"gamma": "auto"}}
+    with Engine.from_config(base) as eng:
+        for _ in range(2):
+            for p, ref in zip(PROMPTS, reference):
+                out = eng.generate(p, max_new_tokens=40)
+                assert out.token_ids == ref
+                ga = out.stats["extra"]["gamma_auto"]
+                assert sum(ga["choices"].values()) == out.stats["rounds"] and ga["last_reason"]
+        assert eng.tuning.acceptance.tested > 0  # learned across requests
+    two = {**base, "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
+    eng, _ = mem_engine(monkeypatch, two, llama_random_onnx)
+    with eng:
+        for p, ref in zip(PROMPTS, reference):
+            out = eng.generate(p, max_new_tokens=40)
+            assert out.token_ids == ref and sum(out.stats["extra"]["gamma_auto"]["choices"].values()) == 1
+
+
+def test_profile_quick_writes_a_model_that_gamma_auto_loads(tmp_path, llama_target, llama_copy_onnx, reference):
+    pf = tmp_path / "calib.jsonl"
+    pf.write_text("\n".join(json.dumps({"token_ids": p}) for p in PROMPTS * 2) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"target: {{model: {llama_target}, dtype: float32, device: cpu}}\n"
+                   f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n")
+    lines: list[str] = []
+    prof = run_profile(cfg, tmp_path / "p" / "prof.yaml", quick=True, prompts_file=pf, say=lines.append)
+    assert (tmp_path / "p" / "prof.yaml").is_file() and (tmp_path / "p" / "prof.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(lines) >= 7 and lines[-1].startswith("wrote")
+    assert set(prof["measured"]["verify_s"]) == {"1", "2", "4", "8", "12", "16"}
+    assert prof["acceptance"]["per_token"] >= 0.95  # the copy draft is the target itself
+    assert set(prof["recommended_gamma"]) == {"in_process", "two_process"}
+    t = load_tuning(tmp_path / "p" / "prof.yaml")
+    assert t.profile.draft_token_s == pytest.approx(prof["cost_model"]["draft_token_s"])
+    with Engine.from_config(cfg, overrides={"speculation.gamma": "auto",
+                                            "speculation.profile": str(tmp_path / "p" / "prof.yaml")}) as eng:
+        out = eng.generate(PROMPTS[0], max_new_tokens=40)
+        assert out.token_ids == reference[0]
+        assert "exploring" not in out.stats["extra"]["gamma_auto"]["last_reason"]  # the profile is the model
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cost_model: {verify_fixed_s: 1}\n")
+    with pytest.raises(ConfigError, match=r"speculation.profile.*not a profile"):
+        Engine.from_config(cfg, overrides={"speculation.profile": str(bad)})
