@@ -77,13 +77,20 @@ class DraftConfig(_Section):
 
 
 class SpeculationConfig(_Section):
-    gamma: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = 4
+    gamma: int | Literal["auto"] = 4
     """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass.
     `auto`: each round (in process; each request, two_process) takes the gamma with the highest predicted
     goodput from the cost model (`profile`, or costs learned as the engine runs) and the acceptance
     estimated online (tuning/gamma.py)."""
     profile: Path | None = None
     """A profile written by `hetero-spec profile` (its fitted cost model seeds `gamma: auto`)."""
+
+    @field_validator("gamma", mode="before")
+    @classmethod
+    def _check_gamma(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64):
+            return v
+        raise ValueError("must be an integer in 1..64 or 'auto'")
     sampling: Literal["rejection", "coupled"] = "coupled"
     """How sampled (temperature > 0) tokens are verified; both keep the target's distribution exactly.
     `coupled`: draft and target share Gumbel noise keyed by (seed, position); a draft token is accepted iff

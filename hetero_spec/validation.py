@@ -28,7 +28,7 @@ _PROBLEMS = {
 def _problem(err: dict[str, Any]) -> str:
     template = _PROBLEMS.get(err["type"])
     if template is None:
-        return err["msg"]
+        return err["msg"].removeprefix("Value error, ")
     return template.format(**{k: _bound(v) for k, v in err.get("ctx", {}).items()})
 
 

@@ -27,8 +27,8 @@ def test_defaults_and_relative_paths(tmp_path):
 
 @pytest.mark.parametrize("text, key_path, value, problem", [
     ("target: {model: m, dtyp: float32}\n", "target.dtyp", "float32", "unknown key"),
-    ("speculation: {gamma: four}\n", "speculation.gamma", "four", "valid integer"),
-    ("speculation: {gamma: 0}\n", "speculation.gamma", 0, "greater than or equal to 1"),
+    ("speculation: {gamma: four}\n", "speculation.gamma", "four", "an integer in 1..64 or 'auto'"),
+    ("speculation: {gamma: 0}\n", "speculation.gamma", 0, "an integer in 1..64 or 'auto'"),
     ("target: {dtype: flot32}\n", "target.dtype", "flot32", "float32"),
     ("generation: {temperature: -1}\n", "generation.temperature", -1, "greater than or equal"),
     ("draft: {kind: magic}\n", "draft.kind", "magic", "onnx"),

@@ -88,7 +88,9 @@ class BenchContext:
 
     @property
     def gamma(self) -> int:
-        return self.config.speculation.gamma
+        """The config's gamma; with `auto`, 8 for the peers that need a number (they calibrate with --gammas)."""
+        g = self.config.speculation.gamma
+        return g if isinstance(g, int) else 8
 
     @property
     def calibration_prompts(self) -> list[list[int]]:

@@ -164,12 +164,12 @@ class HeteroSpec(System):
         self.engine = Engine.from_config(ctx.config, overrides=self.overrides(ctx) or None)
         cfg = self.engine.config
         self.gamma, self.calibration = cfg.speculation.gamma, None
-        if ctx.gammas and cfg.draft.kind != "none":
+        if ctx.gammas and cfg.draft.kind != "none" and cfg.speculation.gamma != "auto":  # auto picks its own
             self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm before timing candidates
             self.gamma, self.calibration = calibrate(self._run_k, ctx.gammas, ctx.calibration_prompts,
                                                      ctx.max_new)
 
-    def _run_k(self, k: int, prompt_ids: list[int], max_new: int):
+    def _run_k(self, k: int | str, prompt_ids: list[int], max_new: int):
         return self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=self.temperature,
                                     seed=self.seed, gamma=k)
 
