@@ -92,6 +92,15 @@ def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: in
     return emitted, generated
 
 
+def _draft_token_s(proposer: Proposer | None, draft_s: float, k: int) -> float | None:
+    """The draft's time per token this round, without feeding it the prompt or the committed backlog (the
+    first step of such a round both catches up and drafts a token: it is left out with its token)."""
+    catchup = getattr(proposer, "last_catchup_s", 0.0) if proposer is not None else 0.0
+    if k <= 0 or (catchup and k == 1):
+        return None
+    return (draft_s - catchup) / (k - 1) if catchup else draft_s / k
+
+
 def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
            tuning: Tuning | None = None) -> Iterator[list[int]]:
     """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes.
@@ -123,7 +132,7 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
             verify_s = time.perf_counter() - t
             stats.time_verify_s += verify_s
             stats.record_round(len(draft.ids), n)
-            policy.observe(len(draft.ids), n, verify_s, draft_s if draft.ids else None)
+            policy.observe(len(draft.ids), n, verify_s, _draft_token_s(proposer, draft_s, len(draft.ids)))
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated,
                                                target.context_len, stats)

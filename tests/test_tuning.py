@@ -145,3 +145,30 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(tmp_path, llama_targ
     bad.write_text("cost_model: {verify_fixed_s: 1}\n")
     with pytest.raises(ConfigError, match=r"speculation.profile.*not a profile"):
         Engine.from_config(cfg, overrides={"speculation.profile": str(bad)})
+
+
+def test_draft_cost_leaves_out_the_catch_up():
+    """A round whose first draft step also fed the prompt (or a backlog) is timed without that step: one
+    slow prefill must not make the model believe the draft is slow (it once chose gamma 0 for a request)."""
+    from types import SimpleNamespace
+
+    from hetero_spec.scheduler import _draft_token_s
+
+    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.0), 0.004, 8) == pytest.approx(0.0005)
+    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.030), 0.0335, 8) == pytest.approx(0.0005)
+    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.030), 0.030, 1) is None
+    assert _draft_token_s(object(), 0.002, 4) == pytest.approx(0.0005)  # a proposer without catch-up timing
+    assert _draft_token_s(None, 0.0, 0) is None
+
+
+def test_onnx_drafter_times_its_catch_up(llama_copy_onnx):
+    from hetero_spec.draft.onnx_drafter import OnnxDrafter
+    from hetero_spec.sampling import SamplingParams
+
+    d = OnnxDrafter(llama_copy_onnx)
+    d.begin(PROMPTS[0], SamplingParams())
+    d.propose(3)
+    assert d.last_catchup_s > 0  # the prompt was fed in the first step
+    d.commit(3, 9)
+    d.propose(3)
+    assert d.last_catchup_s == 0.0  # only the last draft and the bonus token were pending: a normal step

@@ -91,8 +91,13 @@ class OnnxDrafter:
             pending = self.ids[-1:]
         out: list[int] = []
         probs: list[np.ndarray] = []
+        self.last_catchup_s = 0.0
         for i in range(k):
-            tok, q = self._choose(self.append(pending)[-1], len(self.ids) + i)
+            t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
+            logits = self.append(pending)[-1]
+            if t0:  # feeding the prompt or committed tokens: not a per-token drafting cost
+                self.last_catchup_s = time.perf_counter() - t0
+            tok, q = self._choose(logits, len(self.ids) + i)
             out.append(tok)
             if q is not None:
                 probs.append(q)
