@@ -114,3 +114,62 @@ def test_no_cost_off_before_min_rounds():
         g.observe_proposal(0.0077 / 6, 1, None)
         g.observe_round(6, 0)
         assert g.decide(6) is (i < 3), i  # off only once 4 rounds have shown the draft does not pay
+
+
+def _tuned(acceptance: float):
+    """A Tuning whose cost model is known: verify 5 ms + 0.4 ms per token, acceptance as given."""
+    from hetero_spec.tuning.gamma import Tuning
+
+    t = Tuning(prior_acceptance=acceptance, prior_weight=1e9)
+    t.observe(2, 0, 0.005 + 0.0004 * 3, None)
+    t.observe(8, 0, 0.005 + 0.0004 * 9, None)
+    t.observe_draft_token(0.0006)
+    return t
+
+
+def test_with_a_cost_model_the_gate_decides_by_predicted_goodput():
+    """Draft blocks dearer than a verify (the cost rule alone would turn this off) but accepted often:
+    the model says speculation pays, so it stays on; with acceptance near zero it goes off."""
+    for a, on in ((0.85, True), (0.02, False)):
+        g = CostGate(tuning=_tuned(a), min_rounds=0, clock=Clock())
+        for _ in range(4):
+            g.observe_verify(0.005)
+            g.observe_proposal(0.012, 1, 0.0001)  # 12 ms per draft token: gamma 4 costs 48 ms
+            g.observe_round(4, 3)
+            g.decide(4)
+        assert g.pays() is on and g.on is on, a
+        if not on:
+            assert g.switches[-1]["reason"] == "cost model: no gamma beats the target alone"
+
+
+def test_the_gate_persists_across_requests():
+    clk = Clock()
+    g = CostGate(probe_interval_s=0.5, min_rounds=0, min_samples=1, clock=clk)
+    g.observe_verify(0.010)
+    g.observe_proposal(0.050, 1, None)
+    g.decide(4)
+    assert not g.on
+    clk.t += 0.2
+    g.begin_request()  # a new request: still off, the measurements kept, the accounting fresh
+    assert not g.on and g.switches == [] and g.time_off_s == 0.0 and g.draft_tok_s.value == pytest.approx(0.050)
+    clk.t += 0.4
+    g.decide(4)  # the probe interval counts from the switch, across the request boundary
+    assert g.probing and g.time_off_s == pytest.approx(0.4)
+
+
+def test_the_runtime_keeps_one_gate_for_all_requests(monkeypatch, llama_target, llama_copy_onnx):
+    from tests.fixtures.memworker import FixedGate
+    from tests.test_pipelined_mem import mem_engine
+
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
+    eng, _ = mem_engine(monkeypatch, cfg, llama_copy_onnx)
+    with eng:
+        eng.generate([5, 17, 33, 2], max_new_tokens=6)
+        first = eng.runtime._gate
+        eng.generate([5, 17, 33, 2], max_new_tokens=6)
+        assert eng.runtime._gate is first and isinstance(first, FixedGate)
+        eng.runtime.make_gate = lambda: FixedGate("off")  # a new factory is honoured at the next request
+        out = eng.generate([5, 17, 33, 2], max_new_tokens=6)
+        assert eng.runtime._gate is not first and out.stats["drafted"] == 0

@@ -119,7 +119,10 @@ class PipelinedRuntime:
         self.config = config
         self.tuning = tuning or Tuning()
         self.clock = clock
-        self.make_gate = lambda: CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s)
+        self.make_gate = lambda: CostGate(enabled=r.gate.enabled, probe_interval_s=r.gate.probe_interval_s,
+                                          tuning=self.tuning, clock=clock)
+        self._gate: CostGate | None = None  # one gate for every request (made by make_gate, a test seam)
+        self._gate_maker = None
         self.draft_cpus = draft_cpus(config)
         self.target_cpus = [c for c in _cpus() if c not in self.draft_cpus] if self.draft_cpus else None
         cap = r.max_ahead or 2 * 64 + 1  # gamma <= 64 (speculation.gamma)
@@ -141,8 +144,11 @@ class PipelinedRuntime:
         if policy.fixed is None:
             req = dataclasses.replace(req, gamma=max(1, policy.choose()))
         max_ahead = r.max_ahead or 2 * req.gamma + 1  # this block, its bonus token, the next block
+        if self._gate is None or self._gate_maker is not self.make_gate:
+            self._gate, self._gate_maker = self.make_gate(), self.make_gate
+        self._gate.begin_request()
         with pinned_thread(self.target_cpus):
-            yield from decode_pipelined(target, self.sup, req, stats, self.make_gate(), max_ahead,
+            yield from decode_pipelined(target, self.sup, req, stats, self._gate, max_ahead,
                                         trace=r.trace, clock=self.clock, policy=policy)
 
     def close(self) -> None:

@@ -11,6 +11,11 @@ proposal transfer time, and the target's verification time. States:
   at least step_ratio verifications each. Before any round is seen, E counts as 2 (worth one verification).
 * PROBING: every `probe_interval_s` the worker drafts again in the background while the target keeps
   decoding alone (probing costs the target nothing); the first fresh timings decide ON or OFF.
+
+With a cost model (`tuning`: the engine's learned verification line and acceptance, tuning/gamma.py), the
+decision is by predicted goodput instead: speculation is off when no gamma beats the target alone for the
+two-process layout, given this gate's measured draft and transfer costs. One gate serves all of an Engine's
+requests (`begin_request` resets only the per-request accounting), so what it measured is not thrown away.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from .cost_model import CostModel
 
 
 class Ema:
@@ -60,9 +68,26 @@ class CostGate:
     """Lower bound of one target step over a verification of a block (a verify of gamma + 1 tokens costs
     more than one step, but on bandwidth-bound hardware less than twice as much)."""
     clock: Callable[[], float] = time.monotonic  # a seam for tests
+    tuning: Any = None  # tuning.gamma.Tuning: the goodput decision (None: the cost rule above)
 
     def __post_init__(self) -> None:
         self._since = self.clock()
+
+    def begin_request(self) -> None:
+        """A new request: fresh accounting (on/off time, switches, misses); measurements and state are kept."""
+        self.time_on_s = self.time_off_s = 0.0
+        self.switches = []
+        self.misses = 0
+        self._since = self.clock()
+
+    def pays(self) -> bool | None:
+        """Whether some gamma beats the target alone per the cost model (None: not enough measurements)."""
+        base = self.tuning.model() if self.tuning is not None else None
+        d = self.draft_tok_s.value
+        if base is None or d is None:
+            return None
+        model = CostModel(base.verify_fixed_s, base.verify_per_token_s, d, self.transfer_s.value or 0.0)
+        return model.best_gamma(self.tuning.global_acceptance(), "two_process")[0] > 0
 
     def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
         if n_tokens > 0:
@@ -134,11 +159,16 @@ class CostGate:
         self._account(now)
         cost, verify = self.block_cost(gamma), self.verify_s.value
         worth = self.worth()
-        too_slow = cost is not None and verify is not None and cost > worth * verify
+        pays = self.pays()
+        if pays is not None:
+            too_slow = not pays
+        else:
+            too_slow = cost is not None and verify is not None and cost > worth * verify
         if self.on:
             if too_slow and self.n_draft_samples >= self.min_samples and self.n_rounds >= self.min_rounds:
-                self._switch(False, f"draft+transfer {cost * 1e3:.2f} ms > {worth:.2f} x verify "
-                                    f"{verify * 1e3:.2f} ms for gamma={gamma}")
+                self._switch(False, "cost model: no gamma beats the target alone" if pays is not None else
+                             f"draft+transfer {cost * 1e3:.2f} ms > {worth:.2f} x verify "
+                             f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif self.misses >= self.max_misses:
                 self._switch(False, f"no draft tokens within the wait budget for {self.misses} rounds")
         elif self.probing:
@@ -147,8 +177,9 @@ class CostGate:
                 if too_slow:
                     self._off_at = now
                 else:
-                    self._switch(True, f"probe: draft+transfer {cost * 1e3:.2f} ms <= {worth:.2f} x verify "
-                                       f"{verify * 1e3:.2f} ms for gamma={gamma}")
+                    self._switch(True, "probe: the cost model says speculation pays" if pays is not None else
+                                 f"probe: draft+transfer {cost * 1e3:.2f} ms <= {worth:.2f} x verify "
+                                 f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif now - self._probe_t0 >= self.probe_interval_s:
                 self.probing = False
                 self._off_at = now
