@@ -225,7 +225,8 @@ class Engine:
                 if self.runtime is not None:
                     yield from self.runtime.decode(self.target, req, stats)
                 else:
-                    yield from decode(self.target, self.proposer, req, stats, self.tuning)
+                    yield from decode(self.target, self.proposer, req, stats, self.tuning,
+                                      early_stop=self.config.speculation.early_stop)
         finally:
             if self._closed:  # close() came while this request ran: release now that it is over
                 self._finalizer()

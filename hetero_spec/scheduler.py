@@ -92,6 +92,15 @@ def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: in
     return emitted, generated
 
 
+def _break_even(tuning: Tuning, policy: GammaPolicy, g: int) -> float | None:
+    """P(accept) a drafted token needs to pay for itself: (draft + verify per token) x goodput (None: no model)."""
+    model = tuning.model()
+    if model is None:
+        return None
+    a = policy.estimate()
+    return (model.draft_token_s + model.verify_per_token_s) * model.goodput(g, a, "in_process")
+
+
 def _draft_token_s(proposer: Proposer | None, draft_s: float, k: int) -> float | None:
     """The draft's time per token this round, without feeding it the prompt or the committed backlog (the
     first step of such a round both catches up and drafts a token: it is left out with its token)."""
@@ -102,12 +111,16 @@ def _draft_token_s(proposer: Proposer | None, draft_s: float, k: int) -> float |
 
 
 def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
-           tuning: Tuning | None = None) -> Iterator[list[int]]:
+           tuning: Tuning | None = None, early_stop: bool = False) -> Iterator[list[int]]:
     """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes.
-    tuning: what the engine learns across requests (gamma: auto); None: a fresh one."""
+    tuning: what the engine learns across requests (gamma: auto, early stop); None: a fresh one.
+    early_stop: end blocks at low draft confidence (proposers that report it: the onnx drafter)."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()
-    policy = GammaPolicy(tuning or Tuning(), "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
+    tuning = tuning or Tuning()
+    policy = GammaPolicy(tuning, "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
+    stop = tuning.early_stop if early_stop and hasattr(proposer, "_confidence") else None
+    stopped_early = 0
     stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
     stats.proposer = proposer.name if proposer is not None else "none"
     state = target.new_state()
@@ -123,7 +136,14 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
             k = min(policy.choose(), remaining - 1) if proposer is not None else 0
             # 1) propose (2) send is a no-op in process)
             t = time.perf_counter()
-            draft = proposer.propose(k) if k > 0 else Draft(ids=[])
+            if k <= 0:
+                draft = Draft(ids=[])
+            elif stop is not None:
+                stop.break_even = _break_even(tuning, policy, k)
+                draft = proposer.propose(k, min_confidence=stop.threshold())
+                stopped_early += draft.stopped_early
+            else:
+                draft = proposer.propose(k)
             draft_s = time.perf_counter() - t
             stats.time_draft_s += draft_s
             # 3) verify
@@ -133,6 +153,8 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
             stats.time_verify_s += verify_s
             stats.record_round(len(draft.ids), n)
             policy.observe(len(draft.ids), n, verify_s, _draft_token_s(proposer, draft_s, len(draft.ids)))
+            if stop is not None and draft.conf:
+                stop.observe(draft.conf, n)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated,
                                                target.context_len, stats)
@@ -146,3 +168,5 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
         stats.time_total_s = time.perf_counter() - t_start
         if policy.fixed is None:
             stats.extra["gamma_auto"] = policy.summary()
+        if stop is not None:
+            stats.extra["early_stop"] = {**stop.summary(), "rounds_stopped_early": stopped_early}

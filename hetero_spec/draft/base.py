@@ -22,6 +22,8 @@ class Draft:
 
     ids: list[int]
     probs: np.ndarray | None = None
+    conf: list[float] | None = None  # the draft's probability of each proposed token (with confidence=True)
+    stopped_early: bool = False  # the block ended below the confidence threshold
 
 
 class Proposer(Protocol):

@@ -17,6 +17,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .cost_model import CostModel, expected_tokens, fit_line
+from .early_stop import ConfidenceStop
 
 EXPLORE = (2, 4, 8)  # gammas tried while the cost model is still unknown
 
@@ -49,6 +50,7 @@ class Tuning:
     verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
     draft_token_s: float | None = None
     alpha: float = 0.2
+    early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
 
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
