@@ -74,6 +74,10 @@ class DraftConfig(_Section):
     """ONNX Runtime intra-op threads for the draft."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
+    candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)
+    """In process: strategies chosen among each round by predicted goodput (draft/select.py), e.g.
+    [onnx, ngram] (onnx uses draft.model). Empty: draft.kind alone. Per-strategy acceptance and cost are in
+    stats.extra.draft_selection."""
 
 
 class SpeculationConfig(_Section):
@@ -346,6 +350,16 @@ def check_paths(cfg: Config) -> None:
         raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
                           f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
                           "use runtime.mode: in_process for ngram or none")
+    d = cfg.draft
+    if d.candidates and cfg.runtime.mode != "in_process":
+        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
+                          "draft selection runs in process only (runtime.mode: in_process)")
+    if "onnx" in d.candidates and d.kind != "onnx":
+        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
+                          "onnx among the candidates needs draft.kind: onnx and draft.model")
+    if len(set(d.candidates)) != len(d.candidates):
+        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
+                          "each strategy may appear once")
     if cfg.target.model is None:
         raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
     is_export = (cfg.target.model / "model.onnx").is_file()

@@ -168,9 +168,22 @@ class Engine:
 
     def _make_proposer(self, config: Config):
         d = config.draft
-        if d.kind == "none":
+        if d.candidates:
+            return self._make_selector(config)
+        return self._make_one(config, d.kind)
+
+    def _make_selector(self, config: Config):
+        from .draft.select import SelectingProposer
+
+        d = config.draft  # check_paths has checked the candidates
+        cands = {kind: self._make_one(config, kind) for kind in d.candidates}
+        return SelectingProposer(cands, self.tuning.model, prior_acceptance=self.tuning.prior_acceptance)
+
+    def _make_one(self, config: Config, kind: str):
+        d = config.draft
+        if kind == "none":
             return None
-        if d.kind == "ngram":
+        if kind == "ngram":
             from .draft.ngram import NgramProposer
 
             if d.ngram.min_n > d.ngram.max_n:

@@ -170,3 +170,5 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
             stats.extra["gamma_auto"] = policy.summary()
         if stop is not None:
             stats.extra["early_stop"] = {**stop.summary(), "rounds_stopped_early": stopped_early}
+        if hasattr(proposer, "summary"):  # draft selection: per-strategy acceptance and cost
+            stats.extra["draft_selection"] = proposer.summary()

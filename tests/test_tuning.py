@@ -222,3 +222,48 @@ def test_early_stop_is_lossless_and_reports(llama_target, llama_random_onnx, ref
                 es = out.stats["extra"]["early_stop"]
                 assert set(es) >= {"threshold", "acceptance_by_confidence", "rounds_stopped_early"}
         assert sum(eng.tuning.early_stop.tested) > 0
+
+
+def test_draft_selection_is_lossless_and_prefers_what_pays(llama_target, llama_random_onnx, reference):
+    """Candidates [onnx, ngram]: every output equals the target alone; each strategy is explored, and with a
+    cost model the choice follows predicted goodput (per-strategy stats in stats.extra.draft_selection)."""
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(llama_random_onnx), "candidates": ["onnx", "ngram"]},
+           "speculation": {"gamma": 4}}
+    with Engine.from_config(cfg) as eng:
+        for _ in range(2):
+            for p, ref in zip(PROMPTS, reference):
+                out = eng.generate(p, max_new_tokens=40)
+                assert out.token_ids == ref
+        sel = out.stats["extra"]["draft_selection"]
+        assert set(sel["strategies"]) == {"onnx", "ngram"}
+        assert all(s["rounds"] >= 2 for s in sel["strategies"].values()) and sel["last_reason"]
+
+
+def test_selector_choice_follows_the_model():
+    from hetero_spec.draft.select import SelectingProposer
+    from hetero_spec.tuning.cost_model import CostModel
+
+    model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
+    sel = SelectingProposer({"onnx": object(), "ngram": object()}, lambda: model, explore_rounds=0)
+    sel.stats["onnx"].acceptance = Acceptance(accepted=90, tested=100)  # accepted often, 0.6 ms per token
+    sel.stats["onnx"].draft_s, sel.stats["onnx"].drafted = 0.06, 100
+    sel.stats["ngram"].acceptance = Acceptance(accepted=5, tested=100)  # rarely right, costs nothing
+    sel.stats["ngram"].draft_s, sel.stats["ngram"].drafted = 0.0001, 100
+    for st in sel.stats.values():
+        st.last_round = 10 ** 6  # not stale
+    sel._round = 10 ** 6
+    name, g = sel.choose(8)
+    assert name == "onnx" and g >= 2 and sel.reason.startswith("onnx: predicts")
+    sel.stats["onnx"].acceptance = Acceptance(accepted=0, tested=1000)  # now useless too
+    sel.stats["ngram"].acceptance = Acceptance(accepted=0, tested=1000)
+    assert sel.choose(8) == (None, 0) and sel.reason.startswith("none:")
+
+
+def test_draft_candidates_errors(llama_target, llama_random_onnx):
+    base = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"}}
+    with pytest.raises(ConfigError, match="onnx among the candidates needs draft.kind: onnx"):
+        Engine.from_config({**base, "draft": {"kind": "ngram", "candidates": ["onnx", "ngram"]}})
+    with pytest.raises(ConfigError, match="in process only"):
+        Engine.from_config({**base, "draft": {"kind": "onnx", "model": str(llama_random_onnx),
+                                              "candidates": ["onnx", "ngram"]}, "runtime": {"mode": "two_process"}})

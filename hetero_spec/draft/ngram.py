@@ -36,6 +36,11 @@ class NgramProposer:
         self._last = []
         return Draft(ids=[])
 
+    def sync(self, ids: list[int]) -> None:
+        """Take the committed text as it is now (another proposer drafted meanwhile)."""
+        self.ids = list(ids)
+        self._last = []
+
     def commit(self, n_accepted: int, next_token: int) -> None:
         self.ids.extend([*self._last[:n_accepted], next_token])
         self._last = []

@@ -178,6 +178,18 @@ class OnnxDrafter:
         self.alts = {p: a for p, a in self.alts.items() if p < position}
         self.alts.update(alts)
 
+    def sync(self, ids: list[int]) -> None:
+        """Take the committed text as it is now (another proposer drafted meanwhile): keep the common
+        prefix, cached positions included; the rest is fed at the next propose."""
+        common = 0
+        for a, b in zip(self.ids, ids):
+            if a != b:
+                break
+            common += 1
+        self.truncate(common)
+        self.ids.extend(ids[common:])
+        self._proposed = []
+
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)
         self.ids.extend([*self._proposed[:n_accepted], next_token])
