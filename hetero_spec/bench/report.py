@@ -201,7 +201,8 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
                                                       if settings.repeats > 1 else ""),
                      "command": command_line(settings)},
         "systems": list(entries.values()),
-        "analytic": analytic(entries, results, ctx.gamma),
+        "analytic": analytic(entries, results, ctx.gamma) if ctx.config.speculation.gamma != "auto" else
+        {"available": False, "reason": "speculation.gamma is auto: gamma varies from round to round"},
         "pipelined_vs_in_process": pipelined_vs_in_process(entries),
         "comparisons": [c for a, b in COMPARISONS if (c := paired(entries, a, b))["available"]],
     }
