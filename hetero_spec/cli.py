@@ -18,6 +18,9 @@ EPILOG = """examples:
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "import os" --set speculation.gamma=6 --json
   echo "def parse(" | hetero-spec generate --config configs/cpu-demo.yaml --set draft.kind=ngram
   hetero-spec export --model models/draft --out /tmp/draft-int4 --precision int4 --block-size 128
+  hetero-spec profile --config configs/cpu-demo.yaml --out profiles/cpu.yaml --quick
+  hetero-spec generate --config configs/cpu-demo.yaml --set speculation.gamma=auto --prompt "def f("
+  hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2
 """
 
 
@@ -109,8 +112,9 @@ def _add_keys(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
-        description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, a PyTorch "
-                    "target verifies them. Output is identical to the target alone (greedy).",
+        description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, the target "
+                    "verifies them on the backend fastest for its device (PyTorch on CUDA, ONNX Runtime on a "
+                    "CPU). Output is identical to the target alone (greedy).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level (INFO logs the resolved config)")

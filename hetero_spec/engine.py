@@ -99,7 +99,7 @@ def _release(parts: dict[str, Any]) -> None:
 
 
 class Engine:
-    """Speculative decoding engine: a PyTorch target verifying proposals of a draft.
+    """Speculative decoding engine: a target (PyTorch or ONNX Runtime backend) verifying proposals of a draft.
 
     Thread-safe: `generate`/`stream` may be called from many threads; requests queue and run one at
     a time. `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
