@@ -97,6 +97,10 @@ def analytic(entries: dict[str, dict[str, Any]], results: dict[str, SystemResult
     entry = entries.get("hetero_spec")
     if hs is None or entry is None or entry["status"] != "ok" or not hs.runs:
         return {"available": False, "reason": "hetero_spec did not run"}
+    if any((r["stats"] or {}).get("proposer") == "onnx-pipelined" for r in hs.runs):
+        return {"available": False, "reason": "hetero_spec ran two_process, where drafting overlaps verification; "
+                                              "this formula is the in-process round (the two-process one is in "
+                                              "`hetero-spec profile`)"}
     tot = {k: sum(r["stats"][k] for r in hs.runs) for k in ("drafted", "accepted", "rounds",
                                                             "time_draft_s", "time_verify_s")}
     if not tot["drafted"] or not tot["rounds"]:
