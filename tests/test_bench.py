@@ -234,3 +234,17 @@ def test_order_rotates_per_prompt_and_repeats_take_the_median(monkeypatch):
         assert [r["token_ids"] for r in results[n].runs] == [[1], [2], [3]]
         for r in results[n].runs:
             assert len(r["repeats_s"]) == 2 and r["wall_s"] == sum(r["repeats_s"]) / 2
+
+
+def test_variant_availability_follows_backend_and_layout(copy_config, gpt2_target):
+    from types import SimpleNamespace
+
+    from hetero_spec.config import build_config, load_config
+
+    ctx = SimpleNamespace(config=load_config(copy_config))  # onnx draft, exportable Llama target
+    assert all(SYSTEMS[n].unavailable(ctx) is None for n in (
+        "hetero_spec_onnx", "hetero_spec_onnx_pipelined", "hetero_spec_torch", "hetero_spec_torch_pipelined"))
+    ngram = SimpleNamespace(config=build_config({"target": {"model": str(gpt2_target)}, "draft": {"kind": "ngram"}}))
+    assert SYSTEMS["hetero_spec_torch_pipelined"].unavailable(ngram) == "two_process needs draft.kind: onnx"
+    assert SYSTEMS["hetero_spec_torch"].unavailable(ngram) is None
+    assert "does not export GPT2" in SYSTEMS["hetero_spec_onnx"].unavailable(ngram)

@@ -236,9 +236,14 @@ class _Variant(HeteroSpec):
 
     backend, mode, all_cores = "onnx", "in_process", False
 
-    @staticmethod
-    def unavailable(ctx: BenchContext) -> str | None:
-        return _onnx_target_unavailable(ctx)
+    @classmethod
+    def unavailable(cls, ctx: BenchContext) -> str | None:
+        if cls.mode == "two_process":
+            if ctx.config.draft.kind != "onnx":
+                return "two_process needs draft.kind: onnx"
+            if cores() < 2:
+                return "the heterogeneous layout needs 2 CPUs (one for the draft worker)"
+        return _onnx_target_unavailable(ctx) if cls.backend == "onnx" else None
 
     def overrides(self, ctx: BenchContext) -> dict[str, Any]:
         n = cores() if self.all_cores else 1
@@ -280,14 +285,6 @@ class HeteroSpecOnnxPipelined(_Variant):
     name = "hetero_spec_onnx_pipelined"
     mode = "two_process"
 
-    @staticmethod
-    def unavailable(ctx: BenchContext) -> str | None:
-        if ctx.config.draft.kind != "onnx":
-            return "two_process needs draft.kind: onnx"
-        if cores() < 2:
-            return "the heterogeneous layout needs 2 CPUs (one for the draft worker)"
-        return _onnx_target_unavailable(ctx)
-
 
 @register
 class HeteroSpecTorch(_Variant):
@@ -296,10 +293,6 @@ class HeteroSpecTorch(_Variant):
     name = "hetero_spec_torch"
     backend = "torch"
 
-    @staticmethod
-    def unavailable(ctx: BenchContext) -> str | None:
-        return None
-
 
 @register
 class HeteroSpecTorchPipelined(HeteroSpecOnnxPipelined):
@@ -307,9 +300,3 @@ class HeteroSpecTorchPipelined(HeteroSpecOnnxPipelined):
 
     name = "hetero_spec_torch_pipelined"
     backend = "torch"
-
-    @staticmethod
-    def unavailable(ctx: BenchContext) -> str | None:
-        if ctx.config.draft.kind != "onnx":
-            return "two_process needs draft.kind: onnx"
-        return None if cores() >= 2 else "needs 2 CPUs"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from .cost_model import CostModel, expected_tokens, fit_line
+from .cost_model import CostModel, expected_tokens
 from .early_stop import ConfidenceStop
 
 EXPLORE = (2, 4, 8)  # gammas tried while the cost model is still unknown
@@ -48,6 +48,7 @@ class Tuning:
     prior_weight: float = 16.0
     acceptance: Acceptance = field(default_factory=Acceptance)
     verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
     draft_token_s: float | None = None
     alpha: float = 0.2
     early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
@@ -57,7 +58,10 @@ class Tuning:
 
     def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
+        if len(self.verify_points) == self.verify_points.maxlen:
+            self._add_point(*self.verify_points[0], sign=-1.0)  # the oldest leaves the window
         self.verify_points.append((k + 1, verify_s))
+        self._add_point(k + 1, verify_s, sign=1.0)
         if draft_s is not None and k > 0:
             self.observe_draft_token(draft_s / k)
 
@@ -66,14 +70,21 @@ class Tuning:
         a = self.alpha
         self.draft_token_s = seconds if self.draft_token_s is None else (1 - a) * self.draft_token_s + a * seconds
 
+    def _add_point(self, x: float, y: float, sign: float) -> None:
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[i] += sign * v
+
     def model(self) -> CostModel | None:
         """The profile, else the costs learned so far (None until verify has two distinct block lengths and
-        the draft has been timed)."""
+        the draft has been timed). O(1): asked every round, so the line comes from running sums."""
         if self.profile is not None:
             return self.profile
-        if self.draft_token_s is None or len({x for x, _ in self.verify_points}) < 2:
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx  # 0 when every point has the same block length
+        if self.draft_token_s is None or n < 2 or spread < 0.5:
             return None
-        c0, c1 = fit_line(list(self.verify_points))
+        c1 = (n * sxy - sx * sy) / spread
+        c0 = (sy - c1 * sx) / n
         return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0),
                          draft_token_s=self.draft_token_s)
 
