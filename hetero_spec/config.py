@@ -75,8 +75,9 @@ class DraftConfig(_Section):
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)
-    """In process: strategies chosen among each round by predicted goodput (draft/select.py), e.g.
-    [onnx, ngram] (onnx uses draft.model). Empty: draft.kind alone. Per-strategy acceptance and cost are in
+    """Strategies chosen among each round by predicted goodput (draft/select.py), e.g. [onnx, ngram] (onnx
+    uses draft.model). two_process: the n-gram lookup runs on the target side while the worker keeps
+    drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in
     stats.extra.draft_selection."""
 
 
@@ -132,9 +133,13 @@ class GateConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    mode: Literal["in_process", "two_process"] = "in_process"
+    mode: Literal["in_process", "two_process", "auto"] = "in_process"
     """`in_process`: draft and target in one process, in turn. `two_process`: the ONNX draft runs in its
-    own worker process and drafts the next block while the target verifies the current one."""
+    own worker process and drafts the next block while the target verifies the current one. `auto`: the
+    layout with the best predicted goodput from this machine's measured costs (tuning/placement.py)."""
+    cpus: Literal["auto"] | None = None
+    """`auto`: choose the split of this machine's cores (target threads, draft threads) by measurement too
+    (tuning/placement.py). Unset: target.threads and draft.threads as configured."""
     transport: Literal["ipc", "tcp"] = "ipc"
     """ZeroMQ transport between the processes. IPC (a Unix socket) by default."""
     host: str = "127.0.0.1"
@@ -350,10 +355,11 @@ def check_paths(cfg: Config) -> None:
         raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
                           f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
                           "use runtime.mode: in_process for ngram or none")
+    if cfg.speculation.early_stop and cfg.runtime.mode == "two_process":
+        raise ConfigError(cfg.blame("speculation.early_stop"), "speculation.early_stop", True,
+                          "confidence early stop runs in process only (the worker drafts ahead of the target: "
+                          "drafting is hidden there); use runtime.mode: in_process or auto")
     d = cfg.draft
-    if d.candidates and cfg.runtime.mode != "in_process":
-        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
-                          "draft selection runs in process only (runtime.mode: in_process)")
     if "onnx" in d.candidates and d.kind != "onnx":
         raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
                           "onnx among the candidates needs draft.kind: onnx and draft.model")

@@ -114,6 +114,14 @@ class Engine:
             config = config.model_copy(deep=True)
             config.target.backend = choice.backend
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
+        # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
+        self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
+        #: runtime.mode / runtime.cpus auto: the layout chosen by measurement, with every candidate's prediction
+        self.placement: dict[str, Any] = {}
+        if config.runtime.mode == "auto" or config.runtime.cpus == "auto":
+            from .tuning.placement import resolve
+
+            config, self.placement = resolve(config, self.tuning.prior_acceptance)
         self.config = config
         log.info("resolved config (%s): %s", config.source, config.model_dump_json())
         t = config.target
@@ -128,8 +136,6 @@ class Engine:
         self._parts: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _release, self._parts)
         threads = t.threads
-        # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
-        self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
         try:
             if config.runtime.mode == "two_process":
                 from .runtime.engine_side import CpuPlan
@@ -204,13 +210,13 @@ class Engine:
             return
         check_paths(config)
         rt = config.runtime
-        if rt.mode == "two_process" and rt.transport == "tcp":
+        if rt.mode != "in_process" and rt.transport == "tcp":
             from .transport.channel import check_bind_host
 
             why = check_bind_host(rt.host, rt.curve_keys is not None)
             if why:
                 raise ConfigError(config.blame("runtime.host"), "runtime.host", rt.host, why)
-        if rt.mode == "two_process" and rt.curve_keys is not None:
+        if rt.mode != "in_process" and rt.curve_keys is not None:
             from .transport.channel import CurveKeys
 
             try:

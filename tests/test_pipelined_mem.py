@@ -33,14 +33,16 @@ def _cfg(target, draft, **runtime):
             "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
 
 
-def mem_engine(monkeypatch, cfg, draft_dir, gate: str = "on", schedule: str = "idle"):
-    """An Engine whose draft worker is in memory; returns (engine, launcher)."""
+def mem_engine(monkeypatch, cfg, draft_dir, gate: str | None = "on", schedule: str = "idle"):
+    """An Engine whose draft worker is in memory; returns (engine, launcher). gate: the state a FixedGate
+    holds, or None for the real cost gate."""
     launcher = MemLauncher(draft_dir, TickClock(), schedule)
     real = engine_side.PipelinedRuntime
     monkeypatch.setattr(engine_side, "PipelinedRuntime",
                         functools.partial(real, launcher=launcher, clock=launcher.clock))
     eng = Engine.from_config(cfg)
-    eng.runtime.make_gate = lambda: FixedGate(gate)
+    if gate is not None:
+        eng.runtime.make_gate = lambda: FixedGate(gate)
     return eng, launcher
 
 

@@ -1,17 +1,25 @@
-"""Per-round draft selection (`draft.candidates`, in process): each round drafts with the strategy whose
-predicted goodput is highest, from its own measured acceptance and cost per token; `none` (the target
-alone) when no strategy pays.
+"""Per-round draft selection (`draft.candidates`): each round drafts with the strategy whose predicted
+goodput is highest, from its own measured acceptance and cost per token; `none` (the target alone) when no
+strategy pays.
 
 For strategy s with per-token acceptance a_s and draft cost d_s per token, the cost model
-(tuning/cost_model.py) gives the best gamma g_s and goodput E(a_s, g_s) / (g_s d_s + V(g_s)); the target
-alone yields 1 / V(0). Every strategy is tried in turn until each has `explore_rounds` rounds; after that a
-strategy not chosen for `reprobe_every` rounds gets one round again (its acceptance may have changed: an
-n-gram lookup wins on repetitive text, a model on novel text). Strategies not chosen in a round are kept in
-step with the committed text (`sync`), so any of them can draft the next round.
+(tuning/cost_model.py) gives the best gamma g_s and goodput E(a_s, g_s) / R_s(g_s), where R_s is the round
+time of the layout s drafts in: in process (g d_s + V(g), drafting and verifying in turn), or two-process
+for the worker's model draft (drafting overlapped with verification); the target alone yields 1 / V(0).
+Every strategy is tried in turn until each has `explore_rounds` rounds; after that a strategy not chosen
+for `reprobe_every` rounds gets one round again (its acceptance may have changed: an n-gram lookup wins on
+repetitive text, a model on novel text).
+
+- In process, `SelectingProposer` wraps the candidate proposers; the ones not chosen in a round are kept
+  in step with the committed text (`sync`), so any of them can draft the next round.
+- Two-process (runtime/pipelined.py), the n-gram proposer runs on the target side and the worker keeps
+  drafting with the model; `StrategyChooser` alone decides which of them the target verifies.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
@@ -32,41 +40,50 @@ class StrategyStats:
         return self.draft_s / self.drafted if self.drafted else None
 
 
-class SelectingProposer:
-    """A Proposer over named candidates (see the module docstring). `model_fn()` returns the current
-    CostModel (the engine's tuning) or None; then candidates are cycled."""
+class StrategyChooser:
+    """The choice among named strategies (see the module docstring).
 
-    name = "select"
+    model_fn() returns the engine's current CostModel (its verify line; None until known: candidates are
+    cycled). layouts[name] is the layout the strategy drafts in (default in_process). cost_fns[name](),
+    when given, is the strategy's draft time per token measured elsewhere (the worker's, from its
+    proposals); otherwise the time `observe_cost` recorded."""
 
-    def __init__(self, candidates: dict[str, Proposer], model_fn, prior_acceptance: float = 0.5,
-                 prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32):
-        if not candidates:
+    def __init__(self, names: list[str], model_fn: Callable[[], CostModel | None], prior_acceptance: float = 0.5,
+                 prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32,
+                 layouts: dict[str, str] | None = None,
+                 cost_fns: dict[str, Callable[[], float | None]] | None = None):
+        if not names:
             raise ValueError("draft selection needs at least one candidate")
-        self.candidates = candidates
+        self.names = list(names)
         self.model_fn = model_fn
         self.prior, self.weight = prior_acceptance, prior_weight
         self.explore_rounds, self.reprobe_every = explore_rounds, reprobe_every
-        self.stats = {n: StrategyStats() for n in candidates}
-        self.chosen: str | None = None
+        self.layouts = layouts or {}
+        self.cost_fns = cost_fns or {}
+        self.stats = {n: StrategyStats() for n in self.names}
         self.reason = ""
-        self.ids: list[int] = []
-        self._draft_ids: list[int] = []
         self._round = 0
-        self.last_catchup_s = 0.0
 
-    # -- choice ---------------------------------------------------------------------------------------
-    def _predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
-        st = self.stats[name]
-        d = st.draft_token_s()
-        a = st.acceptance.rate(self.prior, self.weight)
-        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, d if d is not None else model.draft_token_s)
-        g, rate = m.best_gamma(a, "in_process", g_max)
+    def _cost(self, name: str, model: CostModel) -> float:
+        fn = self.cost_fns.get(name)
+        d = fn() if fn is not None else self.stats[name].draft_token_s()
+        return d if d is not None else model.draft_token_s
+
+    def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
+        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max."""
+        a = self.stats[name].acceptance.rate(self.prior, self.weight)
+        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, self._cost(name, model), model.transfer_s)
+        g, rate = m.best_gamma(a, self.layouts.get(name, "in_process"), g_max)
         return rate, g
 
-    def choose(self, k: int) -> tuple[str | None, int]:
-        """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed."""
+    def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
+        """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed,
+        `available` the strategies that can draft now (default: all)."""
         self._round += 1
-        names = list(self.candidates)
+        names = [n for n in self.names if available is None or n in available]
+        if not names or k <= 0:
+            self.reason = "none: no strategy can draft now"
+            return None, 0
         unexplored = [n for n in names if self.stats[n].rounds < self.explore_rounds]
         model = self.model_fn()
         if unexplored or model is None:
@@ -77,7 +94,7 @@ class SelectingProposer:
         if stale:
             self.reason = f"re-probing {stale[0]}"
             return stale[0], k
-        preds = {n: self._predict(model, n, k) for n in names}
+        preds = {n: self.predict(model, n, k) for n in names}
         best = max(preds, key=lambda n: preds[n][0])
         alone = 1.0 / model.verify(0)
         rate, g = preds[best]
@@ -87,6 +104,54 @@ class SelectingProposer:
         self.reason = f"{best}: predicts {rate:.1f} tok/s at gamma {g} (target alone {alone:.1f})"
         return best, g
 
+    def observe_cost(self, name: str, seconds: float, tokens: int) -> None:
+        st = self.stats[name]
+        st.draft_s += seconds
+        st.drafted += tokens
+
+    def observe_round(self, name: str, drafted: int, accepted: int) -> None:
+        """A round `name` drafted: its acceptance (drafted tokens, of which accepted)."""
+        st = self.stats[name]
+        st.rounds += 1
+        st.last_round = self._round
+        st.acceptance.observe(drafted, accepted)
+
+    def summary(self) -> dict:
+        out = {}
+        for n, st in self.stats.items():
+            fn = self.cost_fns.get(n)
+            d = fn() if fn is not None else st.draft_token_s()
+            out[n] = {"rounds": st.rounds, "acceptance": round(st.acceptance.rate(self.prior, self.weight), 4),
+                      "tested": st.acceptance.tested, "draft_ms_per_token": None if d is None else round(d * 1e3, 4)}
+        return {"strategies": out, "last_reason": self.reason}
+
+
+class SelectingProposer:
+    """A Proposer over named candidates, in process (see the module docstring). `model_fn()` returns the
+    current CostModel (the engine's tuning) or None; then candidates are cycled."""
+
+    name = "select"
+
+    def __init__(self, candidates: dict[str, Proposer], model_fn, prior_acceptance: float = 0.5,
+                 prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32):
+        if not candidates:
+            raise ValueError("draft selection needs at least one candidate")
+        self.candidates = candidates
+        self.chooser = StrategyChooser(list(candidates), model_fn, prior_acceptance, prior_weight,
+                                       explore_rounds, reprobe_every)
+        self.stats = self.chooser.stats
+        self.chosen: str | None = None
+        self.ids: list[int] = []
+        self._draft_ids: list[int] = []
+        self.last_catchup_s = 0.0
+
+    @property
+    def reason(self) -> str:
+        return self.chooser.reason
+
+    def choose(self, k: int) -> tuple[str | None, int]:
+        return self.chooser.choose(k)
+
     # -- Proposer protocol -----------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.ids = list(prompt_ids)
@@ -95,8 +160,6 @@ class SelectingProposer:
         self.chosen = None
 
     def propose(self, k: int) -> Draft:
-        import time
-
         name, g = self.choose(k)
         self.chosen = name
         self.last_catchup_s = 0.0
@@ -111,19 +174,15 @@ class SelectingProposer:
         dt = time.perf_counter() - t
         catchup = getattr(p, "last_catchup_s", 0.0)
         self.last_catchup_s = catchup
-        st = self.stats[name]
-        st.rounds += 1
-        st.last_round = self._round
         if draft.ids:
-            st.draft_s += dt - catchup
-            st.drafted += len(draft.ids) - (1 if catchup else 0)
+            self.chooser.observe_cost(name, dt - catchup, len(draft.ids) - (1 if catchup else 0))
         self._draft_ids = list(draft.ids)
         return draft
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         drafted = self._draft_ids[:n_accepted]
         if self.chosen is not None:
-            self.stats[self.chosen].acceptance.observe(len(self._draft_ids), n_accepted)
+            self.chooser.observe_round(self.chosen, len(self._draft_ids), n_accepted)
             self.candidates[self.chosen].commit(n_accepted, next_token)
         self.ids.extend([*drafted, next_token])
         self._draft_ids = []
@@ -138,9 +197,4 @@ class SelectingProposer:
             p.close()
 
     def summary(self) -> dict:
-        out = {}
-        for n, st in self.stats.items():
-            d = st.draft_token_s()
-            out[n] = {"rounds": st.rounds, "acceptance": round(st.acceptance.rate(self.prior, self.weight), 4),
-                      "tested": st.acceptance.tested, "draft_ms_per_token": None if d is None else round(d * 1e3, 4)}
-        return {"strategies": out, "last_reason": self.reason}
+        return self.chooser.summary()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -11,11 +11,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ..config import Config
+from ..draft.ngram import NgramProposer
+from ..draft.select import StrategyChooser
 from ..metrics import Stats
 from ..scheduler import Request
+from ..tuning.cost_model import CostModel
 from ..tuning.gamma import GammaPolicy, Tuning
 from ..tuning.gate import CostGate
-from .pipelined import decode_pipelined
+from .pipelined import LocalSelection, decode_pipelined
 from .supervisor import DraftSupervisor, WorkerSpec
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
@@ -134,7 +137,26 @@ class PipelinedRuntime:
             max_msg_bytes=max_msg_bytes(vocab_width, context_len, cap)), launcher=launcher, clock=clock)
         if self.draft_cpus and hasattr(os, "sched_setaffinity"):
             pin_threads(self.sup.thread_ids, self.draft_cpus)
+        # draft.candidates: chosen per round among the worker's model and a target-side n-gram lookup; the
+        # choice learns across requests, like the gate
+        self.chooser = StrategyChooser(
+            list(d.candidates), self._selection_model, prior_acceptance=self.tuning.prior_acceptance,
+            layouts={"onnx": "two_process"}, cost_fns={"onnx": self._worker_token_s}) if d.candidates else None
         self.sup.start()
+
+    def _worker_token_s(self) -> float | None:
+        """The worker's drafting time per token, as its proposals report it (None before any)."""
+        return self._gate.draft_tok_s.value if self._gate is not None else None
+
+    def _selection_model(self) -> CostModel | None:
+        """The cost model draft selection predicts with: the learned (or profiled) verify line, the
+        worker's measured draft and transfer costs. None until the verify line is known."""
+        line = self.tuning.verify_line()
+        if line is None:
+            return None
+        d = self._worker_token_s() or self.tuning.draft_token_s or 0.0
+        transfer = (self._gate.transfer_s.value if self._gate is not None else None) or 0.0
+        return CostModel(line[0], line[1], d, transfer)
 
     def decode(self, target: Verifier, req: Request, stats: Stats):
         """The decode loop's thread runs on the target's cores while it serves the request."""
@@ -147,9 +169,16 @@ class PipelinedRuntime:
         if self._gate is None or self._gate_maker is not self.make_gate:
             self._gate, self._gate_maker = self.make_gate(), self.make_gate
         self._gate.begin_request()
+        selection = None
+        if self.chooser is not None:
+            ng = self.config.draft.ngram
+            selection = LocalSelection(self.chooser, NgramProposer(max_n=ng.max_n, min_n=ng.min_n)
+                                       if "ngram" in self.chooser.names else None)
+            if selection.ngram is not None:
+                selection.ngram.begin(req.prompt_ids, req.params)
         with pinned_thread(self.target_cpus):
             yield from decode_pipelined(target, self.sup, req, stats, self._gate, max_ahead,
-                                        trace=r.trace, clock=self.clock, policy=policy)
+                                        trace=r.trace, clock=self.clock, policy=policy, selection=selection)
 
     def close(self) -> None:
         self.sup.close()

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..draft.base import Draft
+from ..draft.ngram import NgramProposer
+from ..draft.select import StrategyChooser
 from ..metrics import Stats
 from ..scheduler import Request, check_request, commit_tokens, verify_block
 from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
@@ -306,9 +308,28 @@ class DraftLink:
         self._leave(self.w)
 
 
+@dataclass
+class LocalSelection:
+    """Per-round draft selection in the two-process layout (`draft.candidates`, draft/select.py): the
+    chooser picks the worker's model stream ("onnx"), the target-side n-gram lookup ("ngram"), or the
+    target alone each round; the worker keeps drafting with the model whatever is chosen."""
+
+    chooser: StrategyChooser
+    ngram: NgramProposer | None = None
+
+
+def _local_draft(sel: LocalSelection, ids: list[int], g: int) -> tuple[Draft, float]:
+    """An n-gram proposal on the target side, and its cost in seconds."""
+    t = time.perf_counter()
+    sel.ngram.sync(ids)
+    draft = sel.ngram.propose(g)
+    return draft, time.perf_counter() - t
+
+
 def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats: Stats,
                      gate: CostGate, max_ahead: int, trace: bool = False,
-                     clock=time.monotonic, policy: GammaPolicy | None = None) -> Iterator[list[int]]:
+                     clock=time.monotonic, policy: GammaPolicy | None = None,
+                     selection: LocalSelection | None = None) -> Iterator[list[int]]:
     """Generate one request with the draft in its own process; yields each round's committed tokens."""
     check_request(req, target.context_len)
     t_start = time.perf_counter()
@@ -328,7 +349,20 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
             k = min(req.gamma, remaining - 1)
             # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
             t = time.perf_counter()
-            draft = link.gather(ids, k, gate.on, first_wait_s=max(stats.time_prefill_s, 0.001))
+            strategy = "onnx"
+            if selection is not None and k > 0:
+                strategy, g = selection.chooser.choose(k, ["onnx", "ngram"] if gate.on else ["ngram"])
+                if strategy == "ngram":
+                    draft, cost = _local_draft(selection, ids, min(g, k))
+                    if draft.ids:
+                        selection.chooser.observe_cost("ngram", cost, len(draft.ids))
+                    elif gate.on and "onnx" in selection.chooser.names:
+                        strategy = "onnx"  # no n-gram match here: the worker's stream instead
+            if strategy == "onnx":
+                draft = link.gather(ids, k, gate.on, first_wait_s=max(stats.time_prefill_s, 0.001))
+            else:
+                link.gather(ids, 0, False, 0.0)  # keep draining the worker (its stream, timings, death)
+                draft = draft if strategy == "ngram" else Draft(ids=[])
             stats.time_wait_s += time.perf_counter() - t
             # 3) verify
             t0 = time.monotonic()
@@ -339,9 +373,15 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
             if timeline is not None:
                 timeline.verify.append((t0, t1, len(ids), len(draft.ids)))
             stats.record_round(len(draft.ids), n)
-            gate.observe_round(len(draft.ids), n)
-            if policy is not None:
-                policy.observe(len(draft.ids), n, t1 - t0, None)
+            if strategy == "onnx":
+                gate.observe_round(len(draft.ids), n)
+                if policy is not None:
+                    policy.observe(len(draft.ids), n, t1 - t0, None)
+            else:  # another strategy's round: only the verification cost is the model's business
+                if policy is not None:
+                    policy.tuning.observe_verify(len(draft.ids), t1 - t0)
+            if selection is not None and strategy is not None and draft.ids:
+                selection.chooser.observe_round(strategy, len(draft.ids), n)
             # 4) commit + stop checks, token by token inside the block
             emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)
             if not stats.finish_reason:
@@ -360,6 +400,8 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                            dropped_messages=link.dropped, rejected_messages=link.rejected)
         if timeline is not None:
             stats.extra["timeline"] = {"verify": timeline.verify, "draft": timeline.draft}
+        if selection is not None:
+            stats.extra["draft_selection"] = selection.chooser.summary()
         if policy is not None:
             if gate.draft_tok_s.value is not None:  # the worker's drafting cost, as its proposals report it
                 policy.tuning.observe_draft_token(gate.draft_tok_s.value)

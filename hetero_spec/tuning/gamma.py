@@ -58,12 +58,16 @@ class Tuning:
 
     def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
+        self.observe_verify(k, verify_s)
+        if draft_s is not None and k > 0:
+            self.observe_draft_token(draft_s / k)
+
+    def observe_verify(self, k: int, verify_s: float) -> None:
+        """One verification pass of k drafts (k + 1 tokens), whoever drafted them."""
         if len(self.verify_points) == self.verify_points.maxlen:
             self._add_point(*self.verify_points[0], sign=-1.0)  # the oldest leaves the window
         self.verify_points.append((k + 1, verify_s))
         self._add_point(k + 1, verify_s, sign=1.0)
-        if draft_s is not None and k > 0:
-            self.observe_draft_token(draft_s / k)
 
     def observe_draft_token(self, seconds: float) -> None:
         """One measurement of the draft's time per token (moving average)."""
@@ -74,19 +78,28 @@ class Tuning:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[i] += sign * v
 
-    def model(self) -> CostModel | None:
-        """The profile, else the costs learned so far (None until verify has two distinct block lengths and
-        the draft has been timed). O(1): asked every round, so the line comes from running sums."""
+    def verify_line(self) -> tuple[float, float] | None:
+        """(verify_fixed_s, verify_per_token_s): the profile's, else fitted to the passes seen so far (None
+        until they have two distinct block lengths). O(1): asked every round, so from running sums."""
         if self.profile is not None:
-            return self.profile
+            return self.profile.verify_fixed_s, self.profile.verify_per_token_s
         n, sx, sy, sxx, sxy = self._sums
         spread = n * sxx - sx * sx  # 0 when every point has the same block length
-        if self.draft_token_s is None or n < 2 or spread < 0.5:
+        if n < 2 or spread < 0.5:
             return None
         c1 = (n * sxy - sx * sy) / spread
         c0 = (sy - c1 * sx) / n
-        return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0),
-                         draft_token_s=self.draft_token_s)
+        return max(c0, 0.0), max(c1, 0.0)
+
+    def model(self) -> CostModel | None:
+        """The profile, else the costs learned so far (None until verify_line is known and the draft has
+        been timed)."""
+        if self.profile is not None:
+            return self.profile
+        line = self.verify_line()
+        if line is None or self.draft_token_s is None:
+            return None
+        return CostModel(verify_fixed_s=line[0], verify_per_token_s=line[1], draft_token_s=self.draft_token_s)
 
 
 @dataclass

@@ -1,0 +1,297 @@
+"""Placement by measurement: `runtime.mode: auto` and `runtime.cpus: auto`.
+
+Which layout, and which split of this machine's cores, gives the best predicted goodput?
+
+- in_process: the draft and the target in turn, each free to use every core (`target.threads`, `draft.threads`).
+- two_process: the draft worker drafts on its own cores while the target verifies on the rest.
+
+On 2 cores the answer is not obvious: the worker hides the draft's time, but the target loses a core. The
+demo target verifies 9 tokens in about 4.0 ms on one thread and 2.3 ms on two, which is more than the draft
+time the worker hides.
+
+What is measured (in this process, a few seconds; cached in $HETERO_SPEC_CACHE/placement, keyed by the
+models, the backend and this machine, or taken from `speculation.profile` when that profile measured them):
+
+- the target's verification time for blocks of 0, 4 and 8 drafts, at each candidate thread count, fitted as a
+  line (tuning/cost_model.py);
+- the draft's time per token at each candidate thread count;
+- the transfer time of one message (ZeroMQ over IPC).
+
+Each candidate's goodput is the cost model's, at its best gamma, with the acceptance the engine knows (the
+profile's, or the default prior before it has seen a request). The choice, the predictions and the measured
+costs are logged and kept in `Engine.placement`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .cost_model import CostModel, fit_line
+
+log = logging.getLogger("hetero_spec.placement")
+
+VERIFY_KS = (0, 4, 8)  # block lengths the verify line is fitted to
+
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str  # in_process | two_process
+    target_threads: int
+    draft_threads: int
+
+    def label(self) -> str:
+        return f"{self.mode} (target {self.target_threads} thread(s), draft {self.draft_threads})"
+
+
+@dataclass
+class Costs:
+    """Measured seconds: verify line per target thread count, draft token per draft thread count."""
+
+    verify: dict[int, tuple[float, float]]  # threads -> (verify_fixed_s, verify_per_token_s)
+    draft_token_s: dict[int, float]  # threads -> seconds per draft token
+    transfer_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verify": {str(t): [round(c0, 7), round(c1, 7)] for t, (c0, c1) in self.verify.items()},
+                "draft_token_s": {str(t): round(s, 7) for t, s in self.draft_token_s.items()},
+                "transfer_s": round(self.transfer_s, 7)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Costs:
+        return cls(verify={int(t): (float(v[0]), float(v[1])) for t, v in d["verify"].items()},
+                   draft_token_s={int(t): float(s) for t, s in d["draft_token_s"].items()},
+                   transfer_s=float(d.get("transfer_s", 0.0)))
+
+    def model(self, layout: Layout) -> CostModel:
+        c0, c1 = self.verify[layout.target_threads]
+        transfer = self.transfer_s if layout.mode == "two_process" else 0.0
+        return CostModel(c0, c1, self.draft_token_s[layout.draft_threads], transfer)
+
+
+def allowed_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def candidates(config, n_cpus: int) -> list[Layout]:
+    """The layouts `runtime.mode` and `runtime.cpus` leave open on n_cpus cores.
+
+    runtime.cpus auto: in process, the target on every core and the draft on one or every core; two-process,
+    every split of the cores between target and worker. Otherwise the configured threads (target.threads
+    unset: every core in process, the cores the worker leaves in two_process)."""
+    rt, t_cfg, d_cfg = config.runtime, config.target.threads, config.draft.threads
+    auto_cpus = rt.cpus == "auto"
+    modes = ["in_process", "two_process"] if rt.mode == "auto" else [rt.mode]
+    if config.draft.kind != "onnx":
+        modes = ["in_process"]  # only a model draft runs in a worker
+    out: list[Layout] = []
+    if "in_process" in modes:
+        if auto_cpus:
+            out += [Layout("in_process", n_cpus, d) for d in sorted({1, n_cpus})]
+        else:
+            out.append(Layout("in_process", t_cfg or n_cpus, d_cfg))
+    if "two_process" in modes and (n_cpus >= 2 or rt.mode == "two_process"):
+        if auto_cpus and n_cpus >= 2:
+            out += [Layout("two_process", t, n_cpus - t) for t in range(1, n_cpus)]
+        else:
+            d = min(d_cfg, max(1, n_cpus - 1))
+            out.append(Layout("two_process", t_cfg or max(1, n_cpus - d), d))
+    return out
+
+
+def predict(costs: Costs, layout: Layout, acceptance: float, g_max: int = 16) -> tuple[int, float]:
+    """(best gamma, predicted goodput in committed tokens/s) of a layout."""
+    return costs.model(layout).best_gamma(acceptance, layout.mode, g_max)
+
+
+def choose(costs: Costs, layouts: list[Layout], acceptance: float) -> tuple[Layout, list[dict[str, Any]]]:
+    """The layout with the highest predicted goodput, and every candidate's prediction."""
+    rows = []
+    for lay in layouts:
+        g, rate = predict(costs, lay, acceptance)
+        rows.append({**asdict(lay), "gamma": g, "predicted_tok_s": round(rate, 2)})
+    best = max(range(len(layouts)), key=lambda i: rows[i]["predicted_tok_s"])
+    return layouts[best], rows
+
+
+# -- measuring --------------------------------------------------------------------------------------------
+def _median_s(fn, reps: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _probe_prompt(vocab: int, n: int = 64) -> list[int]:
+    """Token ids for timing only (their values do not change a pass's cost)."""
+    return [(7 + 31 * i) % max(vocab, 2) for i in range(n)]
+
+
+def measure_verify(target, reps: int = 7) -> tuple[float, float]:
+    """The verify line (fixed, per token) of a loaded target, after a 64-token context."""
+    prompt = _probe_prompt(target.vocab_width)
+    state = target.new_state()
+    target.prefill(state, prompt)
+    base = state.n_cached
+
+    def once(k: int):
+        target.verify(state, prompt[-1], prompt[:k], True)
+        target.rollback(state, base)
+
+    c0, c1 = fit_line([(float(k + 1), _median_s(lambda k=k: once(k), reps)) for k in VERIFY_KS])
+    return max(c0, 0.0), max(c1, 0.0)
+
+
+def measure_draft(model_dir: Path, providers: list[str], threads: int, vocab: int, reps: int = 7) -> float:
+    """Seconds per greedy draft token of the ONNX draft at `threads`, 8 at a time after a 64-token context."""
+    import numpy as np
+
+    from ..onnx_decoder import OnnxDecoder
+
+    dec = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab)
+    st = dec.new_state()
+    prompt = _probe_prompt(dec.model_vocab)
+    dec.append(st, prompt)
+    base = st.n_past
+
+    def once():
+        tok = prompt[-1]
+        for _ in range(8):
+            tok = int(np.argmax(dec.append(st, [tok])[-1]))
+        dec.rewind(st, base)
+
+    return _median_s(once, reps) / 8
+
+
+def measure(config, layouts: list[Layout], say=None) -> Costs:
+    """Measure what the candidate layouts need (see the module docstring)."""
+    from ..target.backends import load_target
+
+    say = say or (lambda m: log.info("placement: %s", m))
+    verify, draft = {}, {}
+    vocab = None
+    for t in sorted({lay.target_threads for lay in layouts}):
+        say(f"target verification at {t} thread(s)")
+        target = load_target(config.target, t)
+        verify[t] = measure_verify(target)
+        vocab = target.vocab_width
+        del target
+    transfer = 0.0
+    if config.draft.kind == "onnx":
+        for d in sorted({lay.draft_threads for lay in layouts}):
+            say(f"draft time per token at {d} thread(s)")
+            draft[d] = measure_draft(config.draft.model, config.draft.providers, d, vocab)
+        if any(lay.mode == "two_process" for lay in layouts):
+            from .profile import _transfer_points
+
+            transfer = _transfer_points([64], 20)[0][1]
+    else:
+        draft = {lay.draft_threads: 0.0 for lay in layouts}
+    return Costs(verify=verify, draft_token_s=draft, transfer_s=transfer)
+
+
+# -- caching and resolving --------------------------------------------------------------------------------
+def _stamp(path: Path | None) -> list[Any] | None:
+    if path is None:
+        return None
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [str(path), [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_key(config, layouts: list[Layout]) -> str:
+    t, d = config.target, config.draft
+    key = {"target": _stamp(t.model), "backend": t.backend, "providers": t.providers, "device": t.device,
+           "dtype": t.dtype, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
+           "draft_providers": d.providers, "host": platform.node(), "cpu": _cpu_model(), "cpus": allowed_cpus(),
+           "threads": sorted({(lay.target_threads, lay.draft_threads) for lay in layouts})}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_costs(config, layouts: list[Layout], say=None) -> tuple[Costs, str]:
+    """Costs from the cache, or measured now and cached; (costs, where they came from)."""
+    from ..target.export_cache import cache_root
+
+    path = cache_root() / "placement" / f"{cache_key(config, layouts)}.json"
+    if path.is_file():
+        try:
+            return Costs.from_dict(json.loads(path.read_text())), f"cached measurement {path}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: measure again
+    costs = measure(config, layouts, say)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(costs.to_dict()))
+    os.replace(tmp, path)
+    return costs, f"measured now (cached in {path})"
+
+
+def profile_costs(profile_path: Path | None) -> Costs | None:
+    """The placement costs a profile measured (`hetero-spec profile`), if any."""
+    if profile_path is None:
+        return None
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(profile_path).read_text()) or {}
+        return Costs.from_dict(raw["placement"]["costs"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def apply(config, layout: Layout):
+    """A copy of config set to the layout (mode, threads; the worker pinned to its own cores)."""
+    config = config.model_copy(deep=True)
+    config.runtime.mode = layout.mode
+    config.runtime.cpus = None
+    config.target.threads = layout.target_threads
+    config.draft.threads = layout.draft_threads
+    if layout.mode == "two_process":
+        config.runtime.pin_cpus = True
+    return config
+
+
+def resolve(config, acceptance: float, say=None) -> tuple[Any, dict[str, Any]]:
+    """Resolve `runtime.mode: auto` / `runtime.cpus: auto`: (the config set to the chosen layout, a report)."""
+    layouts = candidates(config, allowed_cpus())
+    if len(layouts) == 1 and config.runtime.cpus != "auto" and config.runtime.mode != "auto":
+        return config, {}
+    costs = None
+    source = ""
+    if len(layouts) > 1:
+        costs = profile_costs(config.speculation.profile)
+        if costs is not None and all(lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s
+                                     for lay in layouts):
+            source = f"profile {config.speculation.profile}"
+        else:
+            costs, source = cached_costs(config, layouts, say)
+        best, rows = choose(costs, layouts, acceptance)
+    else:
+        best, rows = layouts[0], [asdict(layouts[0])]
+        source = "the only layout this config and machine allow"
+    report = {"chosen": asdict(best), "why": f"best predicted goodput at acceptance {acceptance:.3f} ({source})"
+              if costs is not None else source, "candidates": rows,
+              "costs": costs.to_dict() if costs is not None else None}
+    log.info("placement: %s; %s", best.label(), report["why"])
+    return apply(config, best), report

@@ -1,0 +1,107 @@
+"""Placement by measurement (`runtime.mode: auto`, `runtime.cpus: auto`): the candidate layouts, the choice on
+constructed costs (both outcomes), and the Engine resolving auto from measured, cached or profiled costs,
+with output identical to the target alone whatever it picks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from hetero_spec import Engine
+from hetero_spec.config import build_config
+from hetero_spec.errors import ConfigError
+from hetero_spec.tuning import placement
+from hetero_spec.tuning.placement import Costs, Layout, candidates, choose
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
+
+
+def _config(target, draft, **runtime):
+    return build_config({"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
+                         "draft": {"kind": "onnx", "model": str(draft)}, "runtime": runtime})
+
+
+def test_candidates_follow_mode_and_cpus(llama_target, llama_copy_onnx):
+    both = _config(llama_target, llama_copy_onnx, mode="auto", cpus="auto")
+    assert candidates(both, 2) == [Layout("in_process", 2, 1), Layout("in_process", 2, 2), Layout("two_process", 1, 1)]
+    assert candidates(both, 4)[-3:] == [Layout("two_process", t, 4 - t) for t in (1, 2, 3)]
+    assert candidates(both, 1) == [Layout("in_process", 1, 1)]  # no core for a worker
+    mode_only = _config(llama_target, llama_copy_onnx, mode="auto")
+    assert candidates(mode_only, 2) == [Layout("in_process", 2, 1), Layout("two_process", 1, 1)]
+    split_only = _config(llama_target, llama_copy_onnx, mode="two_process", cpus="auto")
+    assert candidates(split_only, 3) == [Layout("two_process", 1, 2), Layout("two_process", 2, 1)]
+    ngram = build_config({"target": {"model": str(llama_target)}, "draft": {"kind": "ngram"},
+                          "runtime": {"mode": "auto", "cpus": "auto"}})
+    assert {lay.mode for lay in candidates(ngram, 2)} == {"in_process"}
+
+
+def _costs(draft_1: float, draft_2: float) -> Costs:
+    # the demo target's shape on 2 cores: 9 tokens verify in 4.0 ms on one thread, 2.3 ms on two
+    return Costs(verify={1: (0.0022, 0.0002), 2: (0.00127, 0.000115)}, draft_token_s={1: draft_1, 2: draft_2},
+                 transfer_s=0.0001)
+
+
+def test_choice_goes_where_the_costs_say():
+    lays = [Layout("in_process", 2, 1), Layout("in_process", 2, 2), Layout("two_process", 1, 1)]
+    cheap, rows = choose(_costs(0.0002, 0.00015), lays, acceptance=0.9)
+    assert cheap == Layout("in_process", 2, 2)  # a cheap draft: the target's second core is worth more
+    dear, rows = choose(_costs(0.0015, 0.0012), lays, acceptance=0.9)
+    assert dear == Layout("two_process", 1, 1)  # a dear draft: hiding it is worth more
+    assert [r["mode"] for r in rows] == ["in_process", "in_process", "two_process"]
+    assert rows[0]["gamma"] == 0 and rows[2]["gamma"] >= 1  # in turn, that draft does not even pay
+    _, rows = choose(_costs(0.0015, 0.0012), lays, acceptance=0.8)
+    assert rows[2]["predicted_tok_s"] < rows[0]["predicted_tok_s"]  # at lower acceptance, the target alone
+
+
+def test_early_stop_with_two_process_is_a_clear_error(llama_target, llama_copy_onnx):
+    cfg = {"target": {"model": str(llama_target)}, "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
+           "runtime": {"mode": "two_process"}, "speculation": {"early_stop": True}}
+    with pytest.raises(ConfigError, match="speculation.early_stop.*in process only"):
+        Engine.from_config(cfg)
+
+
+def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tmp_path, llama_target,
+                                                                   llama_copy_onnx):
+    monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(placement, "allowed_cpus", lambda: 2)
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
+           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
+    with Engine.from_config({"target": cfg["target"], "draft": {"kind": "none"}}) as ref_eng:
+        refs = [ref_eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
+    with Engine.from_config(cfg) as eng:
+        rep = eng.placement
+        assert len(rep["candidates"]) == 3 and all(r["predicted_tok_s"] > 0 for r in rep["candidates"])
+        chosen = rep["chosen"]
+        assert max(rep["candidates"], key=lambda r: r["predicted_tok_s"])["mode"] == chosen["mode"]
+        assert eng.config.runtime.mode == chosen["mode"] and eng.config.target.threads == chosen["target_threads"]
+        assert "measured now" in rep["why"]
+        assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
+    cached = list((tmp_path / "cache" / "placement").glob("*.json"))
+    assert len(cached) == 1 and set(json.loads(cached[0].read_text())) == {"verify", "draft_token_s", "transfer_s"}
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(placement, "measure", no_measuring)
+    with Engine.from_config(cfg) as eng:
+        assert "cached measurement" in eng.placement["why"]
+        # a forced outcome: costs that make the worker pay, written where a profile keeps them
+        prof = tmp_path / "p.yaml"
+        prof.write_text(yaml.safe_dump({"cost_model": {"verify_fixed_s": 0.002, "verify_per_token_s": 0.0002,
+                                                       "draft_token_s": 0.002}, "acceptance": {"per_token": 0.9},
+                                        "placement": {"costs": _costs(0.0015, 0.0012).to_dict()}}))
+    with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto"}}) as eng:
+        assert eng.placement["chosen"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
+        assert eng.placement["why"].startswith("best predicted goodput at acceptance 0.900 (profile")
+        assert eng.runtime is not None  # the worker runs
+        assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
+
+
+def test_bad_mode_names_the_key(llama_target):
+    with pytest.raises(ConfigError, match="runtime.mode"):
+        build_config({"target": {"model": str(llama_target)}, "runtime": {"mode": "sometimes"}})
+    with pytest.raises(ConfigError, match="runtime.cpus"):
+        build_config({"target": {"model": str(llama_target)}, "runtime": {"cpus": 3}})
