@@ -76,15 +76,23 @@ def _add_profile(sub) -> None:
                        description="Measure, on the configured target backend and draft: verification time of "
                                    "k = 0..16 draft tokens, the draft's time per token, transfer time against "
                                    "payload, prefill time, the draft's acceptance on calibration prompts, and "
-                                   "goodput at a few gammas. Fit the cost model, and write PROFILE.yaml (with the "
-                                   "recommended gamma per layout) and PROFILE.png (goodput against gamma). Use it "
-                                   "with speculation: {gamma: auto, profile: PROFILE.yaml}.")
+                                   "goodput at a few gammas; each draft's cost and acceptance (--draft adds more); "
+                                   "and each layout and core split this machine allows, predicted and measured. "
+                                   "Fit the cost model, and write PROFILE.yaml (with the recommended gamma per "
+                                   "layout, draft and layout) and PROFILE.png (goodput against gamma). Use it with "
+                                   "speculation: {gamma: auto, profile: PROFILE.yaml}; runtime.mode: auto then "
+                                   "takes the profile's layout costs.")
     p.add_argument("--config", required=True, help="YAML config (its target and onnx draft are measured)")
     p.add_argument("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
     p.add_argument("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help='calibration prompts: JSONL, one {"prompt": "text"} or {"token_ids": [...]} per line '
                         "(default: held-out prompts)")
+    p.add_argument("--draft", dest="drafts", action="append", default=[], metavar="DIR",
+                   help="another ONNX draft to measure next to draft.model, e.g. another precision "
+                        "(repeatable): its time per token, acceptance and best gamma")
+    p.add_argument("--no-placement", action="store_true",
+                   help="skip measuring each layout and core split (runtime.mode / runtime.cpus: auto)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key (repeatable)")
 
@@ -95,7 +103,8 @@ def _cmd_profile(args) -> int:
 
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
-                overrides=dict(parse_override(o) for o in args.overrides))
+                overrides=dict(parse_override(o) for o in args.overrides),
+                drafts=[Path(d) for d in args.drafts], placement=not args.no_placement)
     return 0
 
 

@@ -161,11 +161,14 @@ class PipelinedRuntime:
     def decode(self, target: Verifier, req: Request, stats: Stats):
         """The decode loop's thread runs on the target's cores while it serves the request."""
         r = self.config.runtime
-        # gamma auto: chosen once per request here (the worker drafts max_ahead tokens ahead of it)
+        # gamma auto: chosen each round by decode_pipelined; the worker starts at the gamma the cost model
+        # predicts now, and may draft ahead as far as the largest gamma allows
         policy = GammaPolicy(self.tuning, "two_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
         if policy.fixed is None:
-            req = dataclasses.replace(req, gamma=max(1, policy.choose()))
-        max_ahead = r.max_ahead or 2 * req.gamma + 1  # this block, its bonus token, the next block
+            model = self.tuning.model()
+            start = model.best_gamma(policy.estimate(), "two_process", policy.g_max)[0] if model else 4
+            req = dataclasses.replace(req, gamma=max(1, start))
+        max_ahead = r.max_ahead or 2 * (req.gamma if policy.fixed is not None else policy.g_max) + 1
         if self._gate is None or self._gate_maker is not self.make_gate:
             self._gate, self._gate_maker = self.make_gate(), self.make_gate
         self._gate.begin_request()

@@ -155,6 +155,7 @@ class DraftLink:
         self.buf = StreamBuffer(sampled=self.sampled)
         self.synced = 0
         self.drafting = True
+        self.gamma = req.gamma  # the worker's block length (gamma: auto changes it between rounds)
         self.req_id = time.monotonic_ns()
         self.rejected = 0  # messages of this request refused for bad contents (ids out of range, ...)
         self.dropped = 0   # malformed messages seen by this request's channels
@@ -193,7 +194,7 @@ class DraftLink:
             p = self.req.params
             self.synced = len(ids)
             if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
-                                    top_p=p.top_p, seed=p.seed, gamma=self.req.gamma,
+                                    top_p=p.top_p, seed=p.seed, gamma=self.gamma,
                                     max_ahead=self.max_ahead, drafting=self.drafting,
                                     coupled=p.coupled),
                               np.asarray(ids, dtype=np.int32)):
@@ -294,14 +295,16 @@ class DraftLink:
                       np.asarray(ids[self.synced:], dtype=np.int32)):
             self.synced = len(ids)
 
-    def control(self, drafting: bool, ids: list[int]) -> None:
-        if drafting == self.drafting:
+    def control(self, drafting: bool, ids: list[int], gamma: int | None = None) -> None:
+        """Drafting on/off (the gate) and the block length the worker drafts and sends in (gamma: auto)."""
+        gamma = self.gamma if gamma is None else max(1, gamma)
+        if drafting == self.drafting and gamma == self.gamma:
             return
-        self.drafting = drafting
+        self.drafting, self.gamma = drafting, gamma
         if self.w is not None:
             if drafting:
                 self.sync(ids)
-            self._send(Control(req_id=self.req_id, drafting=drafting, gamma=self.req.gamma))
+            self._send(Control(req_id=self.req_id, drafting=drafting, gamma=gamma))
 
     def end(self) -> None:
         self._send(End(req_id=self.req_id))
@@ -346,7 +349,15 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
         generated = 0
         while not stats.finish_reason:
             remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
-            k = min(req.gamma, remaining - 1)
+            gamma = req.gamma
+            if policy is not None and policy.fixed is None:
+                # gamma auto, each round: the worker's measured cost per token joins the learned verify line
+                if gate.draft_tok_s.value is not None:
+                    policy.tuning.draft_token_s = gate.draft_tok_s.value
+                gamma = policy.choose()
+                if gamma > 0:
+                    link.control(gate.drafting, ids, gamma)
+            k = min(gamma, remaining - 1)
             # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
             t = time.perf_counter()
             strategy = "onnx"
@@ -390,7 +401,7 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
             stats.time_total_s = time.perf_counter() - t_start
             yield emitted
             # 5) adapt: the cost gate turns speculation off when a block's drafting costs more than it is worth
-            gate.decide(req.gamma)
+            gate.decide(max(1, link.gamma))
             link.control(gate.drafting, ids)
     finally:
         link.end()

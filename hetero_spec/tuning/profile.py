@@ -6,7 +6,11 @@ Measured on the configured target backend and draft (in process, one request at 
 - transfer time of one message against its payload (ZeroMQ PAIR over IPC, as the two-process runtime uses);
 - prefill time against prompt length;
 - the draft's per-token acceptance on calibration prompts (held-out prompts, or --prompts-file);
-- measured goodput (committed tokens/s, in process) at a few gammas, next to the model's prediction.
+- measured goodput (committed tokens/s, in process) at a few gammas, next to the model's prediction;
+- each draft (the configured one, the extra `--draft` directories, the n-gram lookup when draft.candidates
+  names it): time per token, acceptance, and its best gamma and predicted goodput per layout;
+- placement (tuning/placement.py): for every layout and core split this machine allows, the measured costs,
+  the predicted goodput at its best gamma, and the goodput measured at that gamma.
 
 Writes PROFILE.yaml (machine, measured points, the fitted CostModel, acceptance, recommended gamma per layout,
 measured goodput) and PROFILE.png (goodput against gamma). `speculation: {gamma: auto, profile: PROFILE.yaml}`
@@ -139,8 +143,73 @@ def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) 
                "max_new_tokens": max_new, "gamma": gamma}
 
 
+def _decode_goodput(stats: list[dict]) -> float:
+    """Committed tokens per second of decoding (prefill excluded, as in the cost model)."""
+    return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"]
+                                                               for s in stats))
+
+
+def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[list[int]], max_new: int,
+                    reps: int, say) -> dict[str, Any]:
+    """Each draft (the configured one first, then --draft DIRs, and the n-gram lookup when draft.candidates
+    names it): time per token, acceptance on the calibration prompts, best gamma and predicted goodput per
+    layout with the target's measured verify line."""
+    from ..draft.onnx_drafter import OnnxDrafter
+    from ..engine import Engine
+
+    out: dict[str, Any] = {}
+    kinds = [("onnx", d) for d in drafts] + ([("ngram", None)] if "ngram" in config.draft.candidates else [])
+    for kind, d in kinds:
+        name = str(d) if d is not None else "ngram"
+        say(f"draft {name}: time per token and acceptance")
+        over = {"draft.kind": kind, "draft.candidates": [], "speculation.gamma": 8}
+        if d is not None:
+            over["draft.model"] = str(d)
+        with Engine.from_config(config, overrides=over) as eng:
+            if isinstance(eng.proposer, OnnxDrafter):
+                d_tok = _draft_token_s(eng.proposer, calib[0], reps)
+            else:  # the n-gram lookup: what a proposal costs, per token drafted
+                eng.generate(calib[0], max_new_tokens=max_new)
+                d_tok = 0.0
+            a, info = _acceptance(eng, calib, max_new)
+        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, d_tok, model.transfer_s)
+        out[name] = {"kind": kind, "draft_token_s": round(d_tok, 7), "acceptance": round(a, 4),
+                     "tested_tokens": info["accepted"] + info["rejections"],
+                     "best": {lay: {"gamma": m.best_gamma(a, lay)[0],
+                                    "predicted_tok_s": round(m.best_gamma(a, lay)[1], 2)} for lay in LAYOUTS}}
+    return out
+
+
+def _profile_placement(config, acceptance: float, calib: list[list[int]], max_new: int, say) -> dict[str, Any]:
+    """Every layout this machine allows (tuning/placement.py): measured costs, predicted goodput at its
+    best gamma, and measured goodput at that gamma."""
+    from ..engine import Engine
+    from . import placement
+
+    probe = config.model_copy(deep=True)
+    probe.runtime.mode, probe.runtime.cpus = "auto", "auto"
+    layouts = placement.candidates(probe, placement.allowed_cpus())
+    costs = placement.measure(probe, layouts, say)
+    best, rows = placement.choose(costs, layouts, acceptance)
+    for row, lay in zip(rows, layouts):
+        say(f"measured goodput of {lay.label()} at gamma {max(1, row['gamma'])}")
+        over = {"runtime.mode": lay.mode, "runtime.cpus": None, "target.threads": lay.target_threads,
+                "draft.threads": lay.draft_threads, "speculation.gamma": max(1, row["gamma"]),
+                "runtime.pin_cpus": True, "draft.candidates": []}
+        with Engine.from_config(config, overrides=over) as eng:
+            eng.generate(calib[0], max_new_tokens=16)  # warm (the worker's first request)
+            row["measured_tok_s"] = round(_decode_goodput(
+                [eng.generate(p, max_new_tokens=max_new).stats for p in calib]), 2)
+    measured_best = max(rows, key=lambda r: r["measured_tok_s"])
+    return {"costs": costs.to_dict(), "candidates": rows,
+            "recommended": {"mode": best.mode, "target_threads": best.target_threads,
+                            "draft_threads": best.draft_threads},
+            "measured_best": {k: measured_best[k] for k in ("mode", "target_threads", "draft_threads")}}
+
+
 def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file: Path | None = None,
-                overrides: dict | None = None, say=None) -> dict[str, Any]:
+                overrides: dict | None = None, say=None, drafts: list[Path] | None = None,
+                placement: bool = True) -> dict[str, Any]:
     """Measure, fit, recommend; write out (YAML) and out with .png. Returns the profile dict."""
     import yaml
 
@@ -150,7 +219,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 
     say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
-    over = {**(overrides or {}), "runtime.mode": "in_process"}  # every cost is measured on its own
+    # every cost is measured on its own, in process; layouts are measured afterwards (placement)
+    over = {**(overrides or {}), "runtime.mode": "in_process", "runtime.cpus": None}
     config = load_config(config_path, overrides=over)
     if config.draft.kind != "onnx":
         raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
@@ -186,9 +256,13 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
         measured = {}
         for g in measured_g:
-            stats = [eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib]
-            measured[g] = sum(s["new_tokens"] for s in stats) / sum(s["time_total_s"] - s["time_prefill_s"]
-                                                                   for s in stats)
+            measured[g] = _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
+    base_config = load_config(config_path, overrides={**(overrides or {}), "runtime.mode": "in_process",
+                                                      "runtime.cpus": None})
+    draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new,
+                                 reps, say)
+    best_draft = max(draft_rows, key=lambda n: max(r["predicted_tok_s"] for r in draft_rows[n]["best"].values()))
+    place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
     recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
     profile = {
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -204,6 +278,9 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "cost_model": {k: round(v, 7) for k, v in model.to_dict().items()},
         "acceptance": {"per_token": round(a, 4), **acc_info},
         "recommended_gamma": recommended,
+        "drafts": draft_rows,
+        "recommended_draft": best_draft,
+        "placement": place,
         "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
                                     for lay in LAYOUTS},
         "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
@@ -216,6 +293,11 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     _plot(profile, out.with_suffix(".png"))
     say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
         f"{recommended} at acceptance {a:.3f} (E at gamma 8: {expected_tokens(a, 8):.2f})")
+    if place is not None:
+        for r in place["candidates"]:
+            say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
+                f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
+        say(f"  recommended layout {place['recommended']} (measured best {place['measured_best']})")
     return profile
 
 
@@ -230,6 +312,9 @@ def _plot(profile: dict, path: Path) -> None:
         ax.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")
     meas = profile["measured"]["goodput_tok_s_in_process"]
     ax.plot([int(g) for g in meas], list(meas.values()), "o", label="measured, in_process")
+    for r in (profile.get("placement") or {}).get("candidates", []):
+        ax.plot([r["gamma"]], [r["measured_tok_s"]], "x", markersize=9,
+                label=f"measured, {r['mode']} {r['target_threads']}+{r['draft_threads']} threads")
     ax.set_xlabel("gamma (draft tokens per round)")
     ax.set_ylabel("goodput (committed tokens/s)")
     ax.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
