@@ -73,7 +73,7 @@ def test_policy_explores_then_follows_the_model_and_learns_across_requests():
     t = Tuning(prior_acceptance=0.7)
     p = GammaPolicy(t, "in_process")
     assert [p.choose() for _ in range(3)] == list(EXPLORE) and "exploring" in p.reason
-    for k, n, v in ((2, 2, 0.006), (4, 1, 0.007), (8, 3, 0.009)):
+    for k, n, v in zip(EXPLORE, (1, 1, 3), (0.006, 0.007, 0.009)):
         p.observe(k, n, v, 0.0005 * k)
     g = p.choose()
     a = p.estimate()
@@ -82,7 +82,33 @@ def test_policy_explores_then_follows_the_model_and_learns_across_requests():
     q = GammaPolicy(t, "in_process")
     assert q.estimate() == pytest.approx(t.global_acceptance()) != pytest.approx(0.7)
     assert GammaPolicy(t, "in_process", fixed=5).choose() == 5
-    assert p.summary()["choices"] == {"2": 1, "4": 1, "8": 1, str(g): 1 + (g in EXPLORE)}
+    want = {str(e): 1 for e in EXPLORE}
+    want[str(g)] = 1 + (g in EXPLORE)
+    assert p.summary()["choices"] == want
+
+
+def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
+    """gamma 0 (the target alone): one probe round every probe_every rounds; a failed probe doubles the period
+    (kept across requests, on the Tuning), one with an accepted token resets it."""
+    from hetero_spec.tuning.gamma import PROBE_EVERY, PROBE_GAMMA
+
+    t = Tuning(profile=CostModel(0.005, 0.0005, 0.001), prior_acceptance=0.0, prior_weight=1e6)  # never pays
+    probes_at = []
+    p = GammaPolicy(t, "in_process")
+    for r in range(1, 16 * PROBE_EVERY):
+        if r % 200 == 0:
+            p = GammaPolicy(t, "in_process")  # a new request: the period carries over
+        g = p.choose()
+        if g:
+            assert g == PROBE_GAMMA and "re-probe" in p.reason
+            probes_at.append(r)
+        p.observe(g, 0, 0.005, None)  # every probe fails
+    gaps = [b - a for a, b in zip([0, *probes_at], probes_at)]
+    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    while not p.choose():
+        p.observe(0, 0, 0.005, None)
+    p.observe(PROBE_GAMMA, 1, 0.005, None)  # this probe hits
+    assert t.probe_every == PROBE_EVERY
 
 
 def test_config_accepts_auto_and_names_a_bad_gamma(llama_target):

@@ -354,7 +354,7 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                 # gamma auto, each round: the worker's measured cost per token joins the learned verify line
                 if gate.draft_tok_s.value is not None:
                     policy.tuning.draft_token_s = gate.draft_tok_s.value
-                gamma = policy.choose()
+                gamma = policy.choose() if gate.on else policy.off("the gate has speculation off")
                 if gamma > 0:
                     link.control(gate.drafting, ids, gamma)
             k = min(gamma, remaining - 1)

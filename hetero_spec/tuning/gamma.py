@@ -6,7 +6,10 @@
 - R: the round time of the layout in use, from a profile (`hetero-spec profile`, `speculation.profile`), or
   learned as the engine runs: verification time is fitted as a line in the block length over the rounds seen
   so far, and the draft's time per token is a moving average. Until both are known, rounds cycle through a
-  few gammas (2, 4, 8) so that the line has distinct points.
+  few short gammas (1, 2, 4) so that the line has distinct points.
+- gamma 0 (the target alone) is chosen when nothing pays; every `probe_every` such rounds one round drafts
+  again (acceptance may have risen). A probe that gets nothing accepted doubles the period (up to 512 rounds),
+  so a useless draft costs almost nothing; one that does resets it.
 
 The chosen gamma and its reason go into the request's stats (`extra.gamma_auto`).
 """
@@ -19,7 +22,10 @@ from dataclasses import dataclass, field
 from .cost_model import CostModel, expected_tokens
 from .early_stop import ConfidenceStop
 
-EXPLORE = (2, 4, 8)  # gammas tried while the cost model is still unknown
+EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short: the draft may be useless)
+PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
+PROBE_EVERY_MAX = 512
+PROBE_GAMMA = 2
 
 
 @dataclass
@@ -45,7 +51,9 @@ class Tuning:
 
     profile: CostModel | None = None
     prior_acceptance: float = 0.7
-    prior_weight: float = 16.0
+    prior_weight: float = 4.0  # weak: a useless draft shows within a few rounds
+    probe_every: int = PROBE_EVERY  # re-probe period while gamma 0 is chosen (see GammaPolicy.choose)
+    rounds_off: int = 0  # rounds at gamma 0 since the last probe (across requests)
     acceptance: Acceptance = field(default_factory=Acceptance)
     verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
@@ -55,6 +63,12 @@ class Tuning:
 
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
+
+    def off(self, reason: str) -> int:
+        """A round where something else (the two-process gate) has turned speculation off: gamma 0."""
+        self.reason = reason
+        self.choices[0] += 1
+        return 0
 
     def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
@@ -114,6 +128,7 @@ class GammaPolicy:
     choices: Counter = field(default_factory=Counter)
     reason: str = ""
     _round: int = 0
+    _probing: bool = False
 
     def estimate(self) -> float:
         """This request's acceptance, starting from the global estimate."""
@@ -130,16 +145,30 @@ class GammaPolicy:
         else:
             a = self.estimate()
             g, rate = model.best_gamma(a, self.layout, self.g_max)
-            if g == 0 and self._round % 16 == 0:
-                g = 2  # re-probe now and then: acceptance may have risen
+            t = self.tuning
+            if g == 0:
+                t.rounds_off += 1
+                if t.rounds_off >= t.probe_every:  # re-probe now and then: acceptance may have risen
+                    g, t.rounds_off, self._probing = PROBE_GAMMA, 0, True
             self.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {g} "
-                           f"(E={expected_tokens(a, g):.2f}, round {model.round_time(g, a, self.layout) * 1e3:.2f} ms)")
+                           f"(E={expected_tokens(a, g):.2f}, round {model.round_time(g, a, self.layout) * 1e3:.2f} ms)"
+                           + (f"; re-probe (every {t.probe_every} rounds off)" if self._probing else ""))
         self.choices[g] += 1
         return g
+
+    def off(self, reason: str) -> int:
+        """A round where something else (the two-process gate) has turned speculation off: gamma 0."""
+        self.reason = reason
+        self.choices[0] += 1
+        return 0
 
     def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
         self.tuning.observe(k, n, verify_s, draft_s)
+        if self._probing and k > 0:  # a failed probe waits twice as long for the next; a hit resets
+            t = self.tuning
+            t.probe_every = PROBE_EVERY if n > 0 else min(PROBE_EVERY_MAX, 2 * t.probe_every)
+            self._probing = False
 
     def summary(self) -> dict:
         return {"choices": {str(g): c for g, c in sorted(self.choices.items())}, "last_reason": self.reason,
