@@ -105,3 +105,37 @@ def test_bad_mode_names_the_key(llama_target):
         build_config({"target": {"model": str(llama_target)}, "runtime": {"mode": "sometimes"}})
     with pytest.raises(ConfigError, match="runtime.cpus"):
         build_config({"target": {"model": str(llama_target)}, "runtime": {"cpus": 3}})
+
+
+def test_shipped_configs_validate_and_the_demo_config_is_tuned_by_measurement():
+    from pathlib import Path
+
+    from hetero_spec.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    configs = {p.name: load_config(p) for p in sorted(root.glob("*.yaml"))}
+    assert set(configs) >= {"cpu-demo.yaml", "cpu-demo-pipelined.yaml", "gpu-target.yaml"}
+    assert all(c.speculation.gamma == "auto" for c in configs.values())
+    demo = configs["cpu-demo.yaml"]
+    assert (demo.runtime.mode, demo.runtime.cpus) == ("auto", "auto")
+
+
+def test_demo_config_end_to_end(monkeypatch, tmp_path):
+    """configs/cpu-demo.yaml as shipped (mode, cpus and gamma auto) on the demo pair: the layout is chosen
+    from measured costs, and the output equals the target alone's."""
+    from pathlib import Path
+
+    from hetero_spec.bench.prompts import heldout_prompt_ids
+    from hetero_spec.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "cpu-demo.yaml"
+    prompts = heldout_prompt_ids(load_config(demo), demo, 2, 64)
+    with Engine.from_config(demo, overrides={"draft.kind": "none", "runtime.mode": "in_process",
+                                             "runtime.cpus": None}) as ref:
+        refs = [ref.generate(p, max_new_tokens=40).token_ids for p in prompts]
+    with Engine.from_config(demo) as eng:
+        assert eng.placement["chosen"]["mode"] in ("in_process", "two_process")
+        assert (eng.runtime is not None) == (eng.placement["chosen"]["mode"] == "two_process")
+        outs = [eng.generate(p, max_new_tokens=40) for p in prompts]
+    assert [o.token_ids for o in outs] == refs
+    assert all("gamma_auto" in o.stats["extra"] for o in outs)
