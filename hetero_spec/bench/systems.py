@@ -218,7 +218,7 @@ class HeteroSpecTargetOnly(HeteroSpec):
 
     name = "hetero_spec_target_only"
     acceptance_keys = None
-    runtime_overrides = {"draft.kind": "none", "runtime.mode": "in_process"}
+    runtime_overrides = {"draft.kind": "none", "runtime.mode": "in_process", "runtime.cpus": None}
 
 
 def _onnx_target_unavailable(ctx: BenchContext) -> str | None:
@@ -247,7 +247,7 @@ class _Variant(HeteroSpec):
 
     def overrides(self, ctx: BenchContext) -> dict[str, Any]:
         n = cores() if self.all_cores else 1
-        out = {"target.backend": self.backend, "runtime.mode": self.mode, "target.threads": n,
+        out = {"target.backend": self.backend, "runtime.mode": self.mode, "runtime.cpus": None, "target.threads": n,
                "draft.threads": n, **self.runtime_overrides}
         if self.mode == "two_process":
             out.pop("target.threads")  # the worker's core is taken first; the target gets the rest

@@ -275,8 +275,9 @@ def apply(config, layout: Layout):
 def resolve(config, acceptance: float, say=None) -> tuple[Any, dict[str, Any]]:
     """Resolve `runtime.mode: auto` / `runtime.cpus: auto`: (the config set to the chosen layout, a report)."""
     layouts = candidates(config, allowed_cpus())
-    if len(layouts) == 1 and config.runtime.cpus != "auto" and config.runtime.mode != "auto":
-        return config, {}
+    if config.draft.kind == "none":  # the target alone: every core, nothing to measure
+        layouts = [Layout("in_process", config.target.threads if config.runtime.cpus != "auto" and
+                          config.target.threads else allowed_cpus(), config.draft.threads)]
     costs = None
     source = ""
     if len(layouts) > 1:
