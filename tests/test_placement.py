@@ -93,8 +93,10 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
         prof.write_text(yaml.safe_dump({"cost_model": {"verify_fixed_s": 0.002, "verify_per_token_s": 0.0002,
                                                        "draft_token_s": 0.002}, "acceptance": {"per_token": 0.9},
                                         "placement": {"costs": _costs(0.0015, 0.0012).to_dict()}}))
-    with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto"}}) as eng:
+    with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto", "early_stop": True}}
+                            ) as eng:
         assert eng.placement["chosen"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
+        assert eng.config.speculation.early_stop is False  # in process only: off in the chosen layout
         assert eng.placement["why"].startswith("best predicted goodput at acceptance 0.900 (profile")
         assert eng.runtime is not None  # the worker runs
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
