@@ -17,7 +17,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
     p.add_argument("--draft-hf", default=None, metavar="DIR",
                    help="Hugging Face checkpoint of the draft, the assistant of the hf_assisted systems "
-                        "(default: models/draft two levels above the config, if present)")
+                        "(default: models/draft two levels above the config, if present); with --scenario "
+                        "useless-draft: the checkpoint whose config and tokenizer the untrained draft copies")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="tokens per held-out prompt (default 128)")
     p.add_argument("--ort-target", default=None, metavar="DIR",
@@ -31,15 +32,26 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help='your own prompts instead of the held-out ones: JSONL, one {"prompt": "text"} or '
                         '{"token_ids": [1, 2, ...]} per line (all of them unless --prompts is given)')
-    p.add_argument("--gammas", default="4,6,8,10,12", metavar="LIST",
+    p.add_argument("--gammas", default=None, metavar="LIST",
                    help="draft lengths each speculative system (ours and ORT GenAI's) is calibrated over on "
                         "the first two prompts before the timed runs, keeping its fastest (default "
-                        "4,6,8,10,12; 'config' uses speculation.gamma for all)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per system and prompt; a prompt's time is their median (default 1)")
+                        "4,6,8,10,12; 'config' uses speculation.gamma for all); with --scenario gamma-sweep: "
+                        "the fixed gammas swept (default 1..16; 1,2,3,4,6,8,12,16 with --quick)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per system and prompt; a prompt's time is their median (default 1; with "
+                        "--scenario: 1 in the gamma sweep, at least 3 in its confirmation pass, 3 elsewhere)")
+    p.add_argument("--scenario", dest="scenarios", action="append", default=[], metavar="NAME",
+                   help="instead of the system comparison, run a tuning scenario (repeatable or a comma list): "
+                        "gamma-sweep (fixed gammas vs gamma auto, per layout), repetitive (model draft vs n-gram "
+                        "vs per-round selection on text that repeats itself), useless-draft (an untrained "
+                        "draft with gamma auto vs target-only); writes OUT/tuning.json, tuning.md and plots")
+    p.add_argument("--layouts", default=None, metavar="LIST",
+                   help="with --scenario: runtime.mode(s) to measure, comma-separated in_process,two_process "
+                        "(default: both for gamma-sweep and useless-draft, in_process for repetitive)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
-                        "every system, the rest to the hetero_spec systems")
+                        "every system, the rest to the hetero_spec systems; with --scenario: to every engine, "
+                        "below the keys each arm sets (draft.kind, runtime.mode, ...)")
 
 
 def cmd_bench(args) -> int:

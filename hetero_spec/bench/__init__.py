@@ -2,7 +2,7 @@
 
 Modules: context (settings, shared context), systems (the registry; transformers and hetero_spec
 systems), ort_genai (ONNX Runtime GenAI systems), prompts, run (interleaving), report (summaries and
-outputs), cli.
+outputs), cli, tuning_bench (`--scenario`: gamma sweep, repetitive text, useless draft; tuning.json/.md).
 
 Every system decodes the same held-out prompts (token ids, so every system sees identical inputs) greedily,
 interleaved per prompt (A B C A B C ...) so that machine noise hits all systems alike. Each system gets one
@@ -29,7 +29,8 @@ from .context import BenchContext, BenchError, BenchSettings, RunOutput
 from .report import analytic, build_report, pipelined_vs_in_process, render_markdown, summarize
 from .run import SystemResult, run_bench
 from .systems import SYSTEMS, System, register
+from .tuning_bench import SCENARIOS, ScenarioSettings, run_tuning
 
-__all__ = ["SYSTEMS", "BenchContext", "BenchError", "BenchSettings", "RunOutput", "System", "SystemResult",
-           "analytic", "build_report", "pipelined_vs_in_process", "register", "render_markdown", "run_bench",
-           "run_bench_cli", "settings_from_args", "summarize"]
+__all__ = ["SCENARIOS", "SYSTEMS", "BenchContext", "BenchError", "BenchSettings", "RunOutput", "ScenarioSettings",
+           "System", "SystemResult", "analytic", "build_report", "pipelined_vs_in_process", "register",
+           "render_markdown", "run_bench", "run_bench_cli", "run_tuning", "settings_from_args", "summarize"]

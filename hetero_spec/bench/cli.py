@@ -11,6 +11,8 @@ from .context import DEFAULT_PROMPT_TOKENS, BenchError, BenchSettings
 from .report import render_markdown
 from .run import run_bench
 
+DEFAULT_GAMMAS = "4,6,8,10,12"  # the system comparison's calibration candidates
+
 
 def settings_from_args(args) -> BenchSettings:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
@@ -22,24 +24,32 @@ def settings_from_args(args) -> BenchSettings:
     if args.temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
     gammas = None
-    if not args.quick and args.gammas.strip() != "config":
+    text = args.gammas if args.gammas is not None else DEFAULT_GAMMAS
+    if not args.quick and text.strip() != "config":
         try:
-            gammas = tuple(int(g) for g in args.gammas.split(",") if g.strip())
+            gammas = tuple(int(g) for g in text.split(",") if g.strip())
         except ValueError:
-            raise BenchError(f"--gammas must be comma-separated integers or 'config', got {args.gammas!r}") from None
+            raise BenchError(f"--gammas must be comma-separated integers or 'config', got {text!r}") from None
         if not gammas or any(not 1 <= g <= 64 for g in gammas):
-            raise BenchError(f"--gammas: each draft length must be in 1..64, got {args.gammas!r}")
+            raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
+    if getattr(args, "layouts", None):
+        raise BenchError("--layouts applies only with --scenario (the system comparison has its own layouts)")
     return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=args.prompts,
                          max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
                          overrides=dict(parse_override(p) for p in args.overrides),
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
                          prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
                          ort_target=Path(args.ort_target) if args.ort_target else None,
-                         temperature=args.temperature, sampling=args.sampling, gammas=gammas, repeats=args.repeats,
+                         temperature=args.temperature, sampling=args.sampling, gammas=gammas,
+                         repeats=args.repeats or 1,
                          prompts_file=Path(args.prompts_file) if args.prompts_file else None)
 
 
 def run_bench_cli(args) -> int:
+    if getattr(args, "scenarios", None):
+        from .tuning_bench import run_tuning_cli
+
+        return run_tuning_cli(args)
     settings = settings_from_args(args)
     t = time.perf_counter()
     report = run_bench(settings)

@@ -355,8 +355,8 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                 if gate.draft_tok_s.value is not None:
                     policy.tuning.draft_token_s = gate.draft_tok_s.value
                 gamma = policy.choose() if gate.on else policy.off("the gate has speculation off")
-                if gamma > 0:
-                    link.control(gate.drafting, ids, gamma)
+                # gamma 0: the worker rests too (a busy neighbour core slows verification here)
+                link.control(gate.drafting and gamma > 0, ids, gamma if gamma > 0 else None)
             k = min(gamma, remaining - 1)
             # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
             t = time.perf_counter()
@@ -402,7 +402,7 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
             yield emitted
             # 5) adapt: the cost gate turns speculation off when a block's drafting costs more than it is worth
             gate.decide(max(1, link.gamma))
-            link.control(gate.drafting, ids)
+            link.control(gate.drafting and (gamma > 0 or not gate.on), ids)
     finally:
         link.end()
         stats.time_total_s = time.perf_counter() - t_start
