@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -116,18 +117,16 @@ class Engine:
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
         # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
         self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
-        #: runtime.mode / runtime.cpus auto: the layout chosen by measurement, with every candidate's prediction
+        #: runtime.mode / runtime.cpus auto: the layout chosen by measurement, with every candidate's prediction;
+        #: "switches" lists the re-placements made once the draft's acceptance was known (_replace)
         self.placement: dict[str, Any] = {}
-        if config.runtime.mode == "auto" or config.runtime.cpus == "auto":
+        self._auto_config = config if config.runtime.mode == "auto" or config.runtime.cpus == "auto" else None
+        self._tested_at_switch = 0.0
+        if self._auto_config is not None:
             from .tuning.placement import resolve
 
             config, self.placement = resolve(config, self.tuning.prior_acceptance)
-        self.config = config
-        log.info("resolved config (%s): %s", config.source, config.model_dump_json())
-        t = config.target
-        self.runtime = None
-        self.proposer = None
-        self._cpu_plan = None
+            self.placement["switches"] = []
         # Requests on one Engine queue here and run one at a time (until batched serving): the draft
         # (in-process drafter or the worker's channel) holds one request's state.
         self._lock = threading.Lock()
@@ -135,26 +134,95 @@ class Engine:
         # What close() releases; also released when the Engine is garbage-collected or at exit.
         self._parts: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _release, self._parts)
-        threads = t.threads
         try:
-            if config.runtime.mode == "two_process":
-                from .runtime.engine_side import CpuPlan
-
-                self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
-                threads = self._cpu_plan.threads
-            self.target = load_target(config.target, threads)
-            self.tokenizer = self.target.tokenizer
-            if config.runtime.mode == "two_process":
-                from .runtime.engine_side import PipelinedRuntime
-
-                self._check_draft(config)
-                self.runtime = self._parts["runtime"] = PipelinedRuntime(
-                    config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
-            else:
-                self.proposer = self._parts["proposer"] = self._make_proposer(config)
+            self._build(config)
         except BaseException:
             self._finalizer()
             raise
+
+    def _build(self, config: Config) -> None:
+        """Load the target and start the draft (in process, or the worker) for a resolved config."""
+        self.config = config
+        log.info("resolved config (%s): %s", config.source, config.model_dump_json())
+        self.runtime = None
+        self.proposer = None
+        self._cpu_plan = None
+        threads = config.target.threads
+        if config.runtime.mode == "two_process":
+            from .runtime.engine_side import CpuPlan
+
+            self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
+            threads = self._cpu_plan.threads
+        self.target = load_target(config.target, threads)
+        self.tokenizer = self.target.tokenizer
+        if config.runtime.mode == "two_process":
+            from .runtime.engine_side import PipelinedRuntime
+
+            self._check_draft(config)
+            self.runtime = self._parts["runtime"] = PipelinedRuntime(
+                config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
+        else:
+            self.proposer = self._parts["proposer"] = self._make_proposer(config)
+
+    #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
+    REPLACE_MIN_TESTED = 16
+    REPLACE_GAIN = 1.10
+
+    def _maybe_replace(self) -> None:
+        """Placement by measurement, continued: the first choice assumed an acceptance (the profile's, or the
+        prior). Once the draft's acceptance is measured, a layout predicted REPLACE_GAIN x faster replaces the
+        current one between requests (a draft that never agrees ends with the target alone on every core).
+        The learned verify line belongs to the old thread count, so it starts afresh; acceptance is kept."""
+        if self._auto_config is None or self.placement.get("costs") is None:
+            return
+        gate = getattr(self.runtime, "_gate", None)
+        # two processes with the gate off after a whole request: the target is decoding alone, on fewer cores
+        gate_off = gate is not None and not gate.on and not gate.probing
+        if self.tuning.acceptance.tested - self._tested_at_switch < self.REPLACE_MIN_TESTED and not gate_off:
+            return
+        from .tuning import placement as pl
+
+        costs = pl.Costs.from_dict(self.placement["costs"])
+        layouts = [lay for lay in pl.candidates(self._auto_config, pl.allowed_cpus())
+                   if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s]
+        if not layouts:
+            return
+        a = self.tuning.global_acceptance()
+        now = pl.Layout(**self.placement["chosen"])
+        best, rows = pl.choose(costs, layouts, a)
+        rate_now, rate_best = pl.predict(costs, now, a)[1], pl.predict(costs, best, a)[1]
+        if gate_off:  # what runs now is the target alone
+            rate_now = 1.0 / costs.model(now).verify(0)
+        if best == now or rate_best < self.REPLACE_GAIN * rate_now:
+            return
+        why = (f"measured acceptance {a:.3f}{' and the gate off' if gate_off else ''}: {best.label()} predicts "
+               f"{rate_best:.1f} tok/s against {rate_now:.1f} for {now.label()}")
+        log.info("placement: switching layout; %s", why)
+        old = self.config
+        self._teardown()
+        self.tuning.reset_costs()
+        try:
+            self._build(pl.apply(self._auto_config, best))
+        except Exception:  # the new layout would not start: back to the one that ran
+            log.exception("placement: %s failed to start; keeping %s", best.label(), now.label())
+            self._teardown()
+            self._build(old)
+            return
+        self._tested_at_switch = self.tuning.acceptance.tested
+        self.placement["switches"].append({"from": self.placement["chosen"], "to": dataclasses.asdict(best),
+                                           "why": why})
+        self.placement.update(chosen=dataclasses.asdict(best), candidates=rows)
+
+    def _teardown(self) -> None:
+        """Release the draft, the worker and the CPU plan (the Engine stays open)."""
+        for key in ("proposer", "runtime", "cpu_plan"):
+            part = self._parts.pop(key, None)
+            if part is None:
+                continue
+            if key == "cpu_plan":
+                part.restore()
+            else:
+                part.close()
 
     @classmethod
     def from_config(cls, config: str | Path | Config | dict,
@@ -241,11 +309,15 @@ class Engine:
         try:
             with self._lock:
                 self._check_open()
-                if self.runtime is not None:
-                    yield from self.runtime.decode(self.target, req, stats)
-                else:
-                    yield from decode(self.target, self.proposer, req, stats, self.tuning,
-                                      early_stop=self.config.speculation.early_stop)
+                try:
+                    if self.runtime is not None:
+                        yield from self.runtime.decode(self.target, req, stats)
+                    else:
+                        yield from decode(self.target, self.proposer, req, stats, self.tuning,
+                                          early_stop=self.config.speculation.early_stop)
+                finally:
+                    if not self._closed:
+                        self._maybe_replace()
         finally:
             if self._closed:  # close() came while this request ran: release now that it is over
                 self._finalizer()

@@ -141,3 +141,62 @@ def test_demo_config_end_to_end(monkeypatch, tmp_path):
         outs = [eng.generate(p, max_new_tokens=40) for p in prompts]
     assert [o.token_ids for o in outs] == refs
     assert all("gamma_auto" in o.stats["extra"] for o in outs)
+
+
+def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tmp_path, llama_target,
+                                                                  llama_random_onnx):
+    """The first placement assumed the profile's acceptance (0.9: two processes pay). The random draft is never
+    accepted; once that is measured (or the gate has turned speculation off for a whole request), the Engine
+    re-places itself between requests: in process, every core for the target (gamma auto then picks 0).
+    Outputs stay identical to the target alone, before and after."""
+    monkeypatch.setattr(placement, "allowed_cpus", lambda: 2)
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({"cost_model": {"verify_fixed_s": 0.002, "verify_per_token_s": 0.0002,
+                                                   "draft_token_s": 0.0015}, "acceptance": {"per_token": 0.9},
+                                    "placement": {"costs": _costs(0.0015, 0.0012).to_dict()}}))
+    target = {"model": str(llama_target), "dtype": "float32", "device": "cpu"}
+    cfg = {"target": target, "draft": {"kind": "onnx", "model": str(llama_random_onnx)},
+           "speculation": {"gamma": "auto", "profile": str(prof)},
+           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
+    with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
+        refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
+    with Engine.from_config(cfg) as eng:
+        assert eng.placement["chosen"]["mode"] == "two_process" and eng.runtime is not None
+        for _ in range(6):
+            assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+            if eng.placement["switches"]:
+                break
+        sw = eng.placement["switches"]
+        assert len(sw) == 1 and sw[0]["to"]["mode"] == "in_process" and sw[0]["to"]["target_threads"] == 2
+        assert "measured acceptance" in sw[0]["why"]
+        assert eng.runtime is None and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
+        assert eng.tuning.profile is None  # the profile's costs were for the old layout
+        for _ in range(2):  # and it stays there
+            assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+        assert len(eng.placement["switches"]) == 1
+
+
+def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkeypatch, tmp_path, llama_target,
+                                                                          llama_copy_onnx):
+    """The other way: the profile said acceptance 0.6 (the target alone in process wins); the copy draft is
+    always accepted, so once 16 tested tokens show it, two processes are predicted faster and take over."""
+    monkeypatch.setattr(placement, "allowed_cpus", lambda: 2)
+    costs = _costs(0.0015, 0.0012)
+    assert choose(costs, [Layout("in_process", 2, 1), Layout("two_process", 1, 1)], 0.6)[0].mode == "in_process"
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({"cost_model": {"verify_fixed_s": 0.002, "verify_per_token_s": 0.0002,
+                                                   "draft_token_s": 0.0015}, "acceptance": {"per_token": 0.6},
+                                    "placement": {"costs": costs.to_dict()}}))
+    target = {"model": str(llama_target), "dtype": "float32", "device": "cpu"}
+    cfg = {"target": target, "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
+           "speculation": {"gamma": 4, "profile": str(prof)},
+           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
+    with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
+        refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
+    with Engine.from_config(cfg) as eng:
+        assert eng.placement["chosen"]["mode"] == "in_process" and eng.runtime is None
+        assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+        sw = eng.placement["switches"]
+        assert len(sw) == 1 and sw[0]["to"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
+        assert eng.runtime is not None
+        assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs

@@ -61,6 +61,14 @@ class Tuning:
     alpha: float = 0.2
     early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
 
+    def reset_costs(self) -> None:
+        """Forget the costs (the hardware under them changed: another layout or thread count); acceptance,
+        a property of the draft and the text, is kept."""
+        self.profile = None
+        self.verify_points.clear()
+        self._sums = [0.0] * 5
+        self.draft_token_s = None
+
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
 
