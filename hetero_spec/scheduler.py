@@ -133,7 +133,12 @@ def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Sta
         generated = 0
         while not stats.finish_reason:
             remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
-            k = min(policy.choose(), remaining - 1) if proposer is not None else 0
+            if proposer is None:
+                k = 0
+            elif getattr(proposer, "chooses_gamma", False) and policy.fixed is None:
+                k = min(policy.g_max, remaining - 1)  # draft selection picks each strategy's own gamma
+            else:
+                k = min(policy.choose(), remaining - 1)
             # 1) propose (2) send is a no-op in process)
             t = time.perf_counter()
             if k <= 0:

@@ -1,5 +1,9 @@
 """Prompt-lookup n-gram proposer: no model; copies what followed the last occurrence of the context's
-suffix. Deterministic (q is one-hot), so it also serves as the trivial proposer in tests."""
+suffix. Deterministic (q is one-hot), so it also serves as the trivial proposer in tests.
+
+The lookup is O(max_n) per proposal: an index maps every n-gram (min_n <= n <= max_n) of the text to its
+two latest start positions, updated as tokens are appended, so a proposal never scans the context (it is
+asked every round when draft selection considers it)."""
 
 from __future__ import annotations
 
@@ -16,33 +20,55 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
         self.ids: list[int] = []
         self._last: list[int] = []
+        # n -> n-gram -> (latest start, the start before it; -1 when none)
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
+        self._reset([])
+
+    def _reset(self, ids: list[int]) -> None:
+        self.ids = []
+        self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        self._extend(ids)
+
+    def _extend(self, tokens: list[int]) -> None:
+        ids, index = self.ids, self._index
+        for tok in tokens:
+            ids.append(int(tok))
+            end = len(ids)
+            for n, table in index.items():
+                if end >= n:
+                    key = tuple(ids[end - n:end])
+                    prev = table.get(key)
+                    table[key] = (end - n, prev[0] if prev is not None else -1)
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.ids = list(prompt_ids)
+        self._reset(list(prompt_ids))
         self._last = []
 
     def propose(self, k: int) -> Draft:
         ids = self.ids
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            suffix = ids[-n:]
-            # most recent earlier occurrence of the suffix
-            for start in range(len(ids) - n - 1, -1, -1):
-                if ids[start:start + n] == suffix:
-                    cont = ids[start + n:start + n + k]
-                    if cont:
-                        self._last = list(cont)
-                        return Draft(ids=list(cont))
-                    break
+            hit = self._index[n].get(tuple(ids[-n:]))
+            start = hit[1] if hit is not None else -1  # hit[0] is the suffix itself
+            if start >= 0:
+                cont = ids[start + n:start + n + k]
+                if cont:
+                    self._last = list(cont)
+                    return Draft(ids=list(cont))
         self._last = []
         return Draft(ids=[])
 
     def sync(self, ids: list[int]) -> None:
-        """Take the committed text as it is now (another proposer drafted meanwhile)."""
-        self.ids = list(ids)
+        """Take the committed text as it is now (another proposer drafted meanwhile): append what is new, or
+        rebuild when the text is not an extension of what this proposer has."""
+        n = len(self.ids)
+        if len(ids) >= n and ids[:n] == self.ids:
+            self._extend(ids[n:])
+        else:
+            self._reset(list(ids))
         self._last = []
 
     def commit(self, n_accepted: int, next_token: int) -> None:
-        self.ids.extend([*self._last[:n_accepted], next_token])
+        self._extend([*self._last[:n_accepted], next_token])
         self._last = []
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ time of the layout s drafts in: in process (g d_s + V(g), drafting and verifying
 for the worker's model draft (drafting overlapped with verification); the target alone yields 1 / V(0).
 Every strategy is tried in turn until each has `explore_rounds` rounds; after that a strategy not chosen
 for `reprobe_every` rounds gets one round again (its acceptance may have changed: an n-gram lookup wins on
-repetitive text, a model on novel text).
+repetitive text, a model on novel text). The n-gram lookup costs microseconds, so it is asked every round
+first, and it competes only in rounds where it found a match (its acceptance is measured on those): elsewhere
+the choice is among the others.
 
 - In process, `SelectingProposer` wraps the candidate proposers; the ones not chosen in a round are kept
   in step with the committed text (`sync`), so any of them can draft the next round.
@@ -26,6 +28,9 @@ from ..sampling import SamplingParams
 from ..tuning.cost_model import CostModel
 from ..tuning.gamma import Acceptance
 from .base import Draft, Proposer
+
+
+LOOKUPS = ("ngram",)  # strategies that cost microseconds: asked every round, chosen only when they found a match
 
 
 @dataclass
@@ -131,6 +136,7 @@ class SelectingProposer:
     current CostModel (the engine's tuning) or None; then candidates are cycled."""
 
     name = "select"
+    chooses_gamma = True  # with gamma auto, each strategy's gamma is this chooser's (best predicted, <= k)
 
     def __init__(self, candidates: dict[str, Proposer], model_fn, prior_acceptance: float = 0.5,
                  prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32):
@@ -140,6 +146,7 @@ class SelectingProposer:
         self.chooser = StrategyChooser(list(candidates), model_fn, prior_acceptance, prior_weight,
                                        explore_rounds, reprobe_every)
         self.stats = self.chooser.stats
+        self.lookups = [n for n in candidates if n in LOOKUPS]
         self.chosen: str | None = None
         self.ids: list[int] = []
         self._draft_ids: list[int] = []
@@ -160,7 +167,19 @@ class SelectingProposer:
         self.chosen = None
 
     def propose(self, k: int) -> Draft:
-        name, g = self.choose(k)
+        # a lookup strategy (n-gram) is asked first: it costs microseconds, and a round where it has no match
+        # is not its round (the choice is among the strategies that can draft now)
+        available = list(self.candidates)
+        for name in self.lookups:
+            p = self.candidates[name]
+            self._sync(p)
+            t = time.perf_counter()
+            found = p.propose(k)
+            if not found.ids:
+                available.remove(name)
+            else:
+                self.chooser.observe_cost(name, time.perf_counter() - t, len(found.ids))
+        name, g = self.chooser.choose(k, available)
         self.chosen = name
         self.last_catchup_s = 0.0
         self._draft_ids = []
@@ -174,7 +193,7 @@ class SelectingProposer:
         dt = time.perf_counter() - t
         catchup = getattr(p, "last_catchup_s", 0.0)
         self.last_catchup_s = catchup
-        if draft.ids:
+        if draft.ids and name not in self.lookups:
             self.chooser.observe_cost(name, dt - catchup, len(draft.ids) - (1 if catchup else 0))
         self._draft_ids = list(draft.ids)
         return draft

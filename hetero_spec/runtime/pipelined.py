@@ -355,20 +355,26 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
                 if gate.draft_tok_s.value is not None:
                     policy.tuning.draft_token_s = gate.draft_tok_s.value
                 gamma = policy.choose() if gate.on else policy.off("the gate has speculation off")
-                # gamma 0: the worker rests too (a busy neighbour core slows verification here)
+                # gamma 0: the worker rests too (nothing it drafts would be verified)
                 link.control(gate.drafting and gamma > 0, ids, gamma if gamma > 0 else None)
             k = min(gamma, remaining - 1)
             # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
             t = time.perf_counter()
             strategy = "onnx"
-            if selection is not None and k > 0:
-                strategy, g = selection.chooser.choose(k, ["onnx", "ngram"] if gate.on else ["ngram"])
+            # selection: gamma auto caps the worker's blocks; the n-gram's gamma is the chooser's own
+            k_sel = min(policy.g_max if policy is not None and policy.fixed is None else req.gamma, remaining - 1)
+            if selection is not None and k_sel > 0:
+                # the n-gram lookup first (microseconds); it competes only when it found a match
+                found = Draft(ids=[])
+                if selection.ngram is not None:
+                    found, cost = _local_draft(selection, ids, k_sel)
+                    if found.ids:
+                        selection.chooser.observe_cost("ngram", cost, len(found.ids))
+                avail = [n for n in selection.chooser.names
+                         if (n == "onnx" and gate.on and k > 0) or (n == "ngram" and found.ids)]
+                strategy, g = selection.chooser.choose(k_sel, avail)
                 if strategy == "ngram":
-                    draft, cost = _local_draft(selection, ids, min(g, k))
-                    if draft.ids:
-                        selection.chooser.observe_cost("ngram", cost, len(draft.ids))
-                    elif gate.on and "onnx" in selection.chooser.names:
-                        strategy = "onnx"  # no n-gram match here: the worker's stream instead
+                    draft = Draft(ids=found.ids[:max(1, g)])
             if strategy == "onnx":
                 draft = link.gather(ids, k, gate.on, first_wait_s=max(stats.time_prefill_s, 0.001))
             else:
