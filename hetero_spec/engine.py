@@ -153,7 +153,10 @@ class Engine:
 
             self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
             threads = self._cpu_plan.threads
-        self.target = load_target(config.target, threads)
+        # in process, the draft's and the target's ONNX Runtime pools take turns on the same cores
+        d = config.draft
+        shared = config.runtime.mode == "in_process" and (d.kind == "onnx" or "onnx" in d.candidates)
+        self.target = load_target(config.target, threads, spin=not shared)
         self.tokenizer = self.target.tokenizer
         if config.runtime.mode == "two_process":
             from .runtime.engine_side import PipelinedRuntime
@@ -268,7 +271,7 @@ class Engine:
 
         self._check_draft(config)
         return OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
-                           vocab_width=self.target.vocab_width)
+                           vocab_width=self.target.vocab_width, spin=False)
 
     def _check_draft(self, config: Config) -> None:
         """Preflight, before anything heavy loads (the target takes seconds to minutes): model paths, the

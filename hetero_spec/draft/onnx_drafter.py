@@ -37,8 +37,9 @@ class OnnxDrafter:
     name = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
-                 vocab_width: int | None = None):
-        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width)
+                 vocab_width: int | None = None, spin: bool = True):
+        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
+                                   spin=spin)
         self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
         self.state = self.decoder.new_state()

@@ -66,12 +66,14 @@ def onnx_model_dir(t) -> Path:
     return cached_export(model, "fp32")
 
 
-def load_target(t, threads: int | None):
-    """The verifier for a resolved backend (t.backend is torch or onnx)."""
+def load_target(t, threads: int | None, spin: bool = True):
+    """The verifier for a resolved backend (t.backend is torch or onnx). spin: False when a draft shares the
+    process (ONNX Runtime's pool threads then stop spinning after each run)."""
     if t.backend == "onnx":
         from .onnx_backend import OnnxTarget
 
-        return OnnxTarget(onnx_model_dir(t), providers=t.providers, threads=threads, max_context=t.max_context)
+        return OnnxTarget(onnx_model_dir(t), providers=t.providers, threads=threads, max_context=t.max_context,
+                          spin=spin)
     from .verifier import TargetModel
 
     return TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads, max_context=t.max_context)

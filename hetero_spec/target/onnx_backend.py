@@ -51,12 +51,12 @@ class OnnxTarget:
     backend = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, spin: bool = True):
         model_dir = Path(model_dir)
         if not (model_dir / "model.onnx").is_file():
             raise ModelLoadError(f"target model directory {str(model_dir)!r} has no model.onnx; the onnx backend "
                                  "needs an exported target (`hetero-spec export --model HF_DIR --out DIR`)")
-        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target")
+        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin)
         self.model_dir = model_dir
         self.vocab_width = self.decoder.vocab_width
         ctx = self.decoder.context_len

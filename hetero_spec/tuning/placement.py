@@ -159,7 +159,7 @@ def measure_draft(model_dir: Path, providers: list[str], threads: int, vocab: in
 
     from ..onnx_decoder import OnnxDecoder
 
-    dec = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab)
+    dec = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab, spin=False)
     st = dec.new_state()
     prompt = _probe_prompt(dec.model_vocab)
     dec.append(st, prompt)
@@ -183,7 +183,7 @@ def measure(config, layouts: list[Layout], say=None) -> Costs:
     vocab = None
     for t in sorted({lay.target_threads for lay in layouts}):
         say(f"target verification at {t} thread(s)")
-        target = load_target(config.target, t)
+        target = load_target(config.target, t, spin=False)
         verify[t] = measure_verify(target)
         vocab = target.vocab_width
         del target
