@@ -24,6 +24,13 @@ def test_expected_tokens_and_line_fit():
     assert fit_line([(3, 2.0), (3, 4.0)]) == (3.0, 0.0)
 
 
+def test_expected_tokens_run_aware():
+    # first token 0.5, then 1.0: half the rounds commit all g drafts plus one, the others only the target's
+    assert expected_tokens(1.0, 4, a_first=0.5) == pytest.approx(1 + 0.5 * 4)
+    assert expected_tokens(0.7, 6, a_first=0.7) == pytest.approx(expected_tokens(0.7, 6))  # i.i.d. when equal
+    assert expected_tokens(0.9, 0, a_first=0.2) == 1.0
+
+
 def test_round_time_by_layout():
     m = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006, transfer_s=0.0001)
     v = 0.005 + 0.0004 * 9
@@ -289,16 +296,23 @@ def test_selector_choice_follows_the_model():
     sel = SelectingProposer({"onnx": object(), "ngram": object()}, lambda: model, explore_rounds=0)
     sel.stats["onnx"].acceptance = Acceptance(accepted=90, tested=100)  # accepted often, 0.6 ms per token
     sel.stats["onnx"].draft_s, sel.stats["onnx"].drafted = 0.06, 100
-    sel.stats["ngram"].acceptance = Acceptance(accepted=5, tested=100)  # rarely right, costs nothing
+    sel.stats["ngram"].acceptance = Acceptance(accepted=5, tested=100, first_accepted=5, first_tested=98)  # rarely
     sel.stats["ngram"].draft_s, sel.stats["ngram"].drafted = 0.0001, 100
     for st in sel.stats.values():
         st.last_round = 10 ** 6  # not stale
     sel._round = 10 ** 6
     name, g = sel.choose(8)
     assert name == "onnx" and g >= 2 and sel.reason.startswith("onnx: predicts")
-    sel.stats["onnx"].acceptance = Acceptance(accepted=0, tested=1000)  # now useless too
-    sel.stats["ngram"].acceptance = Acceptance(accepted=0, tested=1000)
+    sel.stats["onnx"].acceptance = Acceptance(accepted=0, tested=1000, first_tested=1000)  # now useless too
+    sel.stats["ngram"].acceptance = Acceptance(accepted=0, tested=1000, first_tested=1000)
     assert sel.choose(8) == (None, 0) and sel.reason.startswith("none:")
+    # a lookup that is right in runs (a copy: the first token 40 %, then 95 %), free, beats a model draft that
+    # is right 70 % of the time per token, and at a long gamma: the run-aware estimate sees the runs
+    sel.stats["onnx"].acceptance = Acceptance(accepted=700, tested=1000, first_accepted=190, first_tested=300)
+    sel.stats["ngram"].acceptance = Acceptance(accepted=400 + 95 * 40, tested=1000 + 100 * 40,
+                                               first_accepted=400, first_tested=1000)
+    name, g = sel.choose(16)
+    assert name == "ngram" and g >= 8, (name, g, sel.reason)
 
 
 def test_draft_candidates_errors(llama_target, llama_random_onnx):

@@ -75,10 +75,17 @@ class StrategyChooser:
         return d if d is not None else model.draft_token_s
 
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
-        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max."""
-        a = self.stats[name].acceptance.rate(self.prior, self.weight)
+        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup (n-gram) is right
+        in runs (a copy continues once it starts), so its acceptance is run-aware: the first token's rate, and
+        the rate after an accepted token (cost_model.expected_tokens)."""
+        acc = self.stats[name].acceptance
         m = CostModel(model.verify_fixed_s, model.verify_per_token_s, self._cost(name, model), model.transfer_s)
-        g, rate = m.best_gamma(a, self.layouts.get(name, "in_process"), g_max)
+        layout = self.layouts.get(name, "in_process")
+        if name in LOOKUPS:
+            g, rate = m.best_gamma(acc.next_rate(self.prior, self.weight), layout, g_max,
+                                   a_first=acc.first_rate(self.prior, self.weight))
+        else:
+            g, rate = m.best_gamma(acc.rate(self.prior, self.weight), layout, g_max)
         return rate, g
 
     def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
@@ -126,8 +133,11 @@ class StrategyChooser:
         for n, st in self.stats.items():
             fn = self.cost_fns.get(n)
             d = fn() if fn is not None else st.draft_token_s()
-            out[n] = {"rounds": st.rounds, "acceptance": round(st.acceptance.rate(self.prior, self.weight), 4),
-                      "tested": st.acceptance.tested, "draft_ms_per_token": None if d is None else round(d * 1e3, 4)}
+            acc = st.acceptance
+            out[n] = {"rounds": st.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
+                      "first_token_acceptance": round(acc.first_rate(self.prior, self.weight), 4),
+                      "acceptance_after_accepted": round(acc.next_rate(self.prior, self.weight), 4),
+                      "tested": acc.tested, "draft_ms_per_token": None if d is None else round(d * 1e3, 4)}
         return {"strategies": out, "last_reason": self.reason}
 
 

@@ -22,12 +22,25 @@ from dataclasses import asdict, dataclass
 LAYOUTS = ("in_process", "two_process")
 
 
-def expected_tokens(a: float, g: int) -> float:
-    """E(a, g) = (1 - a^(g+1)) / (1 - a): tokens a round of g drafts commits, the target's own included."""
+def expected_tokens(a: float, g: int, a_first: float | None = None) -> float:
+    """E(a, g) = (1 - a^(g+1)) / (1 - a): tokens a round of g drafts commits, the target's own included.
+
+    a_first (a draft whose tokens are right in runs, like an n-gram copy): the first token is accepted with
+    probability a_first and each next one, given the one before was, with a:
+    E = 1 + a_first (1 - a^g) / (1 - a)."""
     if g <= 0:
         return 1.0
     a = min(max(a, 0.0), 1.0)
-    return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+    if a_first is None:
+        return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+    a1 = min(max(a_first, 0.0), 1.0)
+    return 1.0 + a1 * (float(g) if a >= 1.0 else (1.0 - a ** g) / (1.0 - a))
+
+
+def all_accepted(a: float, g: int, a_first: float | None = None) -> float:
+    """P(every one of g drafts is accepted)."""
+    a = min(max(a, 0.0), 1.0)
+    return a ** g if a_first is None else min(max(a_first, 0.0), 1.0) * a ** (g - 1)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -58,24 +71,24 @@ class CostModel:
         """V(g): one target pass over g drafts plus the last committed token."""
         return self.verify_fixed_s + self.verify_per_token_s * (g + 1)
 
-    def round_time(self, g: int, a: float, layout: str) -> float:
+    def round_time(self, g: int, a: float, layout: str, a_first: float | None = None) -> float:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if g <= 0:
             return self.verify(0)
         if layout == "in_process":
             return g * self.draft_token_s + self.verify(g)
-        miss = 1.0 - min(max(a, 0.0), 1.0) ** g
+        miss = 1.0 - all_accepted(a, g, a_first)
         return self.verify(g) + self.transfer_s + miss * g * self.draft_token_s
 
-    def goodput(self, g: int, a: float, layout: str) -> float:
+    def goodput(self, g: int, a: float, layout: str, a_first: float | None = None) -> float:
         """Predicted committed tokens per second at gamma g (g = 0: the target alone)."""
-        return expected_tokens(a, g) / self.round_time(g, a, layout)
+        return expected_tokens(a, g, a_first) / self.round_time(g, a, layout, a_first)
 
-    def best_gamma(self, a: float, layout: str, g_max: int = 16) -> tuple[int, float]:
+    def best_gamma(self, a: float, layout: str, g_max: int = 16, a_first: float | None = None) -> tuple[int, float]:
         """(gamma in 0..g_max with the highest predicted goodput, that goodput); 0 means do not speculate."""
-        best = max(range(g_max + 1), key=lambda g: (self.goodput(g, a, layout), -g))
-        return best, self.goodput(best, a, layout)
+        best = max(range(g_max + 1), key=lambda g: (self.goodput(g, a, layout, a_first), -g))
+        return best, self.goodput(best, a, layout, a_first)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,18 +30,32 @@ PROBE_GAMMA = 2
 
 @dataclass
 class Acceptance:
-    """Accepted and tested draft tokens (see the module docstring)."""
+    """Accepted and tested draft tokens (see the module docstring); also split into each round's first token
+    and the ones after an accepted token (a run-aware estimate, for drafts that are right in runs)."""
 
     accepted: float = 0.0
     tested: float = 0.0
+    first_accepted: float = 0.0
+    first_tested: float = 0.0
 
     def observe(self, k: int, n: int) -> None:
         if k > 0:
             self.accepted += n
             self.tested += n + (1 if n < k else 0)
+            self.first_tested += 1
+            self.first_accepted += 1 if n > 0 else 0
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + prior * weight) / (self.tested + weight)
+
+    def first_rate(self, prior: float, weight: float) -> float:
+        """P(a round's first draft token is accepted)."""
+        return (self.first_accepted + prior * weight) / (self.first_tested + weight)
+
+    def next_rate(self, prior: float, weight: float) -> float:
+        """P(a draft token is accepted, given the one before it was)."""
+        return ((self.accepted - self.first_accepted + prior * weight)
+                / (self.tested - self.first_tested + weight))
 
 
 @dataclass
