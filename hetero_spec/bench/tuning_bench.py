@@ -617,10 +617,15 @@ def _random_checkpoint(source: Path, out: Path, seed: int) -> None:
 
 
 def useless_engines(draft: Path, layouts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Target-only, the useless draft with gamma auto in each layout, and with the layout itself chosen by
+    measurement (runtime.mode and runtime.cpus auto, as configs/cpu-demo.yaml ships: the placement learns
+    the draft is useless and moves to the target alone on every core)."""
     eng = {TARGET_ONLY: target_only_overrides()}
     for layout in layouts:
         eng[f"auto {layout}"] = {"draft.kind": "onnx", "draft.model": str(draft), "draft.candidates": [],
                                  "runtime.mode": layout, "speculation.gamma": "auto"}
+    eng["auto placement"] = {"draft.kind": "onnx", "draft.model": str(draft), "draft.candidates": [],
+                             "runtime.mode": "auto", "runtime.cpus": "auto", "speculation.gamma": "auto"}
     return eng
 
 
@@ -632,7 +637,7 @@ def run_useless_draft(sc: Scenario) -> dict[str, Any]:
     arms = [Arm(name, name) for name in engines]
     summary, _ = sc.run_pass("useless-draft", engines, arms, sc.repeats(3), sc.heldout)
     verdict = {}
-    for layout in layouts:
+    for layout in [*layouts, "placement"]:
         m = median_vs_ref(summary["arms"], f"auto {layout}")
         verdict[layout] = {"ratio": m, "within_tolerance": None if m is None else m >= USELESS_TOLERANCE}
     return {"draft": str(draft), "prompts_note": sc.heldout.note, "pass": summary, "verdict": verdict,
