@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .errors import HeteroSpecError
+from .errors import ConfigError, HeteroSpecError
 
 EPILOG = """examples:
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "def parse(" --max-new-tokens 64
@@ -21,6 +21,7 @@ EPILOG = """examples:
   hetero-spec profile --config configs/cpu-demo.yaml --out profiles/cpu.yaml --quick
   hetero-spec generate --config configs/cpu-demo.yaml --set speculation.gamma=auto --prompt "def f("
   hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2
+  hetero-spec serve --config configs/cpu-demo.yaml --port 8000
 """
 
 
@@ -118,6 +119,38 @@ def _add_keys(sub) -> None:
     p.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, health, metrics)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, "
+                                   "POST /v1/chat/completions (when the tokenizer has a chat template), GET "
+                                   "/v1/models, GET /health (probes the target and the draft worker; 503 when "
+                                   "either is down or hung) and GET /metrics (Prometheus). Streaming is "
+                                   "server-sent events (stream: true). Requests take turns on the Engine. "
+                                   "Binds loopback unless --host says otherwise.",
+                       epilog="examples:\n"
+                              "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
+                              "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+                              "    -d '{\"model\": \"target\", \"prompt\": \"def parse(\", \"max_tokens\": 32, "
+                              "\"temperature\": 0}'")
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the target directory's name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key, validated like the file (repeatable)")
+
+
+def _cmd_serve(args) -> int:
+    from .serve import serve
+
+    if not 0 < args.port < 65536:
+        raise ConfigError("--port", "", args.port, "must be in 1..65535")
+    return serve(Path(args.config), host=args.host, port=args.port, model_name=args.model_name,
+                 overrides=_overrides(args.overrides), log_level=args.log_level.lower())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
@@ -132,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_keys(sub)
     _add_profile(sub)
+    _add_serve(sub)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -223,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export,
-                "keys": _cmd_keys, "profile": _cmd_profile}
+                "keys": _cmd_keys, "profile": _cmd_profile, "serve": _cmd_serve}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench

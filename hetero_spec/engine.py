@@ -25,7 +25,7 @@ from .config import Config, check_paths, load_config
 from .errors import ConfigError, EngineClosedError, VocabMismatchError
 from .metrics import Stats
 from .sampling import SamplingParams
-from .scheduler import Request, decode
+from .scheduler import Request, check_request, decode
 from .target.backends import choose_backend, load_target
 from .tuning.profile import load_tuning
 from .validation import check_stop_ids, prompt_token_ids, request_args
@@ -99,6 +99,26 @@ def _release(parts: dict[str, Any]) -> None:
     parts.clear()
 
 
+class Detokenizer:
+    """Incremental detokenization (as vLLM does): decode only from prefix_off, so each round costs O(round)
+    instead of re-decoding the whole output. ids[prefix_off:read_off] has been emitted. Text that ends in an
+    incomplete UTF-8 sequence waits for the next tokens (unless final)."""
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix_off = self.read_off = 0
+
+    def add(self, tokens: list[int], final: bool = False) -> str:
+        self.ids.extend(tokens)
+        prefix = self.decode(self.ids[self.prefix_off:self.read_off])
+        text = self.decode(self.ids[self.prefix_off:])
+        if text.endswith("\ufffd") and not final:
+            return ""
+        self.prefix_off, self.read_off = self.read_off, len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
+
+
 class Engine:
     """Speculative decoding engine: a target (PyTorch or ONNX Runtime backend) verifying proposals of a draft.
 
@@ -122,6 +142,7 @@ class Engine:
         self.placement: dict[str, Any] = {}
         self._auto_config = config if config.runtime.mode == "auto" or config.runtime.cpus == "auto" else None
         self._tested_at_switch = 0.0
+        self._progress_at = time.monotonic()  # the request loop's last sign of life (health while busy)
         if self._auto_config is not None:
             from .tuning.placement import resolve
 
@@ -307,17 +328,29 @@ class Engine:
         if self._closed:
             raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
 
-    def _decode(self, req: Request, stats: Stats) -> Iterator[list[int]]:
-        """Run one request when the Engine is free (requests queue on the lock, one at a time)."""
+    def _decode(self, req: Request, stats: Stats, cancel: threading.Event | None = None) -> Iterator[list[int]]:
+        """Run one request when the Engine is free (requests queue on the lock, one at a time). `cancel` set
+        (a client gone): the request ends before its next round, or before it starts if it was queued."""
         try:
             with self._lock:
                 self._check_open()
+                self._progress_at = time.monotonic()
+                if cancel is not None and cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    return
                 try:
-                    if self.runtime is not None:
-                        yield from self.runtime.decode(self.target, req, stats)
-                    else:
-                        yield from decode(self.target, self.proposer, req, stats, self.tuning,
-                                          early_stop=self.config.speculation.early_stop)
+                    rounds = (self.runtime.decode(self.target, req, stats) if self.runtime is not None else
+                              decode(self.target, self.proposer, req, stats, self.tuning,
+                                     early_stop=self.config.speculation.early_stop))
+                    try:
+                        for chunk in rounds:
+                            self._progress_at = time.monotonic()
+                            yield chunk
+                            if cancel is not None and cancel.is_set() and not stats.finish_reason:
+                                stats.finish_reason = "cancelled"
+                                return
+                    finally:
+                        rounds.close()  # ends the request's draft state (worker End) now, not at collection
                 finally:
                     if not self._closed:
                         self._maybe_replace()
@@ -333,7 +366,11 @@ class Engine:
         within timeout_s (default: runtime.heartbeat_s), else it is reported unresponsive."""
         self._check_open()
         if not self._lock.acquire(blocking=False):
-            return {"target": "ok", "busy": True, **self._draft_health(probe=False)}
+            # the request loop reports each round: silent longer than the heartbeat means stuck
+            stalled = time.monotonic() - self._progress_at
+            limit = timeout_s or self.config.runtime.heartbeat_s
+            return {"target": "ok" if stalled <= max(limit, 1.0) else "stalled", "busy": True,
+                    "since_last_round_s": round(stalled, 3), **self._draft_health(probe=False)}
         try:
             t = time.perf_counter()
             state = self.target.new_state()
@@ -374,8 +411,10 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_k=g.top_k if top_k is None else int(top_k),
                                 top_p=top_p, seed=int(seed), sampling=self.config.speculation.sampling)
         stops = set(self.target.eos_token_ids) | set(g.stop_token_ids) | set(a["stop_token_ids"])
-        return Request(prompt_ids=prompt_ids, max_new_tokens=a["max_new_tokens"], params=params,
-                       gamma=a["gamma"], stop_ids=frozenset(stops))
+        req = Request(prompt_ids=prompt_ids, max_new_tokens=a["max_new_tokens"], params=params,
+                      gamma=a["gamma"], stop_ids=frozenset(stops))
+        check_request(req, self.target.context_len)  # an over-long prompt fails here, before anything streams
+        return req
 
     def _decode_text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -402,25 +441,33 @@ class Engine:
         """An iterator of text pieces as rounds commit tokens. Pass a Stats object to read the statistics
         after. The request is validated here, when stream() is called (RequestError at once, before any
         output), not at the iterator's first next()."""
-        req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         stats = stats if stats is not None else Stats()
+        chunks = self.stream_tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                                    gamma, stats)
 
         def pieces() -> Iterator[str]:
-            ids: list[int] = []
-            # Incremental detokenization (as vLLM does): decode only from prefix_off, so each round costs
-            # O(round) instead of re-decoding the whole output. ids[prefix_off:read_off] has been emitted.
-            prefix_off = read_off = 0
-            for chunk in self._decode(req, stats):
-                ids.extend(chunk)
-                prefix = self._decode_text(ids[prefix_off:read_off])
-                text = self._decode_text(ids[prefix_off:])
-                if text.endswith("\ufffd") and not stats.finish_reason:
-                    continue  # an incomplete UTF-8 sequence: wait for the next tokens
-                if len(text) > len(prefix):
-                    yield text[len(prefix):]
-                prefix_off, read_off = read_off, len(ids)
+            detok = Detokenizer(self._decode_text)
+            for chunk in chunks:
+                piece = detok.add(chunk, final=bool(stats.finish_reason))
+                if piece:
+                    yield piece
 
         return pieces()
+
+    def stream_tokens(self, prompt: str | list[int], max_new_tokens: int | None = None,
+                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                      seed: int | None = None, stop_token_ids: list[int] | None = None,
+                      gamma: int | None = None, stats: Stats | None = None,
+                      cancel: threading.Event | None = None) -> Iterator[list[int]]:
+        """An iterator of each round's committed token ids (validated at once, like stream()). Closing it
+        early, or setting `cancel` from any thread (a client gone), ends the request before its next round
+        (finish_reason "cancelled") and frees the Engine for the next one."""
+        req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
+        return self._decode(req, stats if stats is not None else Stats(), cancel)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The token ids a prompt becomes (validated like a request's)."""
+        return prompt_token_ids(prompt, self.tokenizer, self.target.vocab_width, self.target.model_dir)
 
     def close(self, wait_s: float = 10.0) -> None:
         """Release the draft; in two_process mode shut the worker down cleanly (no orphans). A request

@@ -1,0 +1,284 @@
+"""`hetero-spec serve`: an OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
+GET /v1/models, GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
+
+Each request runs its Engine iterator in a worker thread and hands the committed tokens to the event loop
+through a queue (with whether they are the last, read in that thread), so the loop never blocks on decoding. Requests wait their turn on the Engine (one at a time
+until batched verification lands). A client that disconnects, or a stop string that appears, sets the
+request's cancel event: the Engine ends it before its next round (or before it starts, if it was still
+waiting) and takes the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import Detokenizer, Engine
+from ..errors import HeteroSpecError, PromptTooLongError, RequestError
+from ..metrics import Stats
+from .metrics import ServeMetrics
+from .schema import ChatRequest, CompletionRequest, StopMatcher, chat_template, render_chat
+
+log = logging.getLogger("hetero_spec.serve")
+
+FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Job:
+    """One request's decoding, run in a thread: token chunks arrive on `queue` as ("tokens", ids), then
+    ("done", None) or ("error", exc)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, prompt: str | list[int], kwargs: dict):
+        self.cancel = threading.Event()
+        self.stats = Stats()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        # validation happens here, in the caller (a RequestError becomes a 400 before anything streams)
+        self.chunks = engine.stream_tokens(prompt, stats=self.stats, cancel=self.cancel, **kwargs)
+        self.thread = threading.Thread(target=self._run, name="hetero-spec-request", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone (server shutting down)
+            self.cancel.set()
+
+    def _run(self) -> None:
+        try:
+            for chunk in self.chunks:  # whether it is the last one is read here, where the engine set it
+                self._put(("tokens", (chunk, bool(self.stats.finish_reason))))
+            self._put(("done", None))
+        except BaseException as exc:  # noqa: BLE001 - reported to the request, never lost
+            self._put(("error", exc))
+        finally:
+            self.chunks.close()
+
+    async def tokens(self) -> AsyncIterator[tuple[list[int], bool]]:
+        """(token ids, last chunk) as rounds commit them."""
+        while True:
+            kind, value = await self.queue.get()
+            if kind == "tokens":
+                yield value
+            elif kind == "done":
+                return
+            else:
+                raise value
+
+
+def _usage(stats: Stats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+
+
+def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, own_engine: bool = True):
+    """The FastAPI app serving `engine` as model `model_name`. own_engine: close the Engine at shutdown."""
+    metrics = ServeMetrics()
+    template = chat_template(getattr(engine.target, "model_dir", None) or engine.config.target.model)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if own_engine:
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="hetero_spec", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                                     param=param).body(), status_code=400)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(404, f"The model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def start(prompt: str | list[int], req, max_tokens: int | None) -> Job:
+        bad = req.unsupported()
+        if bad:
+            raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+        kwargs = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "seed": req.seed, "stop_token_ids": req.stop_token_ids}
+        try:
+            return Job(engine, asyncio.get_running_loop(), prompt, kwargs)
+        except PromptTooLongError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+        except RequestError as exc:
+            raise ApiError(400, str(exc)) from None
+        except HeteroSpecError as exc:
+            raise ApiError(503, str(exc), kind="server_error") from None
+
+    async def pieces(job: Job, stops: list[str]) -> AsyncIterator[str]:
+        """Text pieces, cut at the first stop string (which then ends the request)."""
+        detok, matcher = Detokenizer(engine._decode_text), StopMatcher(stops)
+        async for chunk, last in job.tokens():
+            piece = matcher.feed(detok.add(chunk, final=last), final=last)
+            if piece:
+                yield piece
+            if matcher.stopped:
+                job.cancel.set()  # the engine stops before its next round
+                job.stats.finish_reason = "stop"
+                break
+        rest = matcher.feed("", final=True)
+        if rest:
+            yield rest
+
+    async def respond(job: Job, req, endpoint: str, request: Request, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        obj = "chat.completion" if chat else "text_completion"
+        metrics.in_flight.inc()
+        stops = req.stop_strings()
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+            if chat:
+                body = {"delta": {"content": text} if text is not None else {}} if delta else \
+                    {"message": {"role": "assistant", "content": text}}
+                return {"index": 0, **body, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        def finish_reason() -> str:
+            return FINISH.get(job.stats.finish_reason, "stop")
+
+        def done(status: str) -> None:
+            metrics.in_flight.dec()
+            metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            if status == "cancelled":
+                metrics.cancelled.inc()
+            metrics.observe(job.stats.to_dict())
+
+        if not req.stream:
+            try:
+                text = "".join([p async for p in pieces(job, stops)])
+            except BaseException:
+                job.cancel.set()
+                done("error")
+                raise
+            done("ok")
+            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                 "choices": [choice(text, finish_reason(), delta=False)], "usage": _usage(job.stats)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            status = "cancelled"
+
+            def event(choices: list, **more) -> str:
+                return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
+                                              "model": model_name, "choices": choices, **more}) + "\n\n"
+            try:
+                if chat:
+                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                async for piece in pieces(job, stops):
+                    if await request.is_disconnected():
+                        return
+                    yield event([choice(piece, None, delta=True)])
+                yield event([choice(None if chat else "", finish_reason(), delta=True)])
+                if include_usage:
+                    yield event([], usage=_usage(job.stats))
+                yield "data: [DONE]\n\n"
+                status = "ok"
+            except Exception as exc:  # the stream has started: report in-band, as OpenAI does
+                status = "error"
+                log.exception("request %s failed", rid)
+                yield "data: " + json.dumps(ApiError(500, f"generation failed: {exc}", kind="server_error").body()) \
+                    + "\n\n"
+            finally:
+                job.cancel.set()  # a disconnect (or anything else) ends the request before its next round
+                done(status)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        job = start(req.prompt_value(), req, req.max_tokens or 16)
+        return await respond(job, req, "completions", request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        check_model(req.model)
+        if template is None:
+            raise ApiError(400, f"model {model_name!r} has no chat template (tokenizer_config.json chat_template); "
+                                "use /v1/completions", param="messages", code="no_chat_template")
+        try:
+            prompt = render_chat(template, req.messages)
+        except Exception as exc:  # a template that refuses the conversation (raise_exception) or fails
+            raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        job = start(prompt, req, req.limit())
+        return await respond(job, req, "chat", request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "hetero_spec"}]}
+
+    @app.get("/health")
+    async def health():
+        """Probes the target (a one-token forward) and the draft worker (a ping) when idle; while a request
+        runs, the request loop's last round and the worker's last message. 503 when either is not ok."""
+        try:
+            h = await asyncio.wait_for(asyncio.to_thread(engine.health, health_timeout_s), health_timeout_s + 1.0)
+        except TimeoutError:
+            return JSONResponse({"status": "unhealthy", "reason": f"no answer within {health_timeout_s} s"},
+                                status_code=503)
+        except HeteroSpecError as exc:
+            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
+        metrics.draft_restarts.set(h.get("draft_restarts", 0))
+        ok = h.get("target") == "ok" and h.get("draft") in ("ok", "in_process", "none")
+        return JSONResponse({"status": "ok" if ok else "unhealthy", **h}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve(config, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          overrides: dict | None = None, log_level: str = "info") -> int:
+    """Load the Engine and serve it until SIGINT/SIGTERM (in-flight requests finish or are cancelled)."""
+    import uvicorn
+
+    engine = Engine.from_config(config, overrides=overrides)
+    name = model_name or engine.config.target.model.name
+    app = create_app(engine, name)
+    log.warning("serving model %r on http://%s:%d/v1 (OpenAI-compatible)", name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates.
+
+Requests are validated by pydantic; an unsupported option (n > 1, logprobs, echo, best_of, suffix, penalties,
+logit_bias) is a 400 naming it, never silently ignored. `stop` takes strings (cut from the text, as OpenAI
+does) and `stop_token_ids` (a vLLM extension) takes token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for an option this server does not implement, else None."""
+        if self.n != 1:
+            return "n", "only n = 1 is supported"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty", "presence and frequency penalties are not supported (they change the target)"
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            return "stop", f"at most {MAX_STOP} non-empty stop strings"
+        return None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of = 1 is supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                return "prompt", "one prompt per request (a list of several prompts is not supported)"
+        return super().unsupported()
+
+    def prompt_value(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is supported
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class StopMatcher:
+    """Cuts the text at the first stop string, across piece boundaries: text that could be the start of a stop
+    string is held back until the next piece shows whether it is."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.stopped = False
+
+    def feed(self, piece: str, final: bool = False) -> str:
+        """Text safe to emit now. After a stop string, `stopped` is set and nothing more is emitted."""
+        if self.stopped:
+            return ""
+        self.buf += piece
+        if self.stops:
+            cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                out, self.buf, self.stopped = self.buf[:cut], "", True
+                return out
+        if final or not self.stops:
+            out, self.buf = self.buf, ""
+            return out
+        keep = self._tail()
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def _tail(self) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        for n in range(min(self.hold, len(self.buf)), 0, -1):
+            tail = self.buf[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+
+def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:
+    """(jinja template, special tokens) from tokenizer_config.json's chat_template, or None without one."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # named templates: take the default
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    if not isinstance(tpl, str) or not tpl:
+        return None
+
+    def tok(v: Any) -> str:
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    return tpl, {"bos_token": tok(cfg.get("bos_token")), "eos_token": tok(cfg.get("eos_token"))}
+
+
+def render_chat(template: tuple[str, dict[str, str]], messages: list[ChatMessage]) -> str:
+    """The prompt text of a conversation, with the generation prompt for the assistant's turn."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str):
+        raise ValueError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    tpl, special = template
+    return env.from_string(tpl).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
+                                       add_generation_prompt=True, **special)

@@ -1,0 +1,305 @@
+"""`hetero-spec serve`: the OpenAI schema through the official `openai` client (completions, chat, streaming,
+stop strings, usage, error codes), disconnects, /health with a killed or hung worker, /metrics, and 32
+concurrent streams. A real uvicorn server on a free loopback port serves a tiny-model Engine; nothing here
+asserts a wall-clock outcome (waits are bounded, and only for events)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.metrics import Stats
+from hetero_spec.serve import create_app
+from hetero_spec.serve.schema import StopMatcher
+
+PROMPT = "def read_lines(filename):"
+MODEL = "tiny"
+
+
+class Server:
+    """uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _cfg(target, draft=None, **runtime):
+    rt = {"mode": "in_process", **runtime}
+    d = {"kind": "onnx", "model": str(draft)} if draft else {"kind": "none"}
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"}, "draft": d,
+            "speculation": {"gamma": 4}, "runtime": rt}
+
+
+@pytest.fixture(scope="module")
+def served(llama_target, llama_copy_onnx):
+    eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx))
+    srv = Server(create_app(eng, MODEL))
+    yield srv, eng
+    srv.close()
+
+
+def _reference(eng: Engine, prompt, n: int) -> str:
+    return eng.generate(prompt, max_new_tokens=n, temperature=0.0).text
+
+
+def test_models_and_greedy_completion_equal_the_engine(served):
+    srv, eng = served
+    assert [m.id for m in srv.client.models.list().data] == [MODEL]
+    out = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    ref = eng.generate(PROMPT, max_new_tokens=24, temperature=0.0)
+    assert out.choices[0].text == ref.text and out.object == "text_completion"
+    assert out.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.prompt_tokens == len(eng.prompt_ids(PROMPT))
+    # token ids as the prompt work too
+    ids = eng.prompt_ids(PROMPT)
+    assert srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0).choices[0].text \
+        == ref.text
+
+
+def test_streaming_equals_the_whole_answer_and_reports_usage(served):
+    srv, eng = served
+    ref = _reference(eng, PROMPT, 30)
+    stream = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_seeded_sampling_reproduces(served):
+    srv, _ = served
+    a = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=5)
+    b = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=5,
+                                      stream=True)
+    assert a.choices[0].text == "".join(c.choices[0].text for c in b)
+
+
+def test_stop_strings_cut_the_text(served):
+    srv, eng = served
+    ref = _reference(eng, PROMPT, 40)
+    assert len(ref) > 8
+    stop = ref[5:8]  # a string inside the answer: the text ends right before its first occurrence
+    want = ref[:ref.find(stop)]
+    for stream in (False, True):
+        out = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                            stop=[stop, "\x00never"], stream=stream)
+        if stream:
+            chunks = list(out)
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
+        else:
+            text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert text == want and finish == "stop"
+
+
+def test_stop_matcher_holds_back_a_possible_stop_across_pieces():
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("abc E") == "abc "  # "E" may start "END"
+    assert m.feed("N") == ""
+    assert m.feed("Dmore") == "" and m.stopped
+    m = StopMatcher(["END"])
+    assert m.feed("aEN") == "a" and m.feed("x") == "ENx" and m.feed("", final=True) == ""
+    assert StopMatcher([]).feed("anything") == "anything"
+
+
+def test_error_codes(served):
+    srv, eng = served
+    c = srv.client
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    assert "does not exist" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="only n = 1"):
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=3.0)
+    too_long = [5] * (eng.target.context_len + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=too_long, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        c.completions.create(model=MODEL, prompt=[10 ** 6], max_tokens=4)
+    r = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_metrics_after_requests(served):
+    srv, _ = served
+    srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    text = httpx.get(srv.url + "/metrics").text
+    for name in ("hetero_spec_requests_total", "hetero_spec_completion_tokens_total", "hetero_spec_prompt_tokens_total",
+                 "hetero_spec_request_acceptance_rate_bucket", "hetero_spec_stage_seconds_bucket",
+                 "hetero_spec_batch_size_bucket", "hetero_spec_speculation_on", "hetero_spec_draft_restarts",
+                 "hetero_spec_dropped_frames_total", "hetero_spec_requests_in_flight"):
+        assert name in text, name
+    ok = [line for line in text.splitlines()
+          if line.startswith('hetero_spec_requests_total{endpoint="completions",status="ok"}')]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    assert 'stage="verify"' in text and 'stage="prefill"' in text
+
+
+def test_health_in_process(served):
+    srv, _ = served
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["draft"] == "in_process"
+
+
+def test_32_concurrent_streams_lose_nothing(served):
+    srv, eng = served
+    prompts = [f"{PROMPT} # {i}" for i in range(32)]
+    refs = [_reference(eng, p, 12) for p in prompts]
+
+    def one(i: int) -> str:
+        stream = srv.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0,
+                                               stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(32)))
+    assert got == refs
+
+
+# -- a client that goes away ---------------------------------------------------------------------------
+class SlowEngine:
+    """An Engine stand-in whose request yields one chunk, then waits for its cancel event (bounded): the test
+    sees whether a disconnect reaches the engine, without depending on how fast anything runs."""
+
+    def __init__(self, real: Engine):
+        self.real, self.config, self.target = real, real.config, real.target
+        self.cancelled = threading.Event()
+
+    def _decode_text(self, ids):
+        return self.real._decode_text(ids)
+
+    def stream_tokens(self, prompt, stats: Stats, cancel: threading.Event, **kwargs):
+        stats.prompt_tokens = 3
+
+        def gen():
+            yield [5, 6]
+            if cancel.wait(60):
+                self.cancelled.set()
+                stats.finish_reason = "cancelled"
+                return
+            yield [7]
+            stats.finish_reason = "length"
+
+        return gen()
+
+    def health(self, timeout_s=None):
+        return {"target": "ok", "draft": "none"}
+
+    def close(self):
+        pass
+
+
+def test_a_disconnect_cancels_the_request(served):
+    _, eng = served
+    slow = SlowEngine(eng)
+    srv = Server(create_app(slow, MODEL, own_engine=False))
+    try:
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", srv.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # the first chunk arrived; now the client goes away
+        assert slow.cancelled.wait(30), "the disconnect never reached the engine"
+        text = httpx.get(srv.url + "/metrics").text
+        assert "hetero_spec_cancelled_requests_total 1.0" in text
+    finally:
+        srv.close()
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_target(llama_target, tmp_path_factory):
+    """The tiny target with a chat template in its tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("chat") / "llama-chat"
+    shutil.copytree(llama_target, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_chat_completions_render_the_template(chat_target):
+    eng = Engine.from_config(_cfg(chat_target))
+    srv = Server(create_app(eng, MODEL))
+    try:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f("}]
+        out = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+        ref = eng.generate("<system>be brief\n<user>def f(\n<assistant>", max_new_tokens=16, temperature=0.0)
+        assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+        stream = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                                    stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
+    finally:
+        srv.close()
+
+
+# -- health with a real worker -------------------------------------------------------------------------
+def test_health_fails_when_the_worker_is_killed_or_hung(llama_target, llama_copy_onnx):
+    eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx, mode="two_process", pin_cpus=False,
+                                  heartbeat_s=1.0, restart_backoff_s=30.0))
+    srv = Server(create_app(eng, MODEL, health_timeout_s=1.0))
+    try:
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        w = eng.runtime.sup.current()
+        os.kill(w.proc.pid, signal.SIGSTOP)  # hung: alive, but it answers nothing
+        try:
+            r = httpx.get(srv.url + "/health", timeout=30)
+            assert r.status_code == 503 and r.json()["draft"] == "unresponsive"
+        finally:
+            os.kill(w.proc.pid, signal.SIGCONT)
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.wait(30)
+        r = httpx.get(srv.url + "/health", timeout=30)
+        assert r.status_code == 503 and r.json()["draft"] in ("dead", "restarting")
+        # a request still completes (the target alone), identical to a healthy run
+        out = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert out.choices[0].text == Engine.generate(eng, PROMPT, max_new_tokens=16, temperature=0.0).text
+    finally:
+        srv.close()
+
+
+def test_serve_cli_help_names_the_endpoints():
+    from hetero_spec.cli import build_parser
+
+    helptext = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for word in ("/v1/completions", "/v1/chat/completions", "/health", "/metrics", "127.0.0.1", "--port"):
+        assert word in helptext
+
