@@ -151,6 +151,37 @@ def _cmd_serve(args) -> int:
                  overrides=_overrides(args.overrides), log_level=args.log_level.lower())
 
 
+def _add_load(sub) -> None:
+    p = sub.add_parser("load", help="throughput and latency against concurrency (target-only and hetero_spec)",
+                       description="For target-only and for the config's engine, and each concurrency level, "
+                                   "client threads send the held-out prompts to one Engine: aggregate tokens/s, "
+                                   "per-request latency p50/p95, time to first token, and whether outputs equal "
+                                   "the first level's (greedy). Writes OUT/load.json and OUT/load.md.")
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
+    p.add_argument("--requests", type=int, default=16, help="requests per level (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--out", default="bench-out/load", help="output directory (default bench-out/load)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key (repeatable)")
+
+
+def _cmd_load(args) -> int:
+    from .bench.load import run_load
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError("--concurrency", "", args.concurrency, "a comma-separated list of integers") from None
+    if not levels or min(levels) < 1:
+        raise ConfigError("--concurrency", "", args.concurrency, "levels must be >= 1")
+    if args.requests < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--requests/--max-new-tokens", "", (args.requests, args.max_new_tokens), "must be >= 1")
+    run_load(Path(args.config), levels, args.requests, args.max_new_tokens, Path(args.out),
+             overrides=_overrides(args.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
@@ -166,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys(sub)
     _add_profile(sub)
     _add_serve(sub)
+    _add_load(sub)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -257,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export,
-                "keys": _cmd_keys, "profile": _cmd_profile, "serve": _cmd_serve}
+                "keys": _cmd_keys, "profile": _cmd_profile, "serve": _cmd_serve,
+                "load": _cmd_load}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench
