@@ -15,8 +15,9 @@ def test_run_level_outputs_match_sequential(llama_target, llama_copy_onnx):
     with Engine.from_config(cfg) as eng:
         seq = run_level(eng, prompts, 1, 12)
         par = run_level(eng, prompts, 4, 12)
-    assert par["outputs"] == seq["outputs"] and all(len(o) == 12 for o in seq["outputs"])
-    assert par["requests"] == 6 and par["tokens"] == 72 and par["latency_p95_s"] >= par["latency_p50_s"] > 0
+    assert par["outputs"] == seq["outputs"] and all(0 < len(o) <= 12 for o in seq["outputs"])
+    assert par["requests"] == 6 and par["tokens"] == sum(map(len, seq["outputs"]))
+    assert par["latency_p95_s"] >= par["latency_p50_s"] > 0
     report = {"requests": 6, "max_new_tokens": 12, "systems": {"hetero_spec": [
         {**{k: v for k, v in r.items() if k != "outputs"}, "identical_to_first_level": "6/6",
          "throughput_vs_first_level": 1.0} for r in (seq, par)]}}
