@@ -147,6 +147,7 @@ class Engine:
             from .tuning.placement import resolve
 
             config, self.placement = resolve(config, self.tuning.prior_acceptance)
+            self._seed_tuning()
             self.placement["switches"] = []
         # Requests on one Engine queue here and run one at a time (until batched serving): the draft
         # (in-process drafter or the worker's channel) holds one request's state.
@@ -231,11 +232,24 @@ class Engine:
             log.exception("placement: %s failed to start; keeping %s", best.label(), now.label())
             self._teardown()
             self._build(old)
+            self._seed_tuning()
             return
         self._tested_at_switch = self.tuning.acceptance.tested
         self.placement["switches"].append({"from": self.placement["chosen"], "to": dataclasses.asdict(best),
                                            "why": why})
         self.placement.update(chosen=dataclasses.asdict(best), candidates=rows)
+        self._seed_tuning()
+
+    def _seed_tuning(self) -> None:
+        """The placement measured the chosen layout's costs: gamma auto starts from them (no exploration)."""
+        from .tuning.placement import Costs, Layout
+
+        if self.placement.get("costs") is None or self.tuning.profile is not None:
+            return
+        lay = Layout(**self.placement["chosen"])
+        costs = Costs.from_dict(self.placement["costs"])
+        if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s:
+            self.tuning.seed_costs(costs.model(lay))
 
     def _teardown(self) -> None:
         """Release the draft, the worker and the CPU plan (the Engine stays open)."""

@@ -78,6 +78,11 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
         assert max(rep["candidates"], key=lambda r: r["predicted_tok_s"])["mode"] == chosen["mode"]
         assert eng.config.runtime.mode == chosen["mode"] and eng.config.target.threads == chosen["target_threads"]
         assert "measured now" in rep["why"]
+        # gamma auto starts from the measured costs of the chosen layout: no exploration rounds
+        lay = Layout(**chosen)
+        seeded = eng.tuning.model()
+        assert seeded is not None and seeded.verify_fixed_s == pytest.approx(
+            Costs.from_dict(rep["costs"]).model(lay).verify_fixed_s, rel=1e-6)
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
     cached = list((tmp_path / "cache" / "placement").glob("*.json"))
     assert len(cached) == 1 and set(json.loads(cached[0].read_text())) == {"verify", "draft_token_s", "transfer_s"}
@@ -171,6 +176,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
         assert "measured acceptance" in sw[0]["why"]
         assert eng.runtime is None and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
         assert eng.tuning.profile is None  # the profile's costs were for the old layout
+        assert eng.tuning.model().verify_fixed_s == pytest.approx(_costs(0.0015, 0.0012).verify[2][0], rel=1e-6)
         for _ in range(2):  # and it stays there
             assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
         assert len(eng.placement["switches"]) == 1

@@ -83,6 +83,16 @@ class Tuning:
         self._sums = [0.0] * 5
         self.draft_token_s = None
 
+    def seed_costs(self, model: CostModel, weight: int = 2) -> None:
+        """Start the learned costs from a measured model (placement's probes): its verify line as points at
+        block lengths 1 and 9, `weight` times each, and its draft cost. Rounds then refine them, and gamma auto
+        needs no exploration rounds. A profile, when given, stays the model."""
+        for k in (0, 8):
+            for _ in range(weight):
+                self.observe_verify(k, model.verify(k))
+        if model.draft_token_s > 0:
+            self.draft_token_s = model.draft_token_s
+
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
 
