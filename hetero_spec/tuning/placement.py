@@ -29,13 +29,12 @@ import json
 import logging
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .cost_model import CostModel, fit_line
+from .profile import _verify_points, decoder_token_s
 
 log = logging.getLogger("hetero_spec.placement")
 
@@ -123,16 +122,6 @@ def choose(costs: Costs, layouts: list[Layout], acceptance: float) -> tuple[Layo
 
 
 # -- measuring --------------------------------------------------------------------------------------------
-def _median_s(fn, reps: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _probe_prompt(vocab: int, n: int = 64) -> list[int]:
     """Token ids for timing only (their values do not change a pass's cost)."""
     return [(7 + 31 * i) % max(vocab, 2) for i in range(n)]
@@ -140,38 +129,17 @@ def _probe_prompt(vocab: int, n: int = 64) -> list[int]:
 
 def measure_verify(target, reps: int = 7) -> tuple[float, float]:
     """The verify line (fixed, per token) of a loaded target, after a 64-token context."""
-    prompt = _probe_prompt(target.vocab_width)
-    state = target.new_state()
-    target.prefill(state, prompt)
-    base = state.n_cached
-
-    def once(k: int):
-        target.verify(state, prompt[-1], prompt[:k], True)
-        target.rollback(state, base)
-
-    c0, c1 = fit_line([(float(k + 1), _median_s(lambda k=k: once(k), reps)) for k in VERIFY_KS])
+    points = _verify_points(target, _probe_prompt(target.vocab_width), list(VERIFY_KS), reps)
+    c0, c1 = fit_line([(float(x), y) for x, y in points])
     return max(c0, 0.0), max(c1, 0.0)
 
 
 def measure_draft(model_dir: Path, providers: list[str], threads: int, vocab: int, reps: int = 7) -> float:
     """Seconds per greedy draft token of the ONNX draft at `threads`, 8 at a time after a 64-token context."""
-    import numpy as np
-
     from ..onnx_decoder import OnnxDecoder
 
     dec = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab, spin=False)
-    st = dec.new_state()
-    prompt = _probe_prompt(dec.model_vocab)
-    dec.append(st, prompt)
-    base = st.n_past
-
-    def once():
-        tok = prompt[-1]
-        for _ in range(8):
-            tok = int(np.argmax(dec.append(st, [tok])[-1]))
-        dec.rewind(st, base)
-
-    return _median_s(once, reps) / 8
+    return decoder_token_s(dec, _probe_prompt(dec.model_vocab), reps)
 
 
 def measure(config, layouts: list[Layout], say=None) -> Costs:

@@ -76,9 +76,14 @@ def _verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[
 
 def _draft_token_s(drafter, prompt: list[int], reps: int) -> float:
     """Median time per greedy draft token, 8 at a time after the prompt (its prefill is not counted)."""
+    return decoder_token_s(drafter.decoder, prompt, reps)
+
+
+def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
+    """Median time per greedy token of an OnnxDecoder, 8 at a time after the prompt (not counted)."""
     import numpy as np
 
-    dec, st = drafter.decoder, drafter.decoder.new_state()
+    st = dec.new_state()
     dec.append(st, prompt)
     base = st.n_past
 
