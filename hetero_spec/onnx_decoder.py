@@ -57,6 +57,8 @@ class DecoderState:
     kv: list[np.ndarray] = field(default_factory=list)
     n_past: int = 0
     binding: Any = None
+    pool: KvPool | None = None  # a slot of a batched buffer (KvPool), or None: buffers of its own
+    slot: int = -1
 
     @property
     def capacity(self) -> int:
@@ -154,7 +156,10 @@ class OnnxDecoder:
 
     def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int) -> np.ndarray:
         if state.n_past + n > state.capacity:
-            self._grow(state, state.n_past + n)
+            if state.pool is not None:
+                state.pool.ensure(state.n_past + n)
+            else:
+                self._grow(state, state.n_past + n)
         io = state.binding
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
@@ -180,6 +185,46 @@ class OnnxDecoder:
             io.bind_ortvalue_input(past, value)
             io.bind_ortvalue_output(present, value)
         state.kv, state.binding = kv, io
+
+    def new_pool(self, slots: int) -> KvPool:
+        """Batched buffers for up to `slots` sequences (shared layout only): see KvPool."""
+        if not self.shared:
+            raise ValueError("a KV pool needs the shared-buffer layout (a builder export on the CPU provider)")
+        return KvPool(self, slots)
+
+    def append_batch(self, states: list[DecoderState], tokens: list[int]) -> np.ndarray:
+        """One token after each state's past, all states slots of one KvPool, in ONE run; logits [B, vocab].
+
+        The builder's GroupQueryAttention takes a batch with a different past per row only for one new token
+        per row ("batch_size must be 1 when sequence_length > 1 and past context is given"), so blocks of
+        several tokens run one sequence at a time (`append`). The run covers the slots lo..hi of the states;
+        a slot in that range that is not in the batch gets a dummy token written at its n_past, which is past
+        what it caches (harmless: its next append writes there)."""
+        pool = states[0].pool
+        if pool is None or any(s.pool is not pool for s in states):
+            raise ValueError("append_batch needs states from one KvPool")
+        lo, hi = min(s.slot for s in states), max(s.slot for s in states) + 1
+        past = [pool.n_past(slot) for slot in range(lo, hi)]
+        pool.ensure(max(past) + 1)
+        ids = np.zeros((hi - lo, 1), dtype=np.int64)
+        for s, tok in zip(states, tokens):
+            ids[s.slot - lo, 0] = tok
+        mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
+        io = self.session.io_binding()
+        io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("attention_mask", mask)
+        if self.has_position_ids:
+            io.bind_cpu_input("position_ids", np.asarray(past, dtype=np.int64)[:, None])
+        for name, present, buf in zip(self.past_names, self.present_names, pool.kv):
+            value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
+            io.bind_ortvalue_input(name, value)
+            io.bind_ortvalue_output(present, value)
+        logits = np.empty((hi - lo, 1, self.model_vocab), dtype=self.logits_dtype)
+        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        for s in states:
+            s.n_past += 1
+        return self.fit_width(logits[[s.slot - lo for s in states], 0])
 
     def rewind(self, state: DecoderState, n: int) -> None:
         """Keep only the first n cached positions."""
@@ -218,3 +263,60 @@ class OnnxDecoder:
             return logits[..., :w]
         pad = np.full((*logits.shape[:-1], w - logits.shape[-1]), -np.inf, dtype=logits.dtype)
         return np.concatenate([logits, pad], axis=-1)
+
+
+class KvPool:
+    """Shared-layout KV buffers for several sequences, [slots, kv_heads, capacity, head_dim] per past tensor, so
+    that one-token steps of many sequences run as one batch (`OnnxDecoder.append_batch`) with no copy. A slot's
+    state binds the views buf[slot:slot + 1] and runs alone like any shared-layout state (blocks of several
+    tokens). The capacity doubles for all slots when one needs more, up to the context."""
+
+    def __init__(self, decoder: OnnxDecoder, slots: int):
+        if slots < 1:
+            raise ValueError(f"a KV pool needs at least one slot, got {slots}")
+        self.decoder, self.slots = decoder, slots
+        self.kv: list[np.ndarray] = []
+        self._states: dict[int, DecoderState] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0].shape[2] if self.kv else 0
+
+    def n_past(self, slot: int) -> int:
+        state = self._states.get(slot)
+        return state.n_past if state is not None else 0
+
+    def acquire(self) -> DecoderState | None:
+        """A fresh state in a free slot (None: every slot is taken)."""
+        free = next((i for i in range(self.slots) if i not in self._states), None)
+        if free is None:
+            return None
+        state = DecoderState(pool=self, slot=free)
+        self._states[free] = state
+        if not self.kv:
+            self.ensure(1)
+        else:
+            self._bind(state)
+        return state
+
+    def release(self, state: DecoderState) -> None:
+        if self._states.get(state.slot) is state:
+            del self._states[state.slot]
+        state.pool, state.binding, state.kv, state.n_past = None, None, [], 0
+
+    def ensure(self, needed: int) -> None:
+        """At least `needed` positions per slot; growing copies every slot's cached positions once."""
+        if needed <= self.capacity:
+            return
+        dec = self.decoder
+        cap = max(needed, min(max(2 * self.capacity, dec.initial_capacity), dec.context_len))
+        shape = (self.slots, dec.kv_shape[1], cap, dec.kv_shape[3])
+        kv = [np.zeros(shape, dtype=dec.kv_dtype) for _ in dec.past_names]
+        for new, old in zip(kv, self.kv):
+            new[:, :, :old.shape[2]] = old
+        self.kv = kv
+        for state in self._states.values():
+            self._bind(state)
+
+    def _bind(self, state: DecoderState) -> None:
+        self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.kv])

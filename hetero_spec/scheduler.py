@@ -49,12 +49,20 @@ def check_request(req: Request, context_len: int) -> None:
 
 def verify_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int],
                  draft: Draft) -> tuple[int, int]:
-    """3) verify one block in one target forward pass; returns (n_accepted, next_token).
+    """3) verify one block in one target forward pass; returns (n_accepted, next_token)."""
+    out = target.verify(state, ids[-1], draft.ids, params.greedy)
+    return decide_block(target, state, params, ids, draft, out)
+
+
+def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int], draft: Draft,
+                 out: Any) -> tuple[int, int]:
+    """3b) accept from the target's output for [ids[-1], *draft.ids] (argmax ids, or logits [k + 1, vocab]) and roll
+    the target's cache back to what was accepted; returns (n_accepted, next_token).
 
     Uniform draws and noise are keyed by the absolute position of the token they decide, so seeded output
-    does not depend on where round boundaries fall. Coupled sampling ignores draft.probs (None is fine).
+    does not depend on where round boundaries fall, nor on which requests shared the pass.
+    Coupled sampling ignores draft.probs (None is fine).
     """
-    out = target.verify(state, ids[-1], draft.ids, params.greedy)
     base = len(ids)
     if params.greedy:
         n, nxt = verify_greedy(draft.ids, out)
@@ -110,70 +118,117 @@ def _draft_token_s(proposer: Proposer | None, draft_s: float, k: int) -> float |
     return (draft_s - catchup) / (k - 1) if catchup else draft_s / k
 
 
+class Row:
+    """One request in the decode loop: its target state, proposer, committed ids, gamma policy and stats.
+
+    `decode` runs one Row alone; the request scheduler (batch.py) runs many, verifying their blocks together.
+    A round is: k = plan(); draft = propose(k); the target verifies [ids[-1], *draft.ids] (alone or in a batch);
+    finish(draft, out, verify_s) commits and returns the round's tokens. `done` once a finish reason is set.
+    """
+
+    def __init__(self, target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
+                 tuning: Tuning | None = None, early_stop: bool = False):
+        check_request(req, target.context_len)
+        self.t_start = time.perf_counter()
+        self.target, self.proposer, self.req, self.stats = target, proposer, req, stats
+        self.tuning = tuning = tuning or Tuning()
+        self.policy = GammaPolicy(tuning, "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
+        self.stop = tuning.early_stop if early_stop and hasattr(proposer, "_confidence") else None
+        self.stopped_early = 0
+        stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
+        stats.proposer = proposer.name if proposer is not None else "none"
+        self.state: Any = None
+        self.ids = list(req.prompt_ids)
+        self.generated = 0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.finish_reason)
+
+    def start(self) -> None:
+        """Prefill the target and start the proposer on the prompt."""
+        self.state = self.target.new_state()
+        self.target.prefill(self.state, self.req.prompt_ids)
+        if self.proposer is not None:
+            self.proposer.begin(self.req.prompt_ids, self.req.params)
+        self.stats.time_prefill_s = time.perf_counter() - self.t_start
+
+    def plan(self) -> int:
+        """0) this round's gamma (before the room left: max_new_tokens, the context)."""
+        policy = self.policy
+        remaining = min(self.req.max_new_tokens - self.generated, self.target.context_len - len(self.ids))
+        if self.proposer is None:
+            return 0
+        if getattr(self.proposer, "chooses_gamma", False) and policy.fixed is None:
+            return min(policy.g_max, remaining - 1)  # draft selection picks each strategy's own gamma
+        return min(policy.choose(), remaining - 1)
+
+    def propose(self, k: int) -> Draft:
+        """1) propose (2) send is a no-op in process)."""
+        t = time.perf_counter()
+        if k <= 0:
+            draft = Draft(ids=[])
+        elif self.stop is not None:
+            self.stop.break_even = _break_even(self.tuning, self.policy, k)
+            draft = self.proposer.propose(k, min_confidence=self.stop.threshold())
+            self.stopped_early += draft.stopped_early
+        else:
+            draft = self.proposer.propose(k)
+        self._draft_s = time.perf_counter() - t
+        self.stats.time_draft_s += self._draft_s
+        return draft
+
+    def finish(self, draft: Draft, out: Any, verify_s: float | None) -> list[int]:
+        """3b) accept, 4) commit + stop checks, token by token inside the block, 5) adapt. verify_s: the pass's
+        time when it verified this row alone (None in a shared pass: it is not this row's verify cost)."""
+        stats, req = self.stats, self.req
+        n, nxt = decide_block(self.target, self.state, req.params, self.ids, draft, out)
+        stats.record_round(len(draft.ids), n)
+        self.policy.observe(len(draft.ids), n, verify_s,
+                            _draft_token_s(self.proposer, self._draft_s, len(draft.ids)))
+        if self.stop is not None and draft.conf:
+            self.stop.observe(draft.conf, n)
+        emitted, self.generated = commit_tokens(self.ids, [*draft.ids[:n], nxt], req, self.generated,
+                                                self.target.context_len, stats)
+        if not stats.finish_reason and self.proposer is not None:
+            self.proposer.commit(n, nxt)
+        stats.new_tokens = self.generated
+        stats.time_total_s = time.perf_counter() - self.t_start
+        return emitted
+
+    def close(self) -> None:
+        """Summaries into stats; free the target state (a batched buffer's slot)."""
+        stats = self.stats
+        stats.time_total_s = time.perf_counter() - self.t_start
+        if self.policy.fixed is None:
+            stats.extra["gamma_auto"] = self.policy.summary()
+        if self.stop is not None:
+            stats.extra["early_stop"] = {**self.stop.summary(), "rounds_stopped_early": self.stopped_early}
+        if hasattr(self.proposer, "summary"):  # draft selection: per-strategy acceptance and cost
+            stats.extra["draft_selection"] = self.proposer.summary()
+        if self.state is not None:
+            release = getattr(self.target, "release_state", None)
+            if release is not None:
+                release(self.state)
+            self.state = None
+
+
 def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
            tuning: Tuning | None = None, early_stop: bool = False) -> Iterator[list[int]]:
     """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes.
     tuning: what the engine learns across requests (gamma: auto, early stop); None: a fresh one.
     early_stop: end blocks at low draft confidence (proposers that report it: the onnx drafter)."""
-    check_request(req, target.context_len)
-    t_start = time.perf_counter()
-    tuning = tuning or Tuning()
-    policy = GammaPolicy(tuning, "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
-    stop = tuning.early_stop if early_stop and hasattr(proposer, "_confidence") else None
-    stopped_early = 0
-    stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
-    stats.proposer = proposer.name if proposer is not None else "none"
-    state = target.new_state()
+    row = Row(target, proposer, req, stats, tuning, early_stop)
     try:
-        target.prefill(state, req.prompt_ids)
-        if proposer is not None:
-            proposer.begin(req.prompt_ids, req.params)
-        stats.time_prefill_s = time.perf_counter() - t_start
-        ids = list(req.prompt_ids)
-        generated = 0
-        while not stats.finish_reason:
-            remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
-            if proposer is None:
-                k = 0
-            elif getattr(proposer, "chooses_gamma", False) and policy.fixed is None:
-                k = min(policy.g_max, remaining - 1)  # draft selection picks each strategy's own gamma
-            else:
-                k = min(policy.choose(), remaining - 1)
-            # 1) propose (2) send is a no-op in process)
-            t = time.perf_counter()
-            if k <= 0:
-                draft = Draft(ids=[])
-            elif stop is not None:
-                stop.break_even = _break_even(tuning, policy, k)
-                draft = proposer.propose(k, min_confidence=stop.threshold())
-                stopped_early += draft.stopped_early
-            else:
-                draft = proposer.propose(k)
-            draft_s = time.perf_counter() - t
-            stats.time_draft_s += draft_s
+        row.start()
+        while not row.done:
+            k = row.plan()
+            draft = row.propose(k)
             # 3) verify
             t = time.perf_counter()
-            n, nxt = verify_block(target, state, req.params, ids, draft)
+            out = target.verify(row.state, row.ids[-1], draft.ids, req.params.greedy)
             verify_s = time.perf_counter() - t
             stats.time_verify_s += verify_s
-            stats.record_round(len(draft.ids), n)
-            policy.observe(len(draft.ids), n, verify_s, _draft_token_s(proposer, draft_s, len(draft.ids)))
-            if stop is not None and draft.conf:
-                stop.observe(draft.conf, n)
-            # 4) commit + stop checks, token by token inside the block
-            emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated,
-                                               target.context_len, stats)
-            if not stats.finish_reason and proposer is not None:
-                proposer.commit(n, nxt)
-            stats.new_tokens = generated
-            stats.time_total_s = time.perf_counter() - t_start
-            yield emitted
-            # 5) adapt: with gamma auto, the next round's choice sees this round's costs and acceptance
+            yield row.finish(draft, out, verify_s)
     finally:
-        stats.time_total_s = time.perf_counter() - t_start
-        if policy.fixed is None:
-            stats.extra["gamma_auto"] = policy.summary()
-        if stop is not None:
-            stats.extra["early_stop"] = {**stop.summary(), "rounds_stopped_early": stopped_early}
-        if hasattr(proposer, "summary"):  # draft selection: per-strategy acceptance and cost
-            stats.extra["draft_selection"] = proposer.summary()
+        row.close()

@@ -2,8 +2,8 @@
 
 Two backends implement it: `verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget`
 (ONNX Runtime; never imports torch). Each request's state (KV cache and its length, `n_cached`) lives in the
-object `new_state()` returns, never in the model, so one loaded model serves many requests (batching will
-hold several states at once).
+object `new_state()` returns, never in the model, so one loaded model serves many requests, and the request
+scheduler (batch.py) verifies several states' blocks in one pass (`verify_batch`).
 
 Cache invariant: the state caches every committed token but the last, which is fed at the start of the next
 pass together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
@@ -33,3 +33,15 @@ class Verifier(Protocol):
 
     def rollback(self, state: Any, n_keep: int) -> None:
         """Keep the first n_keep cached positions (drop the rejected drafts)."""
+
+    #: whether rows with draft blocks of different lengths share a verify_batch pass (else only 1-token rows)
+    batch_blocks: bool
+
+    def enable_batching(self, slots: int) -> None:
+        """Prepare for up to `slots` states verified together (the request scheduler's serving.max_batch)."""
+
+    def verify_batch(self, rows: list[tuple[Any, int, list[int]]], greedy: bool) -> list[Any]:
+        """Rows (state, last_token, draft_ids): what `verify` returns for each, in as few passes as it can."""
+
+    def release_state(self, state: Any) -> None:
+        """The request is over: free its cache (a batched buffer's slot) now."""

@@ -66,8 +66,26 @@ class OnnxTarget:
         tok = model_dir / "tokenizer.json"
         self.tokenizer = OnnxTokenizer(tok) if tok.is_file() else None
 
+        self._pool = None
+
+    #: only rows of one token (no draft) share a pass: the exported GroupQueryAttention refuses a batch of
+    #: several-token blocks over different pasts (OnnxDecoder.append_batch); such rows verify one per pass
+    batch_blocks = False
+
+    def enable_batching(self, slots: int) -> None:
+        """States from now on are slots of one batched KV buffer (up to `slots`; more get their own buffers),
+        so that their one-token steps share a pass (verify_batch). Needs the shared-buffer layout."""
+        if self.decoder.shared and slots > 1 and self._pool is None:
+            self._pool = self.decoder.new_pool(slots)
+
     def new_state(self) -> OnnxTargetState:
-        return OnnxTargetState(self.decoder.new_state())
+        dec = self._pool.acquire() if self._pool is not None else None
+        return OnnxTargetState(dec if dec is not None else self.decoder.new_state())
+
+    def release_state(self, state: OnnxTargetState) -> None:
+        """Free the state's pool slot (a request ended); a no-op for a state with buffers of its own."""
+        if state.dec.pool is not None:
+            state.dec.pool.release(state.dec)
 
     def forward(self, state: OnnxTargetState, tokens: list[int], last_only: bool = False) -> np.ndarray:
         """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only)."""
@@ -91,7 +109,26 @@ class OnnxTarget:
                greedy: bool) -> list[int] | np.ndarray:
         """One pass over [last_token, *draft_ids]: the argmax ids [k + 1] (greedy) or the logits as
         float32 [k + 1, vocab]."""
-        logits = self.forward(state, [last_token, *draft_ids])
-        if greedy:
-            return logits.argmax(axis=-1).tolist()
-        return logits.astype(np.float32, copy=False)
+        return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
+
+    def verify_batch(self, rows: list[tuple[OnnxTargetState, int, list[int]]], greedy: bool) -> list:
+        """Verify several requests' blocks; rows are (state, last_token, draft_ids), each getting what `verify`
+        returns for it. Rows without a draft (one token) whose states share the pool run as ONE pass; rows with
+        a draft block run one per pass (see batch_blocks)."""
+        results: list = [None] * len(rows)
+        singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.dec.pool is not None]
+        if len(singles) > 1:
+            logits = self.decoder.append_batch([rows[i][0].dec for i in singles], [rows[i][1] for i in singles])
+            for j, i in enumerate(singles):
+                results[i] = _outputs(logits[j:j + 1], greedy)
+        for i, (state, last, draft) in enumerate(rows):
+            if results[i] is None:
+                results[i] = self.verify(state, last, draft, greedy)
+        return results
+
+
+def _outputs(logits: np.ndarray, greedy: bool) -> list[int] | np.ndarray:
+    """A verify pass's result for one row: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
+    if greedy:
+        return logits.argmax(axis=-1).tolist()
+    return logits.astype(np.float32, copy=False)

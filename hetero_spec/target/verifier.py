@@ -100,6 +100,13 @@ class TargetModel:
 
         return TargetState(cache=DynamicCache(config=self.config))
 
+    def enable_batching(self, slots: int) -> None:
+        """Nothing to set up: verify_batch builds each batch from the rows' own caches."""
+
+    def release_state(self, state: TargetState) -> None:
+        """Drop the request's cache now (a request ended or was cancelled)."""
+        state.cache, state.n_cached = None, 0
+
     @torch.inference_mode()
     def forward(self, state: TargetState, tokens: list[int], last_only: bool = False) -> torch.Tensor:
         """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device
@@ -139,9 +146,86 @@ class TargetModel:
         float32 numpy array [k + 1, vocab] for `sampling.logits_to_probs`.
         """
         logits = self.forward(state, [last_token, *draft_ids])
-        if greedy:
-            return logits.argmax(dim=-1).tolist()
-        return logits.float().cpu().numpy()
+        return _outputs(logits, greedy)
+
+    #: rows with draft blocks of different lengths share one pass (padding masks), not only 1-token rows
+    batch_blocks = True
+
+    @torch.inference_mode()
+    def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: bool) -> list:
+        """Verify several requests' blocks in ONE forward pass; rows are (state, last_token, draft_ids) and
+        each gets what `verify` would return for it. Every row keeps its own cache and length.
+
+        The batch is built padded: each row's past is right-aligned in [B, heads, L, dim] (L the longest past;
+        masked zeros on its left) and its block left-aligned in [B, K] (K the longest block; the pad tokens
+        after it are seen by nothing real, attention being causal), with explicit positions. Afterwards each row
+        takes back its own new positions, so a rollback never leaves a pad behind. Sliding-window caches, whose
+        recorded past a padded copy cannot keep, verify one row per pass.
+        """
+        if len(rows) == 1 or self.windowed:
+            return [self.verify(state, last, draft, greedy) for state, last, draft in rows]
+        lens = [state.n_cached for state, _, _ in rows]
+        blocks = [[last, *draft] for _, last, draft in rows]
+        big_l, big_k = max(lens), max(len(b) for b in blocks)
+        if big_l:
+            batch = self._padded_cache([state.cache for state, _, _ in rows], lens, big_l)
+        else:
+            from transformers import DynamicCache
+
+            batch = DynamicCache(config=self.config)
+        ids = torch.zeros((len(rows), big_k), dtype=torch.long)
+        mask = torch.zeros((len(rows), big_l + big_k), dtype=torch.long)
+        for i, (n, block) in enumerate(zip(lens, blocks)):
+            ids[i, :len(block)] = torch.tensor(block)
+            mask[i, big_l - n:] = 1
+        pos = torch.tensor(lens)[:, None] + torch.arange(big_k)[None]
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), cache=batch, use_cache=True)
+        results = []
+        for i, ((state, _, _), block) in enumerate(zip(rows, blocks)):
+            for layer, new in zip(state.cache.layers, batch.layers):
+                end = big_l + len(block)
+                layer.update(new.keys[i:i + 1, :, big_l:end], new.values[i:i + 1, :, big_l:end])
+            state.n_cached += len(block)
+            results.append(_outputs(out.logits[i, :len(block)], greedy))
+        return results
+
+    def _padded_cache(self, caches: list, lens: list[int], big_l: int):
+        """One DynamicCache [B, heads, big_l, dim] per layer: each row's past right-aligned, zeros before it."""
+        from transformers import DynamicCache
+
+        batch = DynamicCache(config=self.config)
+        for li, layer in enumerate(batch.layers):
+            keys, values = [], []
+            for cache, n in zip(caches, lens):
+                src = cache.layers[li]
+                k, v = (src.keys, src.values) if n else (None, None)
+                keys.append(_left_pad(k, big_l, self._kv_like(li, caches)))
+                values.append(_left_pad(v, big_l, self._kv_like(li, caches, values=True)))
+            layer.update(torch.cat(keys), torch.cat(values))
+        return batch
+
+    @staticmethod
+    def _kv_like(li: int, caches: list, values: bool = False):
+        for cache in caches:
+            layer = cache.layers[li]
+            if getattr(layer, "is_initialized", False) and layer.keys.numel():
+                return layer.values if values else layer.keys
+        raise ValueError("verify_batch needs at least one row with a cached past")
+
+
+def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
+    """A verify pass's result for one row: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
+    if greedy:
+        return logits.argmax(dim=-1).tolist()
+    return logits.float().cpu().numpy()
+
+
+def _left_pad(kv: torch.Tensor | None, length: int, like: torch.Tensor) -> torch.Tensor:
+    """[1, heads, n, dim] -> [1, heads, length, dim] with zeros before (None: all zeros, shaped like `like`)."""
+    n = 0 if kv is None else kv.shape[-2]
+    pad = like.new_zeros((1, like.shape[1], length - n, like.shape[3]))
+    return pad if kv is None else torch.cat([pad, kv], dim=-2)
 
 
 def _check_rollback(config, model_dir: Path) -> bool:

@@ -102,9 +102,11 @@ class Tuning:
         self.choices[0] += 1
         return 0
 
-    def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
+    def observe(self, k: int, n: int, verify_s: float | None, draft_s: float | None) -> None:
+        """One round: k drafts, n accepted; verify_s None when the pass was shared with other requests."""
         self.acceptance.observe(k, n)
-        self.observe_verify(k, verify_s)
+        if verify_s is not None:
+            self.observe_verify(k, verify_s)
         if draft_s is not None and k > 0:
             self.observe_draft_token(draft_s / k)
 
@@ -207,7 +209,7 @@ class GammaPolicy:
         self.choices[0] += 1
         return 0
 
-    def observe(self, k: int, n: int, verify_s: float, draft_s: float | None) -> None:
+    def observe(self, k: int, n: int, verify_s: float | None, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
         self.tuning.observe(k, n, verify_s, draft_s)
         if self._probing and k > 0:  # a failed probe waits twice as long for the next; a hit resets
