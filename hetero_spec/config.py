@@ -171,6 +171,18 @@ class RuntimeConfig(_Section):
     """Test only: the worker sleeps this long per drafted token (an artificially slow draft)."""
 
 
+class ServingConfig(_Section):
+    max_batch: int = Field(default=8, ge=1, le=256)
+    """Most requests decoded together (continuous batching: they join and leave between rounds; more wait in
+    order). Their one-token steps, and on the torch backend their draft blocks, share one target pass. 1: one
+    request at a time. The two_process layout serves one request at a time (its worker drafts one stream)."""
+    mode: Literal["throughput", "latency"] = "throughput"
+    """The scheduler's objective for a batch. `throughput`: the most committed tokens per second over the
+    batch (speculation per row only when the cost model predicts it beats one shared pass). `latency`: each
+    running request's own time per token; a request waits rather than join a batch that would slow the
+    running ones by more than 1.5x (predicted)."""
+
+
 class Config(_Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     """The PyTorch verifier."""
@@ -182,6 +194,8 @@ class Config(_Section):
     """Defaults of each request."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Process layout."""
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    """Concurrent requests: the request scheduler's batch."""
     source: str = Field(default="<dict>", exclude=True)
     """Where this config came from (file path), for error messages."""
     _override_keys: tuple[str, ...] = PrivateAttr(default=())  # dotted keys set by `--set` / overrides

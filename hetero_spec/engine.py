@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
+import asyncio
 import logging
+import queue
 import secrets
 import threading
 import time
@@ -19,7 +21,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, check_paths, load_config
 from .errors import ConfigError, EngineClosedError, VocabMismatchError
@@ -29,6 +31,9 @@ from .scheduler import Request, check_request, decode
 from .target.backends import choose_backend, load_target
 from .tuning.profile import load_tuning
 from .validation import check_stop_ids, prompt_token_ids, request_args
+
+if TYPE_CHECKING:
+    from .batch import Ticket
 
 log = logging.getLogger("hetero_spec")
 
@@ -88,8 +93,10 @@ def _vocab_diff(tv: dict[str, int], dv: dict[str, int], examples: int = 3) -> st
 
 
 def _release(parts: dict[str, Any]) -> None:
-    """Shut down what an Engine holds: the draft, the worker process, the CPU plan. Runs once (it is
-    the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
+    """Shut down what an Engine holds: the request loop, the draft, the worker process, the CPU plan. Runs once
+    (it is the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
+    if parts.get("scheduler") is not None:
+        parts["scheduler"].stop()
     if parts.get("proposer") is not None:
         parts["proposer"].close()
     if parts.get("runtime") is not None:
@@ -149,8 +156,8 @@ class Engine:
             config, self.placement = resolve(config, self.tuning.prior_acceptance)
             self._seed_tuning()
             self.placement["switches"] = []
-        # Requests on one Engine queue here and run one at a time (until batched serving): the draft
-        # (in-process drafter or the worker's channel) holds one request's state.
+        # Held by the request scheduler's loop for each round (and a two_process request's whole run): health
+        # probes the models only when it can take it
         self._lock = threading.Lock()
         self._closed = False
         # What close() releases; also released when the Engine is garbage-collected or at exit.
@@ -161,6 +168,9 @@ class Engine:
         except BaseException:
             self._finalizer()
             raise
+        from .batch import RequestScheduler
+
+        self._scheduler = self._parts["scheduler"] = RequestScheduler(self)
 
     def _build(self, config: Config) -> None:
         """Load the target and start the draft (in process, or the worker) for a resolved config."""
@@ -180,6 +190,8 @@ class Engine:
         # 2-core machine, spinning measured slower (10.6 against 9.4 ms a step at 2 threads)
         self.target = load_target(config.target, threads, spin=False)
         self.tokenizer = self.target.tokenizer
+        if config.runtime.mode != "two_process":
+            self.target.enable_batching(config.serving.max_batch)
         if config.runtime.mode == "two_process":
             from .runtime.engine_side import PipelinedRuntime
 
@@ -278,6 +290,10 @@ class Engine:
             return cls(build_config(config, overrides=overrides))
         return cls(load_config(config, overrides=overrides))
 
+    def _row_proposer(self):
+        """A proposer for one request of the batch: the configured one's kind, on its loaded model."""
+        return self.proposer.spawn() if self.proposer is not None else None
+
     def _make_proposer(self, config: Config):
         d = config.draft
         if d.candidates:
@@ -342,35 +358,35 @@ class Engine:
         if self._closed:
             raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
 
+    def _submit(self, req: Request, stats: Stats, cancel: threading.Event | None, sink) -> Ticket:
+        from .batch import Ticket
+
+        self._check_open()
+        ticket = Ticket(req, stats, sink, cancel if cancel is not None else threading.Event())
+        self._scheduler.submit(ticket)
+        return ticket
+
     def _decode(self, req: Request, stats: Stats, cancel: threading.Event | None = None) -> Iterator[list[int]]:
-        """Run one request when the Engine is free (requests queue on the lock, one at a time). `cancel` set
-        (a client gone): the request ends before its next round, or before it starts if it was queued."""
+        """Submit the request to the scheduler and yield its rounds' tokens. `cancel` set (a client gone), or
+        the iterator closed early: the request leaves the batch before its next round, freeing its state."""
+        from .batch import DONE
+
+        items: queue.Queue = queue.Queue()
+        ticket = self._submit(req, stats, cancel, items.put)
+        done = False
         try:
-            with self._lock:
-                self._check_open()
-                self._progress_at = time.monotonic()
-                if cancel is not None and cancel.is_set():
-                    stats.finish_reason = "cancelled"
+            while True:
+                item = items.get()
+                if item is DONE:
+                    done = True
                     return
-                try:
-                    rounds = (self.runtime.decode(self.target, req, stats) if self.runtime is not None else
-                              decode(self.target, self.proposer, req, stats, self.tuning,
-                                     early_stop=self.config.speculation.early_stop))
-                    try:
-                        for chunk in rounds:
-                            self._progress_at = time.monotonic()
-                            yield chunk
-                            if cancel is not None and cancel.is_set() and not stats.finish_reason:
-                                stats.finish_reason = "cancelled"
-                                return
-                    finally:
-                        rounds.close()  # ends the request's draft state (worker End) now, not at collection
-                finally:
-                    if not self._closed:
-                        self._maybe_replace()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
         finally:
-            if self._closed:  # close() came while this request ran: release now that it is over
-                self._finalizer()
+            if not done:
+                ticket.cancel.set()
 
     def health(self, timeout_s: float | None = None) -> dict:
         """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a
@@ -388,8 +404,12 @@ class Engine:
         try:
             t = time.perf_counter()
             state = self.target.new_state()
-            self.target.forward(state, [0])
-            return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
+            try:
+                self.target.forward(state, [0])
+            finally:
+                self.target.release_state(state)
+            return {"target": "ok", "busy": self._scheduler.running > 0,
+                    "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
                     **self._draft_health(probe=True, timeout_s=timeout_s)}
         finally:
             self._lock.release()
@@ -479,20 +499,74 @@ class Engine:
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         return self._decode(req, stats if stats is not None else Stats(), cancel)
 
+    # -- asyncio (the server): the same requests, read from an asyncio queue instead of a thread's -------------
+    async def astream_tokens(self, prompt: str | list[int], max_new_tokens: int | None = None,
+                             temperature: float | None = None, top_k: int | None = None,
+                             top_p: float | None = None, seed: int | None = None,
+                             stop_token_ids: list[int] | None = None, gamma: int | None = None,
+                             stats: Stats | None = None, cancel: threading.Event | None = None):
+        """An async iterator of each round's committed token ids, validated at once (like stream_tokens).
+        Leaving the iteration early (a client gone) cancels the request before its next round."""
+        from .batch import DONE
+
+        req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        ticket = self._submit(req, stats if stats is not None else Stats(), cancel,
+                              lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+
+        async def rounds():
+            done = False
+            try:
+                while True:
+                    item = await items.get()
+                    if item is DONE:
+                        done = True
+                        return
+                    if isinstance(item, BaseException):
+                        done = True
+                        raise item
+                    yield item
+            finally:
+                if not done:
+                    ticket.cancel.set()
+
+        return rounds()
+
+    async def astream(self, prompt: str | list[int], stats: Stats | None = None, **kwargs):
+        """Async stream(): text pieces as rounds commit tokens (keyword arguments as generate's)."""
+        stats = stats if stats is not None else Stats()
+        chunks = await self.astream_tokens(prompt, stats=stats, **kwargs)
+
+        async def pieces():
+            detok = Detokenizer(self._decode_text)
+            async for chunk in chunks:
+                piece = detok.add(chunk, final=bool(stats.finish_reason))
+                if piece:
+                    yield piece
+
+        return pieces()
+
+    async def agenerate(self, prompt: str | list[int], **kwargs) -> GenerationOutput:
+        """Async generate() (keyword arguments as generate's)."""
+        stats = Stats()
+        ids: list[int] = []
+        async for chunk in await self.astream_tokens(prompt, stats=stats, **kwargs):
+            ids.extend(chunk)
+        return GenerationOutput(text=self._decode_text(ids), token_ids=ids, stats=stats.to_dict(),
+                                finish_reason=stats.finish_reason)
+
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt becomes (validated like a request's)."""
         return prompt_token_ids(prompt, self.tokenizer, self.target.vocab_width, self.target.model_dir)
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Release the draft; in two_process mode shut the worker down cleanly (no orphans). A request
-        running in another thread finishes first (up to wait_s; otherwise it releases everything when
-        it ends). Later calls raise EngineClosedError. Safe to call twice."""
+        """Release the draft; in two_process mode shut the worker down cleanly (no orphans). Running requests
+        finish first (up to wait_s; otherwise the scheduler releases everything when they end); waiting ones
+        fail with EngineClosedError, as do later calls. Safe to call twice."""
         self._closed = True
-        if self._lock.acquire(timeout=wait_s):
-            try:
-                self._finalizer()
-            finally:
-                self._lock.release()
+        if self._scheduler.stop(wait_s):
+            self._finalizer()
 
     def __enter__(self) -> Engine:
         return self

@@ -24,6 +24,10 @@ class NgramProposer:
         self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
         self._reset([])
 
+    def spawn(self) -> NgramProposer:
+        """A proposer of the same settings for another request (the request scheduler gives each its own)."""
+        return NgramProposer(max_n=self.max_n, min_n=self.min_n)
+
     def _reset(self, ids: list[int]) -> None:
         self.ids = []
         self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}

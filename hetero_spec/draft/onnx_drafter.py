@@ -38,8 +38,17 @@ class OnnxDrafter:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, spin: bool = True):
-        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
-                                   spin=spin)
+        self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
+                                 spin=spin))
+
+    def spawn(self) -> OnnxDrafter:
+        """A drafter for another request on the same loaded model (one session, a state per request)."""
+        new = OnnxDrafter.__new__(OnnxDrafter)
+        new._attach(self.decoder)
+        return new
+
+    def _attach(self, decoder: OnnxDecoder) -> None:
+        self.decoder = decoder
         self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
         self.state = self.decoder.new_state()

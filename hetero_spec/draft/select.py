@@ -162,6 +162,13 @@ class SelectingProposer:
         self._draft_ids: list[int] = []
         self.last_catchup_s = 0.0
 
+    def spawn(self) -> SelectingProposer:
+        """A selector for another request: its own candidates' streams, this chooser's shared statistics (the
+        strategies' costs and acceptance are properties of the machine and the drafts, not of one request)."""
+        new = SelectingProposer({name: p.spawn() for name, p in self.candidates.items()}, self.chooser.model_fn)
+        new.chooser, new.stats = self.chooser, self.stats
+        return new
+
     @property
     def reason(self) -> str:
         return self.chooser.reason

@@ -40,8 +40,9 @@ class Verifier(Protocol):
     def enable_batching(self, slots: int) -> None:
         """Prepare for up to `slots` states verified together (the request scheduler's serving.max_batch)."""
 
-    def verify_batch(self, rows: list[tuple[Any, int, list[int]]], greedy: bool) -> list[Any]:
-        """Rows (state, last_token, draft_ids): what `verify` returns for each, in as few passes as it can."""
+    def verify_batch(self, rows: list[tuple[Any, int, list[int]]], greedy: list[bool]) -> list[Any]:
+        """Rows (state, last_token, draft_ids), a greedy flag per row: what `verify` returns for each, in as few
+        passes as it can."""
 
     def release_state(self, state: Any) -> None:
         """The request is over: free its cache (a batched buffer's slot) now."""

@@ -111,19 +111,21 @@ class OnnxTarget:
         float32 [k + 1, vocab]."""
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
-    def verify_batch(self, rows: list[tuple[OnnxTargetState, int, list[int]]], greedy: bool) -> list:
+    def verify_batch(self, rows: list[tuple[OnnxTargetState, int, list[int]]], greedy: list[bool]) -> list:
         """Verify several requests' blocks; rows are (state, last_token, draft_ids), each getting what `verify`
-        returns for it. Rows without a draft (one token) whose states share the pool run as ONE pass; rows with
+        returns for it (greedy: one flag per row). Rows without a draft (one token) whose states share the pool run as ONE pass; rows with
         a draft block run one per pass (see batch_blocks)."""
+        if len(greedy) != len(rows):
+            raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         results: list = [None] * len(rows)
         singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.dec.pool is not None]
         if len(singles) > 1:
             logits = self.decoder.append_batch([rows[i][0].dec for i in singles], [rows[i][1] for i in singles])
             for j, i in enumerate(singles):
-                results[i] = _outputs(logits[j:j + 1], greedy)
+                results[i] = _outputs(logits[j:j + 1], greedy[i])
         for i, (state, last, draft) in enumerate(rows):
             if results[i] is None:
-                results[i] = self.verify(state, last, draft, greedy)
+                results[i] = self.verify(state, last, draft, greedy[i])
         return results
 
 

@@ -152,9 +152,10 @@ class TargetModel:
     batch_blocks = True
 
     @torch.inference_mode()
-    def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: bool) -> list:
+    def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: list[bool]) -> list:
         """Verify several requests' blocks in ONE forward pass; rows are (state, last_token, draft_ids) and
-        each gets what `verify` would return for it. Every row keeps its own cache and length.
+        each gets what `verify` would return for it (greedy: one flag per row). Every row keeps its own cache
+        and length.
 
         The batch is built padded: each row's past is right-aligned in [B, heads, L, dim] (L the longest past;
         masked zeros on its left) and its block left-aligned in [B, K] (K the longest block; the pad tokens
@@ -162,8 +163,10 @@ class TargetModel:
         takes back its own new positions, so a rollback never leaves a pad behind. Sliding-window caches, whose
         recorded past a padded copy cannot keep, verify one row per pass.
         """
+        if len(greedy) != len(rows):
+            raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         if len(rows) == 1 or self.windowed:
-            return [self.verify(state, last, draft, greedy) for state, last, draft in rows]
+            return [self.verify(state, last, draft, g) for (state, last, draft), g in zip(rows, greedy)]
         lens = [state.n_cached for state, _, _ in rows]
         blocks = [[last, *draft] for _, last, draft in rows]
         big_l, big_k = max(lens), max(len(b) for b in blocks)
@@ -187,7 +190,7 @@ class TargetModel:
                 end = big_l + len(block)
                 layer.update(new.keys[i:i + 1, :, big_l:end], new.values[i:i + 1, :, big_l:end])
             state.n_cached += len(block)
-            results.append(_outputs(out.logits[i, :len(block)], greedy))
+            results.append(_outputs(out.logits[i, :len(block)], greedy[i]))
         return results
 
     def _padded_cache(self, caches: list, lens: list[int], big_l: int):

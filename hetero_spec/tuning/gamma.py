@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .cost_model import CostModel, expected_tokens
 from .early_stop import ConfidenceStop
+from .batching import SharedPassCost
 
 EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short: the draft may be useless)
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
@@ -60,8 +61,8 @@ class Acceptance:
 
 @dataclass
 class Tuning:
-    """What the engine learns across requests: acceptance and costs. One per Engine (requests run one at a
-    time; batched serving will hold one per strategy)."""
+    """What the engine learns across requests: acceptance and costs. One per Engine, shared by the requests of
+    a batch (they run in one thread, the request scheduler's)."""
 
     profile: CostModel | None = None
     prior_acceptance: float = 0.7
@@ -74,6 +75,8 @@ class Tuning:
     draft_token_s: float | None = None
     alpha: float = 0.2
     early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
+    shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
+
 
     def reset_costs(self) -> None:
         """Forget the costs (the hardware under them changed: another layout or thread count); acceptance,
@@ -82,6 +85,7 @@ class Tuning:
         self.verify_points.clear()
         self._sums = [0.0] * 5
         self.draft_token_s = None
+        self.shared = SharedPassCost()
 
     def seed_costs(self, model: CostModel, weight: int = 2) -> None:
         """Start the learned costs from a measured model (placement's probes): its verify line as points at

@@ -1,0 +1,249 @@
+"""The request scheduler: every request of an Engine runs in one loop thread, which decodes up to
+`serving.max_batch` of them together (continuous batching: they join and leave between rounds).
+
+A round of the batch, in process (scheduler.Row holds each request's state):
+  0) plan: each row's own gamma, then the batch's plan (tuning/batching.py: speculate, or one shared pass)
+  1) propose: each row's proposer drafts its block (one draft model, in turn)
+  3) verify: ONE `verify_batch` call for all rows (the backend shares passes as far as it can)
+  4) commit + stop checks per row; its tokens go to its caller; a finished or cancelled row leaves at once,
+     freeing its target state (a KV slot) and its draft state, and a waiting request takes its place.
+
+In the two_process layout the worker drafts one stream, so requests run one at a time, start to end
+(runtime/pipelined.py), in this same thread.
+
+Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
+for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import EngineClosedError
+from .metrics import Stats
+from .scheduler import Request, Row
+from .tuning.batching import BatchPlan, may_join, plan_batch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("hetero_spec.batch")
+
+DONE = object()  # the last item of a ticket's sink when the request ended normally (stats.finish_reason says how)
+
+
+@dataclass
+class Ticket:
+    """One submitted request: what it asks, where its stats and tokens go, and how to cancel it."""
+
+    req: Request
+    stats: Stats
+    sink: Callable[[Any], None]  # receives token-id lists, then DONE or an exception
+    cancel: threading.Event = field(default_factory=threading.Event)
+    batched_rounds: int = 0  # rounds that shared the target pass with other requests
+    largest_batch: int = 1
+
+    def put(self, item: Any) -> None:
+        try:
+            self.sink(item)
+        except RuntimeError:  # the caller's event loop is gone: nobody reads this request any more
+            self.cancel.set()
+
+
+class RequestScheduler:
+    """Owns the loop thread. Holds the Engine weakly, so a dropped Engine is still collected (and its finalizer
+    stops this loop)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = weakref.ref(engine)
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._rows: list[tuple[Row, Ticket]] = []
+        self._stopping = False
+        self.last_plan: BatchPlan | None = None
+        self.batch_sizes: deque[int] = deque(maxlen=4096)  # rounds' batch sizes, drained by the server's metrics
+        self._thread = threading.Thread(target=self._run, name="hetero-spec-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- callers' side ---------------------------------------------------------------------------------
+    def submit(self, ticket: Ticket) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
+            self._waiting.append(ticket)
+            self._cv.notify()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """No new requests; waiting ones fail with EngineClosedError, running ones finish. Returns whether the
+        loop ended within wait_s."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._rows or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    while self._waiting:
+                        self._waiting.popleft().put(EngineClosedError("this Engine was closed before the "
+                                                                      "request started"))
+                    if not self._rows:
+                        break
+            engine = self._engine()
+            if engine is None:  # collected: its finalizer released the models
+                self._fail_all(EngineClosedError("the Engine was garbage-collected"))
+                return
+            try:
+                self._round(engine)
+            except BaseException as exc:  # noqa: BLE001 - every running request hears of it; the loop goes on
+                log.exception("request scheduler: a round failed")
+                self._fail_all(exc)
+            del engine
+        engine = self._engine()
+        if engine is not None and engine._closed:  # close() did not wait for the last requests: release now
+            engine._finalizer()
+
+    def _round(self, eng: Engine) -> None:
+        with eng._lock:
+            eng._progress_at = time.monotonic()
+            if eng.runtime is not None:
+                self._alone(eng)
+            else:
+                self._admit(eng)
+                self._drop_cancelled()
+                if self._rows:
+                    self._step(eng)
+            if not self._rows and not eng._closed:
+                eng._maybe_replace()  # between requests: the placement may move (tuning/placement.py)
+
+    def _alone(self, eng: Engine) -> None:
+        """two_process: the next request, start to end (the worker drafts one stream)."""
+        with self._cv:
+            if not self._waiting:
+                return
+            ticket = self._waiting.popleft()
+        if ticket.cancel.is_set():
+            ticket.stats.finish_reason = "cancelled"
+            ticket.put(DONE)
+            return
+        try:
+            rounds = eng.runtime.decode(eng.target, ticket.req, ticket.stats)
+            try:
+                for chunk in rounds:
+                    eng._progress_at = time.monotonic()
+                    ticket.put(chunk)
+                    if ticket.cancel.is_set() and not ticket.stats.finish_reason:
+                        ticket.stats.finish_reason = "cancelled"
+                        break
+            finally:
+                rounds.close()  # ends the request's draft state (worker End) now
+        except Exception as exc:  # noqa: BLE001 - the request's caller gets it
+            ticket.put(exc)
+            return
+        ticket.put(DONE)
+
+    def _admit(self, eng: Engine) -> None:
+        """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit)."""
+        serving = eng.config.serving
+        while len(self._rows) < serving.max_batch:
+            if not may_join(len(self._rows), serving.mode, eng.tuning.model(), eng.tuning.shared):
+                break
+            with self._cv:
+                if not self._waiting:
+                    return
+                ticket = self._waiting.popleft()
+            if ticket.cancel.is_set():
+                ticket.stats.finish_reason = "cancelled"
+                ticket.put(DONE)
+                continue
+            row = None
+            try:
+                row = Row(eng.target, eng._row_proposer(), ticket.req, ticket.stats, eng.tuning,
+                          early_stop=eng.config.speculation.early_stop)
+                row.start()
+            except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
+                if row is not None:
+                    self._close(row)
+                ticket.put(exc)
+                continue
+            self._rows.append((row, ticket))
+
+    def _drop_cancelled(self) -> None:
+        for row, ticket in [rt for rt in self._rows if rt[1].cancel.is_set()]:
+            row.stats.finish_reason = row.stats.finish_reason or "cancelled"
+            self._end(row, ticket)
+
+    def _step(self, eng: Engine) -> None:
+        """One round for every running request (phases in the module docstring)."""
+        target, rows = eng.target, [row for row, _ in self._rows]
+        gammas = [row.plan() for row in rows]  # 0) plan
+        if len(rows) > 1:
+            self.last_plan = plan_batch(gammas, [row.policy.estimate() for row in rows], eng.tuning.model(),
+                                        eng.tuning.shared, target.batch_blocks)
+            gammas = self.last_plan.gammas
+        drafts = [row.propose(k) for row, k in zip(rows, gammas)]  # 1) propose
+        t = time.perf_counter()  # 3) verify
+        outs = target.verify_batch([(row.state, row.ids[-1], d.ids) for row, d in zip(rows, drafts)],
+                                   [row.req.params.greedy for row in rows])
+        verify_s = time.perf_counter() - t
+        self.batch_sizes.append(len(rows))
+        if len(rows) > 1:
+            if target.batch_blocks:
+                eng.tuning.shared.observe(len(rows) * max(len(d.ids) + 1 for d in drafts), verify_s)
+            elif not any(d.ids for d in drafts):
+                eng.tuning.shared.observe(len(rows), verify_s)
+        for (row, ticket), draft, out in zip(list(self._rows), drafts, outs):  # 4) commit, per row
+            row.stats.time_verify_s += verify_s
+            if len(rows) > 1:
+                ticket.batched_rounds += 1
+                ticket.largest_batch = max(ticket.largest_batch, len(rows))
+            ticket.put(row.finish(draft, out, verify_s if len(rows) == 1 else None))
+            if row.done:
+                self._end(row, ticket)
+
+    def _end(self, row: Row, ticket: Ticket) -> None:
+        self._rows = [rt for rt in self._rows if rt[0] is not row]
+        self._close(row)
+        if ticket.batched_rounds:
+            ticket.stats.extra["batch"] = {"rounds_batched": ticket.batched_rounds,
+                                           "largest_batch": ticket.largest_batch,
+                                           "last_plan": self.last_plan.reason if self.last_plan else ""}
+        ticket.put(DONE)
+
+    @staticmethod
+    def _close(row: Row) -> None:
+        """Free the request's target state (KV slot) and its draft state."""
+        row.close()
+        if row.proposer is not None:
+            row.proposer.close()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for row, ticket in self._rows:
+            try:
+                self._close(row)
+            except Exception:  # noqa: BLE001 - freeing what is left; the error below is what matters
+                log.exception("request scheduler: releasing a failed request")
+            ticket.put(exc)
+        self._rows = []

@@ -1,0 +1,113 @@
+"""Hardware-aware batching: whether a batch speculates, and whether a waiting request may join it.
+
+Each row (request) of a batch has its own gamma choice (tuning/gamma.py, as if it ran alone). For the batch as a
+whole the choice is between two plans for a round, both committing tokens for every row:
+
+- plain: every row without a draft, one token each, in ONE shared target pass:
+  B tokens in S(B) seconds, where S(t) is the shared pass's cost for t positions;
+- speculate: every row drafts k_b tokens (in turn, one draft model), then the blocks are verified,
+  in one padded pass of B x max(k_b + 1) positions where the backend can (`batch_blocks`: torch), else one pass
+  per row with a draft (the exported ONNX attention takes one-token rows only) plus one shared pass for the rest:
+  sum_b E(a_b, k_b) tokens in sum_b k_b d + verify time.
+
+The plan with more committed tokens per second wins. A wide accelerator verifies a batch of blocks for about
+the price of one token, so speculation stays; on a CPU a shared pass of B tokens costs little more than one
+token's, and the same positions spent on drafts cost B times, so speculation turns off as B grows. There is no
+fixed threshold: S is measured (a line fitted to the shared passes seen), with the one-request verify line as
+its prior until two batch sizes have been seen.
+
+`serving.mode: latency` also holds a waiting request back when the batch with it is predicted to make a
+round take more than LATENCY_SLOWDOWN x a round of one request alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cost_model import CostModel, expected_tokens
+
+#: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
+LATENCY_SLOWDOWN = 1.5
+
+
+@dataclass
+class SharedPassCost:
+    """S(t) = c0 + c1 t: the seconds of one target pass over t positions shared by several requests, fitted to
+    the passes seen (a sliding window)."""
+
+    points: deque = field(default_factory=lambda: deque(maxlen=128))  # (positions, seconds)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        self.points.append((positions, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """(c0, c1), or None until two distinct sizes have been seen."""
+        if len({x for x, _ in self.points}) < 2:
+            return None
+        from .cost_model import fit_line
+
+        c0, c1 = fit_line(list(self.points))
+        return max(c0, 0.0), max(c1, 0.0)
+
+    def cost(self, positions: int, model: CostModel | None) -> float | None:
+        """Predicted seconds for a shared pass; before two sizes are known, the one-request verify line
+        (a pass of `positions` tokens), or None without either."""
+        line = self.line()
+        if line is not None:
+            return line[0] + line[1] * positions
+        return model.verify(positions - 1) if model is not None else None
+
+
+@dataclass
+class BatchPlan:
+    gammas: list[int]
+    reason: str
+    spec_rate: float | None = None  # predicted committed tokens/s over the batch
+    plain_rate: float | None = None
+
+
+def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | None, shared: SharedPassCost,
+               batch_blocks: bool) -> BatchPlan:
+    """The round's gammas for a batch: each row's own choice (speculate) or all 0 (plain), by predicted goodput.
+    gammas: the rows' own choices; acceptances: the rows' estimates; model: the one-request costs (None: not
+    yet measured, the rows' choices stand)."""
+    b = len(gammas)
+    if b < 2 or not any(gammas):
+        return BatchPlan(gammas, "one row" if b < 2 else "no row drafts")
+    plain_s = shared.cost(b, model)
+    spec_s = _spec_time(gammas, model, shared, batch_blocks)
+    if plain_s is None or spec_s is None:
+        return BatchPlan(gammas, "costs not measured yet: the rows' own choices")
+    tokens = sum(expected_tokens(a, g) for a, g in zip(acceptances, gammas))
+    spec_rate, plain_rate = tokens / spec_s, b / plain_s
+    if spec_rate > plain_rate:
+        return BatchPlan(gammas, f"batch of {b}: speculation predicts {spec_rate:.0f} tok/s against "
+                                 f"{plain_rate:.0f} for one shared pass", spec_rate, plain_rate)
+    return BatchPlan([0] * b, f"batch of {b}: one shared pass predicts {plain_rate:.0f} tok/s against "
+                              f"{spec_rate:.0f} speculating", spec_rate, plain_rate)
+
+
+def _spec_time(gammas: list[int], model: CostModel | None, shared: SharedPassCost,
+               batch_blocks: bool) -> float | None:
+    if model is None:
+        return None
+    draft_s = sum(gammas) * model.draft_token_s
+    if batch_blocks:
+        verify_s = shared.cost(len(gammas) * (max(gammas) + 1), model)
+        return None if verify_s is None else draft_s + verify_s
+    alone = sum(model.verify(g) for g in gammas if g > 0)
+    rest = sum(1 for g in gammas if g == 0)
+    together = 0.0 if rest == 0 else (model.verify(0) if rest == 1 else shared.cost(rest, model))
+    return None if together is None else draft_s + alone + together
+
+
+def may_join(batch: int, mode: str, model: CostModel | None, shared: SharedPassCost) -> bool:
+    """serving.mode latency: whether one more request may join a batch of `batch` (throughput: always)."""
+    if mode != "latency" or batch == 0:
+        return True
+    alone = model.verify(0) if model is not None else shared.cost(1, None)
+    joined = shared.cost(batch + 1, model)
+    if alone is None or joined is None:
+        return True
+    return joined <= LATENCY_SLOWDOWN * alone
