@@ -153,6 +153,7 @@ class RequestScheduler:
             try:
                 for chunk in rounds:
                     eng._progress_at = time.monotonic()
+                    self.batch_sizes.append(1)
                     ticket.put(chunk)
                     if ticket.cancel.is_set() and not ticket.stats.finish_reason:
                         ticket.stats.finish_reason = "cancelled"
@@ -199,7 +200,7 @@ class RequestScheduler:
         """One round for every running request (phases in the module docstring)."""
         target, rows = eng.target, [row for row, _ in self._rows]
         gammas = [row.plan() for row in rows]  # 0) plan
-        if len(rows) > 1:
+        if len(rows) > 1 and all(row.policy.fixed is None for row in rows):  # a fixed gamma is the user's
             self.last_plan = plan_batch(gammas, [row.policy.estimate() for row in rows], eng.tuning.model(),
                                         eng.tuning.shared, target.batch_blocks)
             gammas = self.last_plan.gammas

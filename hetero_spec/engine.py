@@ -499,6 +499,19 @@ class Engine:
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         return self._decode(req, stats if stats is not None else Stats(), cancel)
 
+    def submit(self, prompt: str | list[int], sink, stats: Stats | None = None,
+               cancel: threading.Event | None = None, **kwargs) -> Ticket:
+        """The request scheduler's own interface: validate a request (keyword arguments as generate's) and queue
+        it; `sink(item)` is then called from the scheduler's thread with each round's token ids, and last with
+        `batch.DONE` or the exception that ended it. Keep sink short (it runs between rounds); it may raise
+        RuntimeError to say nobody listens any more (the request is then cancelled)."""
+        req = self._request(prompt, kwargs.pop("max_new_tokens", None), kwargs.pop("temperature", None),
+                            kwargs.pop("top_k", None), kwargs.pop("top_p", None), kwargs.pop("seed", None),
+                            kwargs.pop("stop_token_ids", None), kwargs.pop("gamma", None))
+        if kwargs:
+            raise TypeError(f"submit() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        return self._submit(req, stats if stats is not None else Stats(), cancel, sink)
+
     # -- asyncio (the server): the same requests, read from an asyncio queue instead of a thread's -------------
     async def astream_tokens(self, prompt: str | list[int], max_new_tokens: int | None = None,
                              temperature: float | None = None, top_k: int | None = None,
@@ -509,11 +522,11 @@ class Engine:
         Leaving the iteration early (a client gone) cancels the request before its next round."""
         from .batch import DONE
 
-        req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        ticket = self._submit(req, stats if stats is not None else Stats(), cancel,
-                              lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        ticket = self.submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item),
+                             stats=stats, cancel=cancel, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, gamma=gamma)
 
         async def rounds():
             done = False
@@ -555,6 +568,15 @@ class Engine:
             ids.extend(chunk)
         return GenerationOutput(text=self._decode_text(ids), token_ids=ids, stats=stats.to_dict(),
                                 finish_reason=stats.finish_reason)
+
+    def batch_sizes(self) -> list[int]:
+        """The batch size of each round since the last call (for metrics; the last 4096 rounds at most)."""
+        sizes = self._scheduler.batch_sizes
+        return [sizes.popleft() for _ in range(len(sizes))]
+
+    def waiting_requests(self) -> int:
+        """Requests queued for a place in the batch (serving.max_batch)."""
+        return self._scheduler.waiting
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt becomes (validated like a request's)."""

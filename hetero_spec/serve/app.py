@@ -3,11 +3,11 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models, GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
 
-Each request runs its Engine iterator in a worker thread and hands the committed tokens to the event loop
-through a queue (with whether they are the last, read in that thread), so the loop never blocks on decoding. Requests wait their turn on the Engine (one at a time
-until batched verification lands). A client that disconnects, or a stop string that appears, sets the
-request's cancel event: the Engine ends it before its next round (or before it starts, if it was still
-waiting) and takes the next one.
+Each request is submitted to the Engine's request scheduler (batch.py), which decodes up to serving.max_batch
+of them together and hands each round's tokens to the event loop through a queue (with whether they are the
+last, read in the scheduler's thread), so the loop never blocks on decoding. A client that disconnects, or a
+stop string that appears, sets the request's cancel event: the request leaves the batch before its next
+round, freeing its KV state (or before it starts, if it was still waiting), and a waiting one takes its place.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..batch import DONE
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, RequestError
 from ..metrics import Stats
@@ -50,8 +51,8 @@ class ApiError(Exception):
 
 
 class Job:
-    """One request's decoding, run in a thread: token chunks arrive on `queue` as ("tokens", ids), then
-    ("done", None) or ("error", exc)."""
+    """One request, fed by the Engine's request scheduler: (token ids, last chunk) arrive on `queue`, then DONE or
+    the exception that ended it. Whether a chunk is the last is read in the scheduler's thread, when it is sent."""
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, prompt: str | list[int], kwargs: dict):
         self.cancel = threading.Event()
@@ -59,36 +60,20 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         # validation happens here, in the caller (a RequestError becomes a 400 before anything streams)
-        self.chunks = engine.stream_tokens(prompt, stats=self.stats, cancel=self.cancel, **kwargs)
-        self.thread = threading.Thread(target=self._run, name="hetero-spec-request", daemon=True)
-        self.thread.start()
+        engine.submit(prompt, self._put, stats=self.stats, cancel=self.cancel, **kwargs)
 
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is gone (server shutting down)
-            self.cancel.set()
-
-    def _run(self) -> None:
-        try:
-            for chunk in self.chunks:  # whether it is the last one is read here, where the engine set it
-                self._put(("tokens", (chunk, bool(self.stats.finish_reason))))
-            self._put(("done", None))
-        except BaseException as exc:  # noqa: BLE001 - reported to the request, never lost
-            self._put(("error", exc))
-        finally:
-            self.chunks.close()
+    def _put(self, item) -> None:  # the scheduler's thread; RuntimeError (no loop any more) cancels the request
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (item, bool(self.stats.finish_reason)))
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], bool]]:
         """(token ids, last chunk) as rounds commit them."""
         while True:
-            kind, value = await self.queue.get()
-            if kind == "tokens":
-                yield value
-            elif kind == "done":
+            item, last = await self.queue.get()
+            if item is DONE:
                 return
-            else:
-                raise value
+            if isinstance(item, BaseException):
+                raise item
+            yield item, last
 
 
 def _usage(stats: Stats) -> dict[str, int]:
@@ -266,6 +251,8 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.get("/metrics")
     async def prometheus():
+        metrics.observe_batches(engine.batch_sizes())
+        metrics.waiting.set(engine.waiting_requests())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -25,8 +25,10 @@ class ServeMetrics:
                                     buckets=[i / 10 for i in range(11)], registry=r)
         self.stage = Histogram("hetero_spec_stage_seconds", "Per-request time in each stage", ["stage"],
                                buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30], registry=r)
-        self.batch = Histogram("hetero_spec_batch_size", "Requests verified together per round",
+        self.batch = Histogram("hetero_spec_batch_size", "Requests decoded together, per round",
                                buckets=[1, 2, 4, 8, 16, 32, 64], registry=r)
+        self.waiting = Gauge("hetero_spec_requests_waiting", "Requests queued for a place in the batch",
+                             registry=r)
         self.in_flight = Gauge("hetero_spec_requests_in_flight", "Requests being served or queued", registry=r)
         self.speculation_on = Gauge("hetero_spec_speculation_on", "1 while the last request speculated at its end",
                                     registry=r)
@@ -48,12 +50,16 @@ class ServeMetrics:
             v = stats.get(f"time_{st}_s")
             if v is not None:
                 self.stage.labels(stage=st).observe(v)
-        self.batch.observe(1)  # requests run one at a time until batched verification
         extra = stats.get("extra", {})
         gate = extra.get("gate")
         on = gate.get("on") if gate else drafted > 0
         self.speculation_on.set(1 if on else 0)
         self.dropped.inc(extra.get("dropped_messages", 0) + extra.get("rejected_messages", 0))
+
+    def observe_batches(self, sizes: list[int]) -> None:
+        """The batch size of each round since the last scrape (Engine.batch_sizes)."""
+        for b in sizes:
+            self.batch.observe(b)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,301 @@
+"""Continuous batching: requests decoded together (batch.py) give each exactly its solo output, with mixed
+accepted lengths, joins, leaves and cancellations, on both target backends; batched verification itself
+(torch: one padded pass; onnx: one-token rows of a KvPool in one pass); the batch plan on constructed costs.
+
+Batches are made deterministic, never by timing: while a test holds the Engine's round lock, the scheduler
+waits at its next round, so every request submitted meanwhile starts in the same round; a request joins a
+running batch from another request's sink (the scheduler's thread, between two rounds)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.batch import DONE
+from hetero_spec.errors import EngineClosedError
+from hetero_spec.tuning.batching import SharedPassCost, may_join, plan_batch
+from hetero_spec.tuning.cost_model import CostModel
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 7, 6, 5], [1, 2, 3, 1, 2],
+           [77], [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]]
+
+
+def _cfg(target, draft, backend="torch", max_batch=8):
+    d = {"kind": "onnx", "model": str(draft)} if draft is not None else {"kind": "none"}
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu", "backend": backend},
+            "draft": d, "runtime": {"mode": "in_process"}, "serving": {"max_batch": max_batch}}
+
+
+class Collect:
+    """A ticket's sink: the tokens, DONE, errors; on_chunk(n) runs in the scheduler's thread after chunk n."""
+
+    def __init__(self, on_chunk=None):
+        self.ids: list[int] = []
+        self.chunks = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.on_chunk = on_chunk
+
+    def __call__(self, item) -> None:
+        if item is DONE:
+            self.done.set()
+        elif isinstance(item, BaseException):
+            self.error = item
+            self.done.set()
+        else:
+            self.ids.extend(item)
+            self.chunks += 1
+            if self.on_chunk is not None:
+                self.on_chunk(self.chunks)
+
+    def wait(self) -> list[int]:
+        assert self.done.wait(300), "the request never ended"
+        assert self.error is None, repr(self.error)
+        return self.ids
+
+
+@contextmanager
+def held(eng: Engine):
+    """The scheduler waits at its next round until the block ends: what is submitted inside starts together."""
+    eng._lock.acquire()
+    try:
+        yield
+    finally:
+        eng._lock.release()
+
+
+def _req(i: int) -> dict:
+    """Mixed requests: fixed gammas 1..4 and auto, greedy and seeded sampling, different lengths (leaves)."""
+    gamma = [1, 2, 3, 4, None, 2][i]
+    return dict(max_new_tokens=10 + 3 * i, gamma=gamma, temperature=0.9 if i in (1, 4) else 0.0, seed=50 + i)
+
+
+def _run_batch(eng: Engine):
+    """Four requests start together; a fifth joins after the first's 2nd round; the third is cancelled after
+    its 3rd round. Returns (collectors, stats, the cancelled index, the joined index)."""
+    from hetero_spec.metrics import Stats
+
+    stats = {i: Stats() for i in range(6)}
+    sinks: dict[int, Collect] = {}
+    tickets = {}
+
+    def join(n):
+        if n == 2 and 4 not in sinks:
+            sinks[4] = Collect()
+            tickets[4] = eng.submit(PROMPTS[4], sinks[4], stats=stats[4], **_req(4))
+
+    def cancel(n):
+        if n == 3:
+            tickets[2].cancel.set()
+
+    with held(eng):
+        for i in range(4):
+            sinks[i] = Collect(on_chunk=join if i == 0 else cancel if i == 2 else None)
+            tickets[i] = eng.submit(PROMPTS[i], sinks[i], stats=stats[i], **_req(i))
+    for i in (0, 1, 3):
+        sinks[i].wait()
+    sinks[2].wait()
+    assert 4 in sinks, "the joining request was never submitted"
+    sinks[4].wait()
+    return sinks, stats
+
+
+@pytest.mark.parametrize("backend,draft", [("torch", "random"), ("torch", "copy"), ("onnx", "random"),
+                                           ("onnx", None)])
+def test_batched_requests_equal_their_solo_runs(llama_target, llama_random_onnx, llama_copy_onnx, backend, draft):
+    draft_dir = {"random": llama_random_onnx, "copy": llama_copy_onnx, None: None}[draft]
+    with Engine.from_config(_cfg(llama_target, draft_dir, backend)) as eng:
+        solo = {i: eng.generate(PROMPTS[i], **_req(i)).token_ids for i in range(5)}
+        sinks, stats = _run_batch(eng)
+        for i in (0, 1, 3, 4):
+            assert sinks[i].ids == solo[i], f"request {i} differs from its solo run"
+            assert stats[i].finish_reason == "length"
+        assert stats[2].finish_reason == "cancelled"
+        assert sinks[2].chunks == 3 and sinks[2].ids == solo[2][:len(sinks[2].ids)]
+        # the four started in one batch, and the fifth joined it in round 3 (request 2 left in round 4)
+        assert stats[0].extra["batch"]["largest_batch"] == 5
+        assert stats[4].extra["batch"]["rounds_batched"] > 0
+        if draft == "random":  # blocks of different lengths, and different accepted lengths, shared passes
+            assert {stats[i].drafted for i in (0, 3)} != {0} and stats[0].accepted < stats[0].drafted
+        if backend == "onnx":  # every slot of the batched KV buffer is free again
+            assert not eng.target._pool._states
+
+
+def test_max_batch_limits_the_rows_and_the_rest_wait(llama_target):
+    with Engine.from_config(_cfg(llama_target, None, "torch", max_batch=2)) as eng:
+        solo = [eng.generate(p, max_new_tokens=6).token_ids for p in PROMPTS[:5]]
+        sinks, stats = [], []
+        from hetero_spec.metrics import Stats
+
+        with held(eng):
+            for p in PROMPTS[:5]:
+                sinks.append(Collect())
+                stats.append(Stats())
+                eng.submit(p, sinks[-1], stats=stats[-1], max_new_tokens=6)
+        assert [s.wait() for s in sinks] == solo
+        assert max(s.extra.get("batch", {}).get("largest_batch", 1) for s in stats) == 2
+        assert max(eng.batch_sizes()) == 2
+
+
+def test_stopping_fails_the_waiting_requests_and_finishes_the_running_one(llama_target):
+    eng = Engine.from_config(_cfg(llama_target, None, "torch", max_batch=1))
+    # the scheduler is told to stop (as close() does) after the first request's first round, while the
+    # second waits for its place (max_batch 1)
+    first = Collect(on_chunk=lambda n: eng._scheduler.stop() if n == 1 else None)
+    second = Collect()
+    with held(eng):
+        eng.submit(PROMPTS[0], first, max_new_tokens=8)
+        eng.submit(PROMPTS[1], second, max_new_tokens=8)
+    assert len(first.wait()) == 8
+    assert second.done.wait(300) and isinstance(second.error, EngineClosedError)
+    with pytest.raises(EngineClosedError):
+        eng.generate(PROMPTS[0], max_new_tokens=2)
+    eng.close()
+    assert not eng._scheduler._thread.is_alive()
+
+
+def test_async_api_equals_generate(llama_target):
+    with Engine.from_config(_cfg(llama_target, None, "torch")) as eng:
+        want = [eng.generate(p, max_new_tokens=8).token_ids for p in PROMPTS[:3]]
+
+        async def main():
+            outs = await asyncio.gather(*(eng.agenerate(p, max_new_tokens=8) for p in PROMPTS[:3]))
+            pieces = [x async for x in await eng.astream(PROMPTS[0], max_new_tokens=8)]
+            # leaving an async stream early cancels its request
+            chunks = await eng.astream_tokens(PROMPTS[1], max_new_tokens=200)
+            async for _ in chunks:
+                break
+            await chunks.aclose()
+            return outs, pieces
+
+        outs, pieces = asyncio.run(main())
+        assert [o.token_ids for o in outs] == want
+        assert "".join(pieces) == eng.generate(PROMPTS[0], max_new_tokens=8).text
+
+
+# -- batched verification, backend by backend ---------------------------------------------------------------
+def test_torch_padded_pass_equals_one_pass_per_row(llama_target):
+    from hetero_spec.target.verifier import TargetModel
+
+    t = TargetModel(llama_target, device="cpu", dtype="float32", threads=1)
+    rows_spec = [([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]), ([4], []), ([5, 6], [7, 8, 9, 10, 11, 12]), ([3] * 20, [1])]
+    solo, rows = [], []
+    for prompt, draft in rows_spec:
+        a, b = t.new_state(), t.new_state()
+        t.prefill(a, prompt)
+        t.prefill(b, prompt)
+        solo.append((a, t.verify(a, prompt[-1], draft, greedy=False)))
+        rows.append((b, prompt[-1], draft))
+    outs = t.verify_batch(rows, [False] * len(rows))
+    for (a, ref), (b, _, draft), out in zip(solo, rows, outs):
+        assert out.shape == ref.shape == (len(draft) + 1, t.vocab_width)
+        np.testing.assert_allclose(out, ref, atol=1e-4)
+        assert (out.argmax(-1) == ref.argmax(-1)).all()
+        assert b.n_cached == a.n_cached == b.cache.get_seq_length()
+    # after a rollback each row continues exactly as alone
+    for (a, _), (b, _, draft) in zip(solo, rows):
+        t.rollback(a, a.n_cached - len(draft))
+        t.rollback(b, b.n_cached - len(draft))
+    again = t.verify_batch([(b, 5, [6]) for b, _, _ in rows], [True] * len(rows))
+    assert again == [t.verify(a, 5, [6], greedy=True) for a, _ in solo]
+
+
+def test_onnx_pool_steps_many_rows_in_one_run_exactly(llama_copy_onnx):
+    from hetero_spec.onnx_decoder import OnnxDecoder
+
+    dec = OnnxDecoder(llama_copy_onnx, threads=1, role="target")
+    assert dec.shared
+    dec.initial_capacity = 8  # the pasts below make the pool grow, rebinding every slot
+    pool = dec.new_pool(4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4], [7, 7, 7]]
+    solo_states, slots = [], [pool.acquire() for _ in range(4)]
+    gap = slots.pop(1)  # a running slot between them that is not stepped (a dummy row in the run)
+    dec.append(gap, [9, 9])
+    for prompt, s in zip(prompts, slots):
+        ref = dec.new_state()
+        dec.append(ref, prompt)
+        solo_states.append(ref)
+        dec.append(s, prompt)
+    assert pool.capacity >= 11
+    for step_tok in (3, 8):
+        got = dec.append_batch(slots, [step_tok] * 3)
+        want = np.stack([dec.append(ref, [step_tok])[0] for ref in solo_states])
+        np.testing.assert_array_equal(got, want)
+    assert [s.n_past for s in slots] == [r.n_past for r in solo_states]
+    assert gap.n_past == 2 and np.array_equal(dec.append(gap, [1]), dec.append(_fresh(dec, [9, 9]), [1]))
+    freed = slots[0].slot
+    pool.release(slots[0])
+    assert pool.acquire().slot == freed and pool.acquire() is None  # 4 slots, all taken again
+
+
+def _fresh(dec, tokens):
+    s = dec.new_state()
+    dec.append(s, tokens)
+    return s
+
+
+def test_onnx_target_shares_a_pass_only_between_one_token_rows(llama_target):
+    from hetero_spec.target.backends import load_target
+
+    from hetero_spec.config import build_config
+
+    t = load_target(build_config(_cfg(llama_target, None, "onnx")).target, 1)
+    t.enable_batching(4)
+    calls = []
+    real = t.decoder.append_batch
+    t.decoder.append_batch = lambda states, toks: calls.append(len(states)) or real(states, toks)
+    rows = []
+    for prompt in ([1, 2, 3], [4, 5], [6]):
+        s = t.new_state()
+        t.prefill(s, prompt)
+        rows.append((s, prompt[-1], []))
+    rows[2] = (rows[2][0], 6, [7, 8])  # a block: verified alone
+    outs = t.verify_batch(rows, [True, True, True])
+    assert calls == [2] and [len(o) for o in outs] == [1, 1, 3]
+    for s, _, _ in rows:
+        t.release_state(s)
+    assert not t._pool._states
+
+
+# -- the batch plan -----------------------------------------------------------------------------------------
+CPU = CostModel(verify_fixed_s=1e-3, verify_per_token_s=1e-4, draft_token_s=2e-4)  # compute-bound verify
+GPU = CostModel(verify_fixed_s=10e-3, verify_per_token_s=1e-5, draft_token_s=5e-4)  # bandwidth-bound verify
+
+
+def test_plan_turns_speculation_off_for_a_compute_bound_batch_and_keeps_it_when_verify_is_flat():
+    shared = SharedPassCost()
+    plan = plan_batch([4] * 8, [0.8] * 8, CPU, shared, batch_blocks=False)
+    assert plan.gammas == [0] * 8 and plan.plain_rate > plan.spec_rate
+    plan = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True)
+    assert plan.gammas == [4] * 8 and plan.spec_rate > plan.plain_rate
+    # acceptance 0: drafting never pays, even on the flat verify
+    assert plan_batch([4] * 8, [0.0] * 8, GPU, shared, batch_blocks=True).gammas == [0] * 8
+    # one row, nothing measured, or no drafts: the rows' own choices
+    assert plan_batch([4], [0.8], CPU, shared, False).gammas == [4]
+    assert plan_batch([4, 2], [0.8, 0.8], None, shared, False).gammas == [4, 2]
+    assert plan_batch([0, 0], [0.8, 0.8], CPU, shared, False).gammas == [0, 0]
+
+
+def test_plan_uses_the_measured_shared_pass_once_two_sizes_are_seen():
+    shared = SharedPassCost()
+    assert shared.line() is None and shared.cost(8, CPU) == pytest.approx(CPU.verify(7))
+    for _ in range(3):
+        shared.observe(2, 0.010)
+        shared.observe(8, 0.040)  # a machine where a shared pass costs 5 ms per row
+    assert shared.cost(4, CPU) == pytest.approx(0.020)
+    # now a shared pass is dear: speculating each row alone beats it
+    assert plan_batch([4] * 8, [0.8] * 8, CPU, shared, batch_blocks=False).gammas == [4] * 8
+
+
+def test_latency_mode_holds_a_request_back_when_it_would_slow_the_batch():
+    shared = SharedPassCost()
+    assert may_join(7, "throughput", CPU, shared)
+    assert may_join(0, "latency", CPU, shared)
+    # CPU: verify(0) = 1.1 ms alone; a shared pass of n rows ~ 1 + 0.1 n ms: joins until 1.5 x 1.1 ms
+    assert may_join(5, "latency", CPU, shared)
+    assert not may_join(6, "latency", CPU, shared)
