@@ -135,8 +135,6 @@ class RequestScheduler:
                 self._drop_cancelled()
                 if self._rows:
                     self._step(eng)
-            if not self._rows and not eng._closed:
-                eng._maybe_replace()  # between requests: the placement may move (tuning/placement.py)
 
     def _alone(self, eng: Engine) -> None:
         """two_process: the next request, start to end (the worker drafts one stream)."""
@@ -163,7 +161,14 @@ class RequestScheduler:
         except Exception as exc:  # noqa: BLE001 - the request's caller gets it
             ticket.put(exc)
             return
+        self._between_requests(eng)
         ticket.put(DONE)
+
+    def _between_requests(self, eng: Engine) -> None:
+        """The last running request has ended and none waits: the placement may move now (tuning/placement.py),
+        before that request's caller hears it is done, so what it runs next sees the new layout."""
+        if not self._rows and not self._waiting and not eng._closed:
+            eng._maybe_replace()
 
     def _admit(self, eng: Engine) -> None:
         """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit)."""
@@ -222,11 +227,13 @@ class RequestScheduler:
                 ticket.largest_batch = max(ticket.largest_batch, len(rows))
             ticket.put(row.finish(draft, out, verify_s if len(rows) == 1 else None))
             if row.done:
-                self._end(row, ticket)
+                self._end(row, ticket, eng)
 
-    def _end(self, row: Row, ticket: Ticket) -> None:
+    def _end(self, row: Row, ticket: Ticket, eng: Engine | None = None) -> None:
         self._rows = [rt for rt in self._rows if rt[0] is not row]
         self._close(row)
+        if eng is not None:
+            self._between_requests(eng)
         if ticket.batched_rounds:
             ticket.stats.extra["batch"] = {"rounds_batched": ticket.batched_rounds,
                                            "largest_batch": ticket.largest_batch,

@@ -156,11 +156,15 @@ def _add_load(sub) -> None:
                        description="For target-only and for the config's engine, and each concurrency level, "
                                    "client threads send the held-out prompts to one Engine: aggregate tokens/s, "
                                    "per-request latency p50/p95, time to first token, and whether outputs equal "
-                                   "the first level's (greedy). Writes OUT/load.json and OUT/load.md.")
+                                   "the first level's (greedy). The Engine decodes up to serving.max_batch "
+                                   "requests together. Runs are interleaved over --repeats; ratios are paired. "
+                                   "Writes OUT/load.json and OUT/load.md.")
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
     p.add_argument("--requests", type=int, default=16, help="requests per level (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repeats of every (system, level); medians and paired ratios (default 3)")
     p.add_argument("--out", default="bench-out/load", help="output directory (default bench-out/load)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key (repeatable)")
@@ -175,10 +179,11 @@ def _cmd_load(args) -> int:
         raise ConfigError("--concurrency", "", args.concurrency, "a comma-separated list of integers") from None
     if not levels or min(levels) < 1:
         raise ConfigError("--concurrency", "", args.concurrency, "levels must be >= 1")
-    if args.requests < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--requests/--max-new-tokens", "", (args.requests, args.max_new_tokens), "must be >= 1")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--requests/--max-new-tokens/--repeats", "",
+                          (args.requests, args.max_new_tokens, args.repeats), "must be >= 1")
     run_load(Path(args.config), levels, args.requests, args.max_new_tokens, Path(args.out),
-             overrides=_overrides(args.overrides))
+             overrides=_overrides(args.overrides), repeats=args.repeats)
     return 0
 
 

@@ -1,11 +1,14 @@
 """`hetero-spec load`: aggregate throughput and per-request latency against concurrency.
 
 For each system (target-only, and hetero_spec with the config's draft) and each concurrency level C, C client
-threads send requests to one Engine until N requests are done; reported: aggregate generated tokens/s,
-per-request latency p50/p95 (submit to last token), time to first token p50, and whether every output equals
-the first level's output for that prompt (greedy; the first level is sequential when it is 1). The levels run
-one after another on the same Engine; the headline is each level's throughput over the first level's, from
-the same run (a ratio, since absolute times drift on a shared machine).
+threads send requests to one Engine until N requests are done; the Engine's request scheduler decodes up to
+serving.max_batch of them together. Reported: aggregate generated tokens/s, per-request latency p50/p95
+(submit to last token), time to first token p50, and whether every output equals the first level's output for
+that prompt (greedy; the first level is sequential when it is 1).
+
+Both Engines are loaded at once and the (system, level) runs are interleaved, repeat after repeat, in a rotating
+order; the headline is each level's throughput over the first level's of the same system, paired per repeat
+(the median of the ratios), since absolute times drift on a shared machine.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def run_level(engine, prompts: list[list[int]], concurrency: int, max_new: int) 
 
 
 def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int, out: Path,
-             overrides: dict | None = None, say=None) -> dict[str, Any]:
+             overrides: dict | None = None, say=None, repeats: int = 3) -> dict[str, Any]:
+    from contextlib import ExitStack
+
     from ..config import load_config
     from ..engine import Engine
     from .prompts import heldout_prompt_ids
@@ -68,20 +73,24 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
     config = load_config(config_path, overrides=overrides)
     prompts = heldout_prompt_ids(config, Path(config_path), n_requests, 128)
     report: dict[str, Any] = {"config": str(config_path), "requests": n_requests, "max_new_tokens": max_new,
-                              "levels": levels, "systems": {}}
-    for name, over in SYSTEMS.items():
-        say(f"{name}: loading")
-        with Engine.from_config(config_path, overrides={**(overrides or {}), **over}) as eng:
-            eng.generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
-            rows = []
-            for c in levels:
-                say(f"{name}: concurrency {c}, {n_requests} requests")
-                rows.append(run_level(eng, prompts, c, max_new))
-            ref = rows[0]["outputs"]  # the first level (1 if given) is the sequential reference
-            for r in rows:
-                r["identical_to_first_level"] = f"{sum(a == b for a, b in zip(r.pop('outputs'), ref))}/{len(ref)}"
-                r["throughput_vs_first_level"] = round(r["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
-            report["systems"][name] = rows
+                              "levels": levels, "repeats": repeats, "systems": {}}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(n, c): [] for n in SYSTEMS for c in levels}
+    with ExitStack() as stack:
+        engines = {}
+        for name, over in SYSTEMS.items():
+            say(f"{name}: loading")
+            engines[name] = stack.enter_context(Engine.from_config(config_path,
+                                                                   overrides={**(overrides or {}), **over}))
+            engines[name].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
+            report.setdefault("layouts", {})[name] = engines[name].config.runtime.mode
+        order = [(n, c) for c in levels for n in SYSTEMS]
+        for rep in range(repeats):
+            rot = rep % len(order)
+            for name, c in order[rot:] + order[:rot]:
+                say(f"repeat {rep + 1}/{repeats}: {name}, concurrency {c}, {n_requests} requests")
+                runs[(name, c)].append(run_level(engines[name], prompts, c, max_new))
+    for name in SYSTEMS:
+        report["systems"][name] = [_summarise(runs, name, c, levels[0]) for c in levels]
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(report, indent=1))
     (out / "load.md").write_text(render(report))
@@ -89,8 +98,23 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
     return report
 
 
+def _summarise(runs: dict, name: str, c: int, first: int) -> dict[str, Any]:
+    """One (system, level): medians over the repeats, the ratio to the first level paired per repeat, and how
+    many outputs equal the first level's (every repeat, every prompt)."""
+    mine, base = runs[(name, c)], runs[(name, first)]
+    ref = base[0]["outputs"]
+    same = sum(a == b for r in mine for a, b in zip(r["outputs"], ref))
+    med = {k: round(statistics.median(r[k] for r in mine), 4)
+           for k in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "wall_s")}
+    ratio = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(mine, base))
+    return {"concurrency": c, "requests": mine[0]["requests"], "tokens": mine[0]["tokens"], **med,
+            "throughput_vs_first_level": round(ratio, 3),
+            "identical_to_first_level": f"{same}/{len(ref) * len(mine)}"}
+
+
 def render(report: dict[str, Any]) -> str:
-    lines = [f"# hetero-spec load: {report['requests']} requests x {report['max_new_tokens']} tokens per level",
+    lines = [f"# hetero-spec load: {report['requests']} requests x {report['max_new_tokens']} tokens per level"
+             + (f", medians of {report['repeats']} interleaved repeats" if report.get("repeats") else ""),
              "", "| system | concurrency | tokens/s | vs first level | latency p50 / p95 (s) | TTFT p50 (s) | "
              "identical |", "|---|---:|---:|---:|---|---:|---:|"]
     for name, rows in report["systems"].items():
