@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from hetero_spec import Engine
+from hetero_spec.batch import DONE
 from hetero_spec.metrics import Stats
 from hetero_spec.serve import create_app
 from hetero_spec.serve.schema import StopMatcher
@@ -204,19 +205,27 @@ class SlowEngine:
     def _decode_text(self, ids):
         return self.real._decode_text(ids)
 
-    def stream_tokens(self, prompt, stats: Stats, cancel: threading.Event, **kwargs):
+    def submit(self, prompt, sink, stats: Stats, cancel: threading.Event, **kwargs):
+        """As the request scheduler does: token chunks to the sink from another thread, then DONE."""
         stats.prompt_tokens = 3
 
-        def gen():
-            yield [5, 6]
+        def run():
+            sink([5, 6])
             if cancel.wait(60):
                 self.cancelled.set()
                 stats.finish_reason = "cancelled"
-                return
-            yield [7]
-            stats.finish_reason = "length"
+            else:
+                stats.finish_reason = "length"
+                sink([7])
+            sink(DONE)
 
-        return gen()
+        threading.Thread(target=run, daemon=True).start()
+
+    def batch_sizes(self):
+        return []
+
+    def waiting_requests(self):
+        return 0
 
     def health(self, timeout_s=None):
         return {"target": "ok", "draft": "none"}
