@@ -68,6 +68,7 @@ class RequestScheduler:
         self._rows: list[tuple[Row, Ticket]] = []
         self._stopping = False
         self.last_plan: BatchPlan | None = None
+        self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
         self.batch_sizes: deque[int] = deque(maxlen=4096)  # rounds' batch sizes, drained by the server's metrics
         self._thread = threading.Thread(target=self._run, name="hetero-spec-scheduler", daemon=True)
         self._thread.start()
@@ -204,11 +205,7 @@ class RequestScheduler:
     def _step(self, eng: Engine) -> None:
         """One round for every running request (phases in the module docstring)."""
         target, rows = eng.target, [row for row, _ in self._rows]
-        gammas = [row.plan() for row in rows]  # 0) plan
-        if len(rows) > 1 and all(row.policy.fixed is None for row in rows):  # a fixed gamma is the user's
-            self.last_plan = plan_batch(gammas, [row.policy.estimate() for row in rows], eng.tuning.model(),
-                                        eng.tuning.shared, target.batch_blocks)
-            gammas = self.last_plan.gammas
+        gammas = self._plan(eng, rows)  # 0) plan
         drafts = [row.propose(k) for row, k in zip(rows, gammas)]  # 1) propose
         t = time.perf_counter()  # 3) verify
         outs = target.verify_batch([(row.state, row.ids[-1], d.ids) for row, d in zip(rows, drafts)],
@@ -228,6 +225,25 @@ class RequestScheduler:
             ticket.put(row.finish(draft, out, verify_s if len(rows) == 1 else None))
             if row.done:
                 self._end(row, ticket, eng)
+
+    #: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while
+    #: the batch keeps its size: each row's choice searches gamma (~0.1 ms), the price of a shared pass row here
+    PLAIN_HOLD = 16
+
+    def _plan(self, eng: Engine, rows: list[Row]) -> list[int]:
+        """0) the rows' own gammas, then the batch's plan (a fixed gamma is the user's: no batch plan)."""
+        size, left = self._plain
+        if len(rows) > 1 and size == len(rows) and left > 0:
+            self._plain = (size, left - 1)
+            return [0] * len(rows)
+        gammas = [row.plan() for row in rows]
+        if len(rows) > 1 and all(row.policy.fixed is None for row in rows):
+            self.last_plan = plan_batch(gammas, [row.policy.estimate() for row in rows], eng.tuning.model(),
+                                        eng.tuning.shared, eng.target.batch_blocks)
+            gammas = self.last_plan.gammas
+            held = any(g for g in self.last_plan.spec_gammas()) and not any(gammas)
+            self._plain = (len(rows), self.PLAIN_HOLD if held else 0)
+        return gammas
 
     def _end(self, row: Row, ticket: Ticket, eng: Engine | None = None) -> None:
         self._rows = [rt for rt in self._rows if rt[0] is not row]

@@ -210,15 +210,11 @@ class OnnxDecoder:
         for s, tok in zip(states, tokens):
             ids[s.slot - lo, 0] = tok
         mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
-        io = self.session.io_binding()
+        io = pool.binding(lo, hi)
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
         if self.has_position_ids:
             io.bind_cpu_input("position_ids", np.asarray(past, dtype=np.int64)[:, None])
-        for name, present, buf in zip(self.past_names, self.present_names, pool.kv):
-            value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
-            io.bind_ortvalue_input(name, value)
-            io.bind_ortvalue_output(present, value)
         logits = np.empty((hi - lo, 1, self.model_vocab), dtype=self.logits_dtype)
         io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(io)
@@ -277,6 +273,7 @@ class KvPool:
         self.decoder, self.slots = decoder, slots
         self.kv: list[np.ndarray] = []
         self._states: dict[int, DecoderState] = {}
+        self._bindings: dict[tuple[int, int], Any] = {}  # (lo, hi) -> IO binding of those slots' buffers
 
     @property
     def capacity(self) -> int:
@@ -315,8 +312,23 @@ class KvPool:
         for new, old in zip(kv, self.kv):
             new[:, :, :old.shape[2]] = old
         self.kv = kv
+        self._bindings.clear()
         for state in self._states.values():
             self._bind(state)
+
+    def binding(self, lo: int, hi: int):
+        """An IO binding with slots lo..hi of every past buffer bound as both past and present (made once per
+        range and capacity: binding 2 x layers OrtValues costs more than the inputs)."""
+        io = self._bindings.get((lo, hi))
+        if io is None:
+            dec = self.decoder
+            io = dec.session.io_binding()
+            for name, present, buf in zip(dec.past_names, dec.present_names, self.kv):
+                value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
+                io.bind_ortvalue_input(name, value)
+                io.bind_ortvalue_output(present, value)
+            self._bindings[(lo, hi)] = io
+        return io
 
     def _bind(self, state: DecoderState) -> None:
         self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.kv])

@@ -65,6 +65,10 @@ class BatchPlan:
     reason: str
     spec_rate: float | None = None  # predicted committed tokens/s over the batch
     plain_rate: float | None = None
+    asked: list[int] | None = None  # the rows' own gammas, when the plan overrode them
+
+    def spec_gammas(self) -> list[int]:
+        return self.asked if self.asked is not None else self.gammas
 
 
 def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | None, shared: SharedPassCost,
@@ -85,7 +89,7 @@ def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | N
         return BatchPlan(gammas, f"batch of {b}: speculation predicts {spec_rate:.0f} tok/s against "
                                  f"{plain_rate:.0f} for one shared pass", spec_rate, plain_rate)
     return BatchPlan([0] * b, f"batch of {b}: one shared pass predicts {plain_rate:.0f} tok/s against "
-                              f"{spec_rate:.0f} speculating", spec_rate, plain_rate)
+                              f"{spec_rate:.0f} speculating", spec_rate, plain_rate, asked=list(gammas))
 
 
 def _spec_time(gammas: list[int], model: CostModel | None, shared: SharedPassCost,
