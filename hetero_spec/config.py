@@ -172,10 +172,12 @@ class RuntimeConfig(_Section):
 
 
 class ServingConfig(_Section):
-    max_batch: int = Field(default=8, ge=1, le=256)
+    max_batch: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = 8
     """Most requests decoded together (continuous batching: they join and leave between rounds; more wait in
     order). Their one-token steps, and on the torch backend their draft blocks, share one target pass. 1: one
-    request at a time. The two_process layout serves one request at a time (its worker drafts one stream)."""
+    request at a time. `auto`: the profile's recommended_max_batch (speculation.profile; `hetero-spec profile`
+    measures a shared pass against batch size), else 8. The two_process layout serves one request at a time (its
+    worker drafts one stream)."""
     mode: Literal["throughput", "latency"] = "throughput"
     """The scheduler's objective for a batch. `throughput`: the most committed tokens per second over the
     batch (speculation per row only when the cost model predicts it beats one shared pass). `latency`: each

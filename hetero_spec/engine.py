@@ -144,6 +144,11 @@ class Engine:
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
         # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
         self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
+        if config.serving.max_batch == "auto":
+            config = config.model_copy(deep=True)
+            config.serving.max_batch = self.tuning.recommended_batch or 8
+            log.info("serving.max_batch auto: %d (%s)", config.serving.max_batch,
+                     "the profile's recommendation" if self.tuning.recommended_batch else "no profile: the default")
         #: runtime.mode / runtime.cpus auto: the layout chosen by measurement, with every candidate's prediction;
         #: "switches" lists the re-placements made once the draft's acceptance was known (_replace)
         self.placement: dict[str, Any] = {}

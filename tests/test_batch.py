@@ -19,6 +19,7 @@ from hetero_spec import Engine
 from hetero_spec.batch import DONE
 from hetero_spec.errors import EngineClosedError
 from hetero_spec.tuning.batching import SharedPassCost, may_join, plan_batch
+from hetero_spec.tuning.profile import recommended_batch
 from hetero_spec.tuning.cost_model import CostModel
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 7, 6, 5], [1, 2, 3, 1, 2],
@@ -299,3 +300,11 @@ def test_latency_mode_holds_a_request_back_when_it_would_slow_the_batch():
     # CPU: verify(0) = 1.1 ms alone; a shared pass of n rows ~ 1 + 0.1 n ms: joins until 1.5 x 1.1 ms
     assert may_join(5, "latency", CPU, shared)
     assert not may_join(6, "latency", CPU, shared)
+
+
+def test_recommended_batch_is_where_throughput_stops_growing():
+    # 1 -> 2 -> 4 more than 10 % each; 4 -> 8 only 5 %: 4
+    assert recommended_batch([(1, 1.0), (2, 1.2), (4, 1.6), (8, 3.05)]) == 4
+    assert recommended_batch([(1, 1.0), (2, 1.9)]) == 2
+    assert recommended_batch([(1, 1.0), (2, 2.0)]) == 1  # no gain at all
+    assert recommended_batch([(1, 1.0)]) == 1

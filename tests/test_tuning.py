@@ -184,8 +184,14 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(monkeypatch, tmp_pat
     assert set(prof["recommended_gamma"]) == {"in_process", "two_process"}
     t = load_tuning(tmp_path / "p" / "prof.yaml")
     assert t.profile.draft_token_s == pytest.approx(prof["cost_model"]["draft_token_s"])
-    with Engine.from_config(cfg, overrides={"speculation.gamma": "auto",
+    # a shared pass against batch size, up to serving.max_batch (8 by default), seeds the batch plan
+    assert set(prof["batch"]["shared_pass_s"]) == {"1", "2", "4", "8"}
+    assert prof["batch"]["recommended_max_batch"] in (1, 2, 4, 8)
+    assert sorted(x for x, _ in t.shared.points) == [1, 2, 4, 8] and t.shared.line() is not None
+    assert t.recommended_batch == prof["batch"]["recommended_max_batch"]
+    with Engine.from_config(cfg, overrides={"speculation.gamma": "auto", "serving.max_batch": "auto",
                                             "speculation.profile": str(tmp_path / "p" / "prof.yaml")}) as eng:
+        assert eng.config.serving.max_batch == prof["batch"]["recommended_max_batch"]
         out = eng.generate(PROMPTS[0], max_new_tokens=40)
         assert out.token_ids == reference[0]
         assert "exploring" not in out.stats["extra"]["gamma_auto"]["last_reason"]  # the profile is the model

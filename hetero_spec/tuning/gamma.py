@@ -76,6 +76,7 @@ class Tuning:
     alpha: float = 0.2
     early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
     shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
+    recommended_batch: int | None = None  # the profile's recommended_max_batch (serving.max_batch: auto)
 
 
     def reset_costs(self) -> None:

@@ -10,7 +10,10 @@ Measured on the configured target backend and draft (in process, one request at 
 - each draft (the configured one, the extra `--draft` directories, the n-gram lookup when draft.candidates
   names it): time per token, acceptance, and its best gamma and predicted goodput per layout;
 - placement (tuning/placement.py): for every layout and core split this machine allows, the measured costs,
-  the predicted goodput at its best gamma, and the goodput measured at that gamma.
+  the predicted goodput at its best gamma, and the goodput measured at that gamma;
+- one shared target pass against batch size (1, 2, 4, ... up to serving.max_batch: the request scheduler's
+  plain round), and the batch size past which throughput stops growing by 10 % per step (recommended_max_batch;
+  `serving.max_batch: auto` takes it).
 
 Writes PROFILE.yaml (machine, measured points, the fitted CostModel, acceptance, recommended gamma per layout,
 measured goodput) and PROFILE.png (goodput against gamma). `speculation: {gamma: auto, profile: PROFILE.yaml}`
@@ -49,7 +52,16 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(source, "speculation.profile", str(path),
                           f"not a profile written by `hetero-spec profile` (missing or bad {exc})") from None
-    return Tuning(profile=model, prior_acceptance=min(max(a, 0.0), 1.0))
+    tuning = Tuning(profile=model, prior_acceptance=min(max(a, 0.0), 1.0))
+    try:  # the shared-pass costs against batch size, when the profile measured them
+        batch = raw.get("batch") or {}
+        for b, secs in (batch.get("shared_pass_s") or {}).items():
+            tuning.shared.observe(int(b), float(secs))
+        if batch.get("recommended_max_batch") is not None:
+            tuning.recommended_batch = int(batch["recommended_max_batch"])
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(source, "speculation.profile", str(path), f"bad batch.shared_pass_s ({exc})") from None
+    return tuning
 
 
 def _median_s(fn, reps: int) -> float:
@@ -72,6 +84,39 @@ def _verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[
         target.rollback(state, base)
 
     return [(k + 1, _median_s(lambda k=k: once(k), reps)) for k in ks]
+
+
+def _batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
+    """Median seconds of one shared target pass (`verify_batch`) over B rows of one token each, every row after
+    the same cached prompt, for each batch size B (the request scheduler's plain round)."""
+    states = []
+    for _ in range(max(sizes)):
+        state = target.new_state()
+        target.prefill(state, prompt)
+        states.append(state)
+    base = states[0].n_cached
+
+    def once(b: int):
+        target.verify_batch([(st, prompt[-1], []) for st in states[:b]], [True] * b)
+        for st in states[:b]:
+            target.rollback(st, base)
+
+    try:
+        return [(b, _median_s(lambda b=b: once(b), reps)) for b in sizes]
+    finally:
+        for st in states:
+            target.release_state(st)
+
+
+def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> int:
+    """The largest measured batch size reached while each step up still raised the throughput (B / seconds)
+    by `gain` x: beyond it, more rows per pass mostly add waiting."""
+    best = points[0][0]
+    for (b0, s0), (b1, s1) in zip(points, points[1:]):
+        if b1 / s1 < gain * (b0 / s0):
+            break
+        best = b1
+    return best
 
 
 def _draft_token_s(drafter, prompt: list[int], reps: int) -> float:
@@ -252,6 +297,10 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
             def pre(n=n):
                 eng.target.prefill(eng.target.new_state(), ctx_prompt[:n])
             ppoints.append((n, _median_s(pre, max(2, reps // 4))))
+        limit = eng.config.serving.max_batch
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= limit]
+        say(f"shared target pass against batch size {sizes} (serving.max_batch {limit})")
+        bpoints = _batch_points(eng.target, ctx_prompt, sizes, reps)
         say(f"acceptance on {len(calib)} calibration prompts x {max_new} tokens")
         a, acc_info = _acceptance(eng, calib, max_new)
         c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
@@ -286,6 +335,9 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "drafts": draft_rows,
         "recommended_draft": best_draft,
         "placement": place,
+        "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
+                  "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
+                  "recommended_max_batch": recommended_batch(bpoints)},
         "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
                                     for lay in LAYOUTS},
         "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
