@@ -187,6 +187,44 @@ def _cmd_load(args) -> int:
     return 0
 
 
+def _add_soak(sub) -> None:
+    p = sub.add_parser("soak", help="concurrent streams against a real server: lost requests, tokens, RSS",
+                       description="Start `hetero-spec serve` on a free loopback port, take a greedy reference "
+                                   "answer per prompt, then keep --streams streaming completions going for "
+                                   "--duration seconds: requests lost (errors, no [DONE]), outputs or usage that "
+                                   "differ from the reference, and the server's RSS every second (flat: at most "
+                                   "10 % growth after --warmup). The server is stopped at the end. Writes "
+                                   "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the "
+                                   "goal was met.")
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of soak (default 60)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="seconds at the start that RSS growth is not judged on (default 10)")
+    p.add_argument("--out", default="bench-out/soak", help="output directory (default bench-out/soak)")
+    p.add_argument("--port", type=int, default=0, help="server port (default 0: a free one)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key of the server (repeatable)")
+
+
+def _cmd_soak(args) -> int:
+    from .bench.soak import run_soak
+    from .config import load_config
+
+    if args.streams < 1 or args.max_tokens < 1:
+        raise ConfigError("--streams/--max-tokens", "", (args.streams, args.max_tokens), "must be >= 1")
+    if not args.duration > 0 or not 0 <= args.warmup < args.duration:
+        raise ConfigError("--duration/--warmup", "", (args.duration, args.warmup),
+                          "need duration > 0 and 0 <= warmup < duration")
+    if not 0 <= args.port < 65536:
+        raise ConfigError("--port", "", args.port, "must be in 0..65535 (0: a free one)")
+    load_config(args.config, overrides=_overrides(args.overrides))  # a bad config fails now, not in the server
+    run_soak(Path(args.config), args.streams, args.duration, args.max_tokens, args.warmup, Path(args.out),
+             overrides=list(args.overrides), port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
@@ -203,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_serve(sub)
     _add_load(sub)
+    _add_soak(sub)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -295,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "export": _cmd_export, "export-draft": _cmd_export,
                 "keys": _cmd_keys, "profile": _cmd_profile, "serve": _cmd_serve,
-                "load": _cmd_load}
+                "load": _cmd_load, "soak": _cmd_soak}
     try:
         if args.command == "bench":
             from .bench_cli import cmd_bench

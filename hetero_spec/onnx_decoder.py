@@ -24,6 +24,7 @@ a branch never disturbs the stream it branched from.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
@@ -272,7 +273,8 @@ class KvPool:
             raise ValueError(f"a KV pool needs at least one slot, got {slots}")
         self.decoder, self.slots = decoder, slots
         self.kv: list[np.ndarray] = []
-        self._states: dict[int, DecoderState] = {}
+        # weak: a state dropped without release() (a probe, a crashed request) frees its slot when collected
+        self._states: weakref.WeakValueDictionary[int, DecoderState] = weakref.WeakValueDictionary()
         self._bindings: dict[tuple[int, int], Any] = {}  # (lo, hi) -> IO binding of those slots' buffers
 
     @property

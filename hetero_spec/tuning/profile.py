@@ -83,7 +83,10 @@ def _verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[
         target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
         target.rollback(state, base)
 
-    return [(k + 1, _median_s(lambda k=k: once(k), reps)) for k in ks]
+    try:
+        return [(k + 1, _median_s(lambda k=k: once(k), reps)) for k in ks]
+    finally:
+        target.release_state(state)
 
 
 def _batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
@@ -295,7 +298,9 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         ppoints = []
         for n in (16, 64, len(ctx_prompt)):
             def pre(n=n):
-                eng.target.prefill(eng.target.new_state(), ctx_prompt[:n])
+                state = eng.target.new_state()
+                eng.target.prefill(state, ctx_prompt[:n])
+                eng.target.release_state(state)
             ppoints.append((n, _median_s(pre, max(2, reps // 4))))
         limit = eng.config.serving.max_batch
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= limit]
