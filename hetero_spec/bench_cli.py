@@ -47,7 +47,15 @@ def add_bench_parser(sub) -> None:
                         "draft with gamma auto vs target-only); writes OUT/tuning.json, tuning.md and plots")
     p.add_argument("--layouts", default=None, metavar="LIST",
                    help="with --scenario: runtime.mode(s) to measure, comma-separated in_process,two_process "
-                        "(default: both for gamma-sweep and useless-draft, in_process for repetitive)")
+                        "(default: both for gamma-sweep and useless-draft, in_process for repetitive); with "
+                        "--precision-matrix: auto,two_process,in_process (default auto,two_process)")
+    p.add_argument("--precision-matrix", nargs="?", const="all", default=None, metavar="TARGETS[/DRAFTS]",
+                   help="instead of the system comparison, measure every draft precision x target precision "
+                        "(fp32, int8, int4; optionally restricted, e.g. int8 or fp32,int8/int4) x KV dtype on the "
+                        "config's pair: acceptance, draft and verify cost, weights and KV memory, speedup over "
+                        "and identity with the same target alone, ORT GenAI peers at the same target precision "
+                        "(--systems none skips them, or names a subset); default 6 prompts x 96 tokens x 2 "
+                        "repeats; writes OUT/precision.json, precision.md, precision.png")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key, validated like the file (repeatable); target.* applies to "
                         "every system, the rest to the hetero_spec systems; with --scenario: to every engine, "
@@ -55,6 +63,10 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "precision_matrix", None) is not None:
+        from .bench.precision_bench import run_precision_cli
+
+        return run_precision_cli(args)
     from .bench import run_bench_cli
 
     return run_bench_cli(args)

@@ -38,7 +38,14 @@ class TargetConfig(_Section):
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available, else CPU)."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Compute dtype. `auto` is float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity."""
+    """Compute dtype, an alias of `precision` (float32 = fp32, float16 = fp16, bfloat16 = bf16). `auto` is
+    float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity with the fp32 checkpoint."""
+    precision: Literal["fp32", "fp16", "bf16", "int8", "int4"] | None = None
+    """Weight precision of the target (precision.py). onnx backend: the model builder's export at this precision
+    (fp32, int8 or int4 on the CPU provider), exported once on first use and cached like the fp32 one. torch
+    backend: fp32/fp16/bf16 set the dtype; int8 is PyTorch's dynamic int8 quantization of the Linear layers (CPU
+    only). Unset: from `dtype`. Quantizing changes the target itself: output stays identical to THIS target
+    decoding alone, not to the fp32 checkpoint."""
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""
@@ -67,7 +74,11 @@ class DraftConfig(_Section):
     directory: `onnx` when it holds a model.onnx, otherwise an error asking for `kind`. With neither
     `kind` nor `model` the draft is `ngram`."""
     model: Path | None = None
-    """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export`."""
+    """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export`; or, with
+    `precision`, a Hugging Face checkpoint exported at that precision on first use (cached)."""
+    precision: Literal["fp32", "int8", "int4"] | None = None
+    """With a Hugging Face `model` directory: the precision of the draft's export, made once on first use into
+    $HETERO_SPEC_CACHE. With an exported `model`: must be unset (the export has its precision)."""
     providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
     """ONNX Runtime execution providers, in order of preference."""
     threads: int = Field(default=1, ge=1)
@@ -287,8 +298,8 @@ def _infer_draft_kind(raw: dict, where: str) -> None:
     draft = raw.get("draft")
     if not isinstance(draft, dict) or "kind" in draft or not isinstance(draft.get("model"), str | PathLike):
         return
-    if (Path(draft["model"]) / "model.onnx").is_file():
-        draft["kind"] = "onnx"
+    if (Path(draft["model"]) / "model.onnx").is_file() or draft.get("precision") is not None:
+        draft["kind"] = "onnx"  # an export, or a checkpoint to export at draft.precision
         return
     found = "has no model.onnx" if Path(draft["model"]).is_dir() else "does not exist"
     raise ConfigError(where, "draft.kind", None,
@@ -404,6 +415,6 @@ def check_paths(cfg: Config) -> None:
         if cfg.draft.model is None:
             raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
                               "draft.kind is onnx, so a draft model is required")
-        if not (cfg.draft.model / "model.onnx").is_file():  # noqa: SIM102
+        if not (cfg.draft.model / "model.onnx").is_file() and cfg.draft.precision is None:
             raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
                               "no model.onnx in this directory (make one with `hetero-spec export`)")

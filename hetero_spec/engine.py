@@ -142,6 +142,7 @@ class Engine:
             config = config.model_copy(deep=True)
             config.target.backend = choice.backend
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
+        config = self._resolve_precision(config, choice.backend)
         # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
         self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
         if config.serving.max_batch == "auto":
@@ -176,6 +177,19 @@ class Engine:
         from .batch import RequestScheduler
 
         self._scheduler = self._parts["scheduler"] = RequestScheduler(self)
+
+    @staticmethod
+    def _resolve_precision(config: Config, backend: str) -> Config:
+        """target.precision (or its alias dtype) checked for the backend and made explicit; a Hugging Face draft
+        with draft.precision replaced by its cached export (precision.py)."""
+        from .precision import check_target, resolve_draft
+        from .target.backends import _device_is_cuda
+
+        p = check_target(config, backend, _device_is_cuda(config.target.device) if backend == "torch" else False)
+        if config.target.precision != p:
+            config = config.model_copy(deep=True)
+            config.target.precision = p
+        return resolve_draft(config)
 
     def _build(self, config: Config) -> None:
         """Load the target and start the draft (in process, or the worker) for a resolved config."""

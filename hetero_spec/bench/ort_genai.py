@@ -36,10 +36,13 @@ def _file_stamp(model_dir: Path) -> dict[str, Any]:
 
 
 def ort_target_dir(ctx: BenchContext) -> Path:
-    """The target exported to ONNX under DIR/ort_models/target; reused while the checkpoint is unchanged."""
+    """The target exported to ONNX (at target.precision) under DIR/ort_models/target[-PRECISION]; reused while the
+    checkpoint is unchanged."""
+    from ..target.backends import precision_of
     from ..target.export_cache import SOURCE_NAME, cached_export
 
-    out = ctx.out / "ort_models" / "target"
+    precision = precision_of(ctx.config.target)
+    out = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
     stamp_path = out / "hetero_spec_source.json"
     if ctx.ort_target is not None:  # given: link its files in (the draft goes inside, the original stays clean)
         out.mkdir(parents=True, exist_ok=True)
@@ -54,7 +57,7 @@ def ort_target_dir(ctx: BenchContext) -> Path:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    src = cached_export(ctx.config.target.model, "fp32")  # the onnx backend's export: made once, shared
+    src = cached_export(ctx.config.target.model, precision)  # the onnx backend's export: made once, shared
     for f in src.iterdir():
         if f.is_file() and f.name != SOURCE_NAME:
             _place(f, out / f.name)

@@ -58,12 +58,19 @@ def choose_backend(t, source: str = "<config>") -> BackendChoice:
     return BackendChoice("torch", f"CPU target, but {why}")
 
 
+def precision_of(t) -> str:
+    """target.precision, else its alias target.dtype (auto: fp32 here; the Engine resolves auto per device)."""
+    if t.precision is not None:
+        return t.precision
+    return {"float16": "fp16", "bfloat16": "bf16"}.get(t.dtype, "fp32")
+
+
 def onnx_model_dir(t) -> Path:
-    """The ONNX directory the onnx backend loads: target.model itself, or its cached export."""
+    """The ONNX directory the onnx backend loads: target.model itself, or its cached export at the precision."""
     model = Path(t.model)
     if (model / "model.onnx").is_file():
         return model
-    return cached_export(model, "fp32")
+    return cached_export(model, precision_of(t))
 
 
 def load_target(t, threads: int | None, spin: bool = True):
@@ -76,4 +83,7 @@ def load_target(t, threads: int | None, spin: bool = True):
                           spin=spin)
     from .verifier import TargetModel
 
-    return TargetModel(t.model, device=t.device, dtype=t.dtype, threads=threads, max_context=t.max_context)
+    p = precision_of(t) if t.precision is not None else None
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(p, t.dtype)
+    return TargetModel(t.model, device=t.device, dtype=dtype, threads=threads, max_context=t.max_context,
+                       quantize="int8" if p == "int8" else None)

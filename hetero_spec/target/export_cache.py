@@ -89,13 +89,13 @@ def _complete(entry: Path) -> bool:
 
 
 def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = None,
-                  progress: Callable[[str], None] | None = None) -> Path:
+                  progress: Callable[[str], None] | None = None, role: str = "target") -> Path:
     """The ONNX export of model_dir at `precision`, exported now if the cache has none for this checkpoint."""
     from ..draft.export import export_draft
 
     entry = entry_dir(model_dir, precision, root)
     if _complete(entry):
-        log.info("target: using the cached ONNX export %s", entry)
+        log.info("%s: using the cached ONNX export %s", role, entry)
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{entry.name}.lock", "w") as lock:
@@ -103,7 +103,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         if _complete(entry):
             return entry
         say = progress or _stderr(entry)
-        say(f"exporting the target {model_dir} to ONNX ({precision}) once, into the cache {entry} "
+        say(f"exporting the {role} {model_dir} to ONNX ({precision}) once, into the cache {entry} "
             "(set HETERO_SPEC_CACHE to move it)")
         scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)

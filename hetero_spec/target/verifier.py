@@ -60,7 +60,7 @@ class TargetModel:
 
     backend = "torch"
     def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
-                 threads: int | None = None, max_context: int | None = None):
+                 threads: int | None = None, max_context: int | None = None, quantize: str | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -78,13 +78,23 @@ class TargetModel:
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load target model from {str(model_dir)!r}: {exc}") from exc
         self.model.eval()
+        if quantize == "int8":  # target.precision int8 on a CPU: int8 Linear weights, activations per call
+            if self.device.type != "cpu":
+                raise ModelLoadError("target.precision int8 with the torch backend runs on a CPU only")
+            from torch.ao.quantization import quantize_dynamic
+
+            self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
+            # one activation scale per call: rows sharing a pass would change each other's rounding
+            self.batch_blocks = False
+        self.quantized = quantize is not None
         self.config = config
         self.model_dir = model_dir
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError):
             self.tokenizer = None
-        self.vocab_width = int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        self.vocab_width = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
         model_ctx = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.context_len = int(min(x for x in (model_ctx, max_context) if x)) if (model_ctx or max_context) \
             else 2048
@@ -161,11 +171,12 @@ class TargetModel:
         masked zeros on its left) and its block left-aligned in [B, K] (K the longest block; the pad tokens
         after it are seen by nothing real, attention being causal), with explicit positions. Afterwards each row
         takes back its own new positions, so a rollback never leaves a pad behind. Sliding-window caches, whose
-        recorded past a padded copy cannot keep, verify one row per pass.
+        recorded past a padded copy cannot keep, verify one row per pass, and so does a dynamically quantized
+        model (its activation scale covers the whole pass, so rows would change each other's rounding).
         """
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
-        if len(rows) == 1 or self.windowed:
+        if len(rows) == 1 or self.windowed or self.quantized:
             return [self.verify(state, last, draft, g) for (state, last, draft), g in zip(rows, greedy)]
         lens = [state.n_cached for state, _, _ in rows]
         blocks = [[last, *draft] for _, last, draft in rows]

@@ -191,7 +191,7 @@ def _cpu_model() -> str:
 def cache_key(config, layouts: list[Layout]) -> str:
     t, d = config.target, config.draft
     key = {"target": _stamp(t.model), "backend": t.backend, "providers": t.providers, "device": t.device,
-           "dtype": t.dtype, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
+           "dtype": t.dtype, "precision": t.precision, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
            "draft_providers": d.providers, "host": platform.node(), "cpu": _cpu_model(), "cpus": allowed_cpus(),
            "threads": sorted({(lay.target_threads, lay.draft_threads) for lay in layouts})}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

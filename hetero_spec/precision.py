@@ -1,0 +1,95 @@
+"""Precision switches: `target.precision` (with `target.dtype` as its alias) and `draft.precision`.
+
+- onnx target: the model builder's export at the precision (fp32, int8 and int4 run on the CPU provider; the
+  builder's CPU graph computes in fp32, so fp16/bf16 need a CUDA or DirectML export), exported on first use
+  and cached (target/export_cache.py).
+- torch target: fp32/fp16/bf16 are the dtype; int8 is PyTorch's dynamic quantization of every nn.Linear
+  (int8 weights, activations quantized per call) on a CPU. int4 and int8 on CUDA need torchao, which this
+  project does not install: a clear error says so.
+- draft: a Hugging Face `draft.model` with `draft.precision` is exported at that precision on first use
+  (cached like the target's); an exported draft has its own precision and takes no `draft.precision`.
+
+Quantization changes the model itself. The lossless promise is relative to the configured target: output is
+identical to that target decoding alone with the same settings (tested per precision).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .config import Config
+from .errors import ConfigError
+
+log = logging.getLogger("hetero_spec.precision")
+
+_FROM_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
+ONNX_CPU = ("fp32", "int8", "int4")
+
+
+def target_precision(cfg: Config, cuda: bool) -> str:
+    """The target's precision: target.precision, else from target.dtype (auto: bf16 on CUDA, fp32 on a CPU).
+    A dtype that contradicts the precision is an error naming both keys."""
+    t = cfg.target
+    if t.precision is None:
+        if t.dtype == "auto":
+            return "bf16" if cuda else "fp32"
+        return _FROM_DTYPE[t.dtype]
+    float_of = _FROM_DTYPE.get(t.dtype)
+    if float_of is not None and float_of != t.precision and not (t.precision in ("int8", "int4") and
+                                                                  float_of == "fp32"):
+        raise ConfigError(cfg.blame("target.precision"), "target.precision", t.precision,
+                          f"contradicts target.dtype: {t.dtype} (its alias for precision {float_of}); set one of "
+                          "them (quantized int8/int4 targets compute in float32: dtype auto or float32)")
+    return t.precision
+
+
+def check_target(cfg: Config, backend: str, cuda: bool) -> str:
+    """The precision, checked against what the backend can run here; ConfigError names the key and says why."""
+    p = target_precision(cfg, cuda)
+    t = cfg.target
+    if backend == "onnx":
+        is_export = t.model is not None and (Path(t.model) / "model.onnx").is_file()
+        if is_export and t.precision is not None:
+            log.info("target.precision %s: target.model is already an export (%s); it is used as it is",
+                     p, t.model)
+        cpu = (t.providers or ["CPUExecutionProvider"])[0] == "CPUExecutionProvider"
+        if not is_export and cpu and p not in ONNX_CPU:
+            raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
+                              "the ONNX model builder's CPU export computes in fp32: choose fp32, int8 or int4 for "
+                              "the CPU provider (fp16/bf16 need a CUDA or DirectML export, `hetero-spec export "
+                              "--precision fp16 --execution-provider cuda`, or the torch backend on CUDA)")
+        return p
+    if p == "int4" or (p == "int8" and cuda):
+        raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
+                          f"the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); {p}"
+                          f"{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the onnx "
+                          "backend (int8, int4 on a CPU) or fp16/bf16")
+    return p
+
+
+def resolve_draft(cfg: Config) -> Config:
+    """draft.precision with a Hugging Face draft.model: a config whose draft.model is the cached export at that
+    precision (exported now if needed). An export given with draft.precision is an error."""
+    d = cfg.draft
+    if d.kind != "onnx" or d.precision is None or d.model is None:
+        return cfg
+    model = Path(d.model)
+    if (model / "model.onnx").is_file():
+        raise ConfigError(cfg.blame("draft.precision"), "draft.precision", d.precision,
+                          f"draft.model ({model}) is already an ONNX export with its own precision; give the "
+                          "Hugging Face checkpoint to export it at draft.precision, or drop draft.precision")
+    if not (model / "config.json").is_file():
+        raise ConfigError(cfg.blame("draft.model"), "draft.model", str(model),
+                          "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
+    from .target.export_cache import cached_export, exportable
+
+    ok, why = exportable(model)
+    if not ok:
+        raise ConfigError(cfg.blame("draft.model"), "draft.model", str(model), f"cannot export the draft: {why}")
+    out = cfg.model_copy(deep=True)
+    out.draft.model = cached_export(model, d.precision, role="draft")
+    out.draft.precision = None
+    log.info("draft: %s at %s -> %s", model, d.precision, out.draft.model)
+    return out
