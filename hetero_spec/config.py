@@ -46,6 +46,11 @@ class TargetConfig(_Section):
     backend: fp32/fp16/bf16 set the dtype; int8 is PyTorch's dynamic int8 quantization of the Linear layers (CPU
     only). Unset: from `dtype`. Quantizing changes the target itself: output stays identical to THIS target
     decoding alone, not to the fp32 checkpoint."""
+    kv_cache_dtype: Literal["auto", "fp16", "bf16", "fp8", "int8"] = "auto"
+    """How the torch backend stores the KV cache (target/kv_store.py): `auto` in the compute dtype; `fp16`/`bf16`
+    cast; `int8`/`fp8` (e4m3) with a float32 scale per token and head, dequantized on read (about 3.8x less memory
+    than fp32 at head_dim 64, at a cost in speed). Output stays identical to the target alone with the same
+    setting. The onnx backend keeps the export's cache (auto only)."""
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""

@@ -6,6 +6,8 @@
 - torch target: fp32/fp16/bf16 are the dtype; int8 is PyTorch's dynamic quantization of every nn.Linear
   (int8 weights, activations quantized per call) on a CPU. int4 and int8 on CUDA need torchao, which this
   project does not install: a clear error says so.
+- KV cache (`target.kv_cache_dtype`, torch backend): fp16/bf16 storage, or int8/fp8 with a scale per token and
+  head (target/kv_store.py); the onnx backend keeps its export's cache.
 - draft: a Hugging Face `draft.model` with `draft.precision` is exported at that precision on first use
   (cached like the target's); an exported draft has its own precision and takes no `draft.precision`.
 
@@ -49,6 +51,11 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
     """The precision, checked against what the backend can run here; ConfigError names the key and says why."""
     p = target_precision(cfg, cuda)
     t = cfg.target
+    if backend == "onnx" and t.kv_cache_dtype != "auto":
+        raise ConfigError(cfg.blame("target.kv_cache_dtype"), "target.kv_cache_dtype", t.kv_cache_dtype,
+                          "the onnx backend keeps the export's KV cache (fp32 in the builder's CPU graph; the "
+                          "builder quantizes KV caches only for GroupQueryAttention/PagedAttention on GPU "
+                          "providers): use auto, or the torch backend")
     if backend == "onnx":
         is_export = t.model is not None and (Path(t.model) / "model.onnx").is_file()
         if is_export and t.precision is not None:

@@ -104,3 +104,29 @@ def test_precision_errors_name_the_key_and_say_why(llama_target, llama_copy_onnx
 def test_dtype_stays_an_alias_of_precision(llama_target):
     with Engine.from_config(_cfg(llama_target, "torch", None, dtype="float32")) as eng:
         assert eng.config.target.precision == "fp32" and eng.target.dtype.is_floating_point
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "fp16"])
+def test_a_stored_kv_cache_keeps_speculation_identical_to_the_target_alone(llama_target, llama_copy_onnx, kv):
+    """A token's stored values depend on that token alone (its own scale), so blocks and one-token steps store
+    the same cache: exact greedy identity with the target alone using the same kv_cache_dtype."""
+    with Engine.from_config(_cfg(llama_target, "torch", "fp32", kv_cache_dtype=kv)) as alone:
+        refs = [alone.generate(p, max_new_tokens=32).token_ids for p in PROMPTS]
+        state = alone.target.new_state()
+        alone.target.prefill(state, list(range(1, 61)))
+        stored = sum(layer.nbytes() for layer in state.cache.layers)
+    with Engine.from_config(_cfg(llama_target, "torch", "fp32")) as plain:
+        state = plain.target.new_state()
+        plain.target.prefill(state, list(range(1, 61)))
+        full = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in state.cache.layers)
+    assert stored < full / (1.8 if kv == "fp16" else 3.0)  # head_dim 16 here: 1 + 4/16 bytes against 4
+    for gamma in (1, 4):
+        cfg = _cfg(llama_target, "torch", "fp32", {"kind": "onnx", "model": str(llama_copy_onnx)}, kv_cache_dtype=kv)
+        cfg["speculation"] = {"gamma": gamma}
+        with Engine.from_config(cfg) as eng:
+            assert [eng.generate(p, max_new_tokens=32).token_ids for p in PROMPTS] == refs
+
+
+def test_kv_cache_dtype_is_a_torch_switch(llama_target):
+    with pytest.raises(ConfigError, match=r"target\.kv_cache_dtype.*onnx backend keeps the export's KV cache"):
+        Engine.from_config(_cfg(llama_target, "onnx", None, kv_cache_dtype="int8"))

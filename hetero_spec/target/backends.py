@@ -86,4 +86,4 @@ def load_target(t, threads: int | None, spin: bool = True):
     p = precision_of(t) if t.precision is not None else None
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(p, t.dtype)
     return TargetModel(t.model, device=t.device, dtype=dtype, threads=threads, max_context=t.max_context,
-                       quantize="int8" if p == "int8" else None)
+                       quantize="int8" if p == "int8" else None, kv_cache_dtype=t.kv_cache_dtype)

@@ -60,7 +60,8 @@ class TargetModel:
 
     backend = "torch"
     def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
-                 threads: int | None = None, max_context: int | None = None, quantize: str | None = None):
+                 threads: int | None = None, max_context: int | None = None, quantize: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -86,7 +87,10 @@ class TargetModel:
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
             # one activation scale per call: rows sharing a pass would change each other's rounding
             self.batch_blocks = False
-        self.quantized = quantize is not None
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype != "auto":
+            self.batch_blocks = False  # the padded batch reads raw keys: a stored cache verifies row by row
+        self.quantized = quantize is not None or kv_cache_dtype != "auto"
         self.config = config
         self.model_dir = model_dir
         try:
@@ -100,6 +104,9 @@ class TargetModel:
             else 2048
         self.eos_token_ids = _eos_ids(self.model, config)
         self.windowed = _check_rollback(config, model_dir)
+        if self.windowed and kv_cache_dtype != "auto":
+            raise ModelLoadError(f"target model {str(model_dir)!r} has sliding-window layers; target.kv_cache_dtype "
+                                 f"{kv_cache_dtype} supports full-attention caches only (use auto)")
         from .staging import Staging
 
         self.staging = Staging(self.device)
@@ -108,7 +115,12 @@ class TargetModel:
     def new_state(self) -> TargetState:
         from transformers import DynamicCache
 
-        return TargetState(cache=DynamicCache(config=self.config))
+        cache = DynamicCache(config=self.config)
+        if self.kv_cache_dtype != "auto":
+            from .kv_store import StoredKVLayer
+
+            cache.layers = [StoredKVLayer(self.kv_cache_dtype) for _ in cache.layers]
+        return TargetState(cache=cache)
 
     def enable_batching(self, slots: int) -> None:
         """Nothing to set up: verify_batch builds each batch from the rows' own caches."""

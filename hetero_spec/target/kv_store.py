@@ -1,0 +1,71 @@
+"""KV caches stored below the compute precision (`target.kv_cache_dtype`, torch backend): int8 or fp8 (e4m3)
+with a float32 scale per token and head (absmax over the head's dimensions), or plain fp16/bf16. Each layer
+dequantizes on read, so attention computes in the model's dtype.
+
+A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass
+stores exactly what one-token steps store: speculative output stays identical to the target decoding alone with
+the same cache dtype (tested), while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4.
+Dequantizing the whole cache each pass costs time: this trades speed for memory (README, "Precision").
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_STORE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def bytes_per_value(kind: str, head_dim: int, compute_bytes: int = 4) -> float:
+    """Stored bytes per cached value (a scale per head_dim values for int8/fp8)."""
+    if kind in _QMAX:
+        return 1.0 + 4.0 / head_dim
+    return {"fp16": 2.0, "bf16": 2.0}.get(kind, float(compute_bytes))
+
+
+class StoredKVLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are kept as `kind` (int8, fp8, fp16, bf16) and returned dequantized."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.parts: list[torch.Tensor] = []  # keys, key scales, values, value scales (or keys, values)
+
+    def _pack(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.kind not in _QMAX:
+            return [x.to(_STORE[self.kind])]
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / _QMAX[self.kind]
+        q = x.float() / scale
+        q = q.round().clamp(-127, 127) if self.kind == "int8" else q
+        return [q.to(_STORE[self.kind]), scale]
+
+    def _unpack(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0].to(dtype)
+        return (parts[0].float() * parts[1]).to(dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        new = [self._pack(key_states), self._pack(value_states)]
+        if not self.parts:
+            self.parts = [*new[0], *new[1]]
+        else:
+            n = len(new[0])
+            old = [self.parts[:n], self.parts[n:]]
+            self.parts = [torch.cat([o, x], dim=-2) for o, x in zip(old[0] + old[1], new[0] + new[1])]
+        n = len(self.parts) // 2
+        return self._unpack(self.parts[:n], self.dtype), self._unpack(self.parts[n:], self.dtype)
+
+    def get_seq_length(self) -> int:
+        return self.parts[0].shape[-2] if self.parts else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count (tokens to remove)")
+        if tokens_to_remove == 0 or not self.parts:
+            return
+        self.parts = [p[..., :tokens_to_remove, :] for p in self.parts]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts)
