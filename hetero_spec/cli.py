@@ -94,6 +94,9 @@ def _add_profile(sub) -> None:
                         "(repeatable): its time per token, acceptance and best gamma")
     p.add_argument("--no-placement", action="store_true",
                    help="skip measuring each layout and core split (runtime.mode / runtime.cpus: auto)")
+    p.add_argument("--no-precisions", action="store_true",
+                   help="skip measuring each target precision (fp32, int8, int4 on an onnx CPU target; the first "
+                        "measurement of a precision exports it once)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key (repeatable)")
 
@@ -105,7 +108,8 @@ def _cmd_profile(args) -> int:
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
                 overrides=dict(parse_override(o) for o in args.overrides),
-                drafts=[Path(d) for d in args.drafts], placement=not args.no_placement)
+                drafts=[Path(d) for d in args.drafts], placement=not args.no_placement,
+                precisions=not args.no_precisions)
     return 0
 
 

@@ -40,12 +40,16 @@ class TargetConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Compute dtype, an alias of `precision` (float32 = fp32, float16 = fp16, bfloat16 = bf16). `auto` is
     float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity with the fp32 checkpoint."""
-    precision: Literal["fp32", "fp16", "bf16", "int8", "int4"] | None = None
-    """Weight precision of the target (precision.py). onnx backend: the model builder's export at this precision
+    precision: Literal["fp32", "fp16", "bf16", "int8", "int4", "auto"] | None = None
+    """Weight precision of the target (precision.py). `auto`: with `allow_lossy`, the precision of best predicted
+    goodput in the profile (speculation.profile; `hetero-spec profile` measures each precision this machine
+    runs); otherwise the checkpoint's own (lossless). onnx backend: the model builder's export at this precision
     (fp32, int8 or int4 on the CPU provider), exported once on first use and cached like the fp32 one. torch
     backend: fp32/fp16/bf16 set the dtype; int8 is PyTorch's dynamic int8 quantization of the Linear layers (CPU
     only). Unset: from `dtype`. Quantizing changes the target itself: output stays identical to THIS target
     decoding alone, not to the fp32 checkpoint."""
+    allow_lossy: bool = False
+    """Let `precision: auto` pick a quantized target (which changes the model's output); off by default."""
     kv_cache_dtype: Literal["auto", "fp16", "bf16", "fp8", "int8"] = "auto"
     """How the torch backend stores the KV cache (target/kv_store.py): `auto` in the compute dtype; `fp16`/`bf16`
     cast; `int8`/`fp8` (e4m3) with a float32 scale per token and head, dequantized on read (about 3.8x less memory

@@ -142,9 +142,9 @@ class Engine:
             config = config.model_copy(deep=True)
             config.target.backend = choice.backend
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
-        config = self._resolve_precision(config, choice.backend)
         # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
         self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
+        config = self._resolve_precision(config, choice.backend)
         if config.serving.max_batch == "auto":
             config = config.model_copy(deep=True)
             config.serving.max_batch = self.tuning.recommended_batch or 8
@@ -178,13 +178,13 @@ class Engine:
 
         self._scheduler = self._parts["scheduler"] = RequestScheduler(self)
 
-    @staticmethod
-    def _resolve_precision(config: Config, backend: str) -> Config:
-        """target.precision (or its alias dtype) checked for the backend and made explicit; a Hugging Face draft
-        with draft.precision replaced by its cached export (precision.py)."""
-        from .precision import check_target, resolve_draft
+    def _resolve_precision(self, config: Config, backend: str) -> Config:
+        """target.precision (or its alias dtype) checked for the backend and made explicit (auto: see
+        precision.resolve_auto); a Hugging Face draft with draft.precision replaced by its cached export."""
+        from .precision import check_target, resolve_auto, resolve_draft
         from .target.backends import _device_is_cuda
 
+        config = resolve_auto(config, self.tuning.recommended_precision)
         p = check_target(config, backend, _device_is_cuda(config.target.device) if backend == "torch" else False)
         if config.target.precision != p:
             config = config.model_copy(deep=True)

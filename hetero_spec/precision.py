@@ -30,6 +30,24 @@ TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8":
 ONNX_CPU = ("fp32", "int8", "int4")
 
 
+def resolve_auto(cfg: Config, recommended: str | None) -> Config:
+    """target.precision auto: the profile's recommendation when allow_lossy lets it change the model, else the
+    checkpoint's own precision (target.dtype's), with a log line saying which and why."""
+    t = cfg.target
+    if t.precision != "auto":
+        return cfg
+    out = cfg.model_copy(deep=True)
+    if t.allow_lossy and recommended is not None:
+        out.target.precision = recommended
+        why = "the profile's recommendation (allow_lossy)"
+    else:
+        out.target.precision = None  # from dtype
+        why = ("allow_lossy is off: the checkpoint's own precision" if not t.allow_lossy else
+               "no profile recommends one (speculation.profile, `hetero-spec profile`): the checkpoint's own")
+    log.warning("target.precision auto: %s (%s)", out.target.precision or f"from dtype {t.dtype}", why)
+    return out
+
+
 def target_precision(cfg: Config, cuda: bool) -> str:
     """The target's precision: target.precision, else from target.dtype (auto: bf16 on CUDA, fp32 on a CPU).
     A dtype that contradicts the precision is an error naming both keys."""

@@ -189,6 +189,19 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(monkeypatch, tmp_pat
     assert prof["batch"]["recommended_max_batch"] in (1, 2, 4, 8)
     assert sorted(x for x, _ in t.shared.points) == [1, 2, 4, 8] and t.shared.line() is not None
     assert t.recommended_batch == prof["batch"]["recommended_max_batch"]
+    # each precision the torch CPU target runs, and target.precision auto takes the recommendation only when lossy
+    # output is allowed
+    cands = prof["precision"]["candidates"]
+    assert set(cands) == {"fp32", "int8"} and prof["precision"]["recommended"] in cands
+    assert all(c["predicted_tok_s"] > 0 and 0 <= c["acceptance"] <= 1 for c in cands.values())
+    assert t.recommended_precision == prof["precision"]["recommended"]
+    with Engine.from_config(cfg, overrides={"target.precision": "auto",
+                                            "speculation.profile": str(tmp_path / "p" / "prof.yaml")}) as eng:
+        assert eng.config.target.precision == "fp32"  # allow_lossy is off
+    with Engine.from_config(cfg, overrides={"speculation.gamma": "auto", "serving.max_batch": "auto",
+                                            "target.precision": "auto", "target.allow_lossy": True,
+                                            "speculation.profile": str(tmp_path / "p" / "prof.yaml")}) as eng:
+        assert eng.config.target.precision == prof["precision"]["recommended"]
     with Engine.from_config(cfg, overrides={"speculation.gamma": "auto", "serving.max_batch": "auto",
                                             "speculation.profile": str(tmp_path / "p" / "prof.yaml")}) as eng:
         assert eng.config.serving.max_batch == prof["batch"]["recommended_max_batch"]

@@ -77,6 +77,7 @@ class Tuning:
     early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
     shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
     recommended_batch: int | None = None  # the profile's recommended_max_batch (serving.max_batch: auto)
+    recommended_precision: str | None = None  # the profile's (target.precision: auto with allow_lossy)
 
 
     def reset_costs(self) -> None:

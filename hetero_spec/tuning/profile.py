@@ -13,7 +13,10 @@ Measured on the configured target backend and draft (in process, one request at 
   the predicted goodput at its best gamma, and the goodput measured at that gamma;
 - one shared target pass against batch size (1, 2, 4, ... up to serving.max_batch: the request scheduler's
   plain round), and the batch size past which throughput stops growing by 10 % per step (recommended_max_batch;
-  `serving.max_batch: auto` takes it).
+  `serving.max_batch: auto` takes it);
+- each target precision this machine runs (onnx on a CPU: fp32, int8, int4): verify line, the draft's cost and
+  acceptance against it, best gamma and predicted goodput; the recommended one is taken by
+  `target.precision: auto` only with `target.allow_lossy: true`.
 
 Writes PROFILE.yaml (machine, measured points, the fitted CostModel, acceptance, recommended gamma per layout,
 measured goodput) and PROFILE.png (goodput against gamma). `speculation: {gamma: auto, profile: PROFILE.yaml}`
@@ -59,6 +62,9 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
             tuning.shared.observe(int(b), float(secs))
         if batch.get("recommended_max_batch") is not None:
             tuning.recommended_batch = int(batch["recommended_max_batch"])
+        rec = (raw.get("precision") or {}).get("recommended")
+        if rec is not None:
+            tuning.recommended_precision = str(rec)
     except (TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(source, "speculation.profile", str(path), f"bad batch.shared_pass_s ({exc})") from None
     return tuning
@@ -233,6 +239,42 @@ def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[li
     return out
 
 
+def precisions_here(config) -> list[str]:
+    """Target precisions this backend runs on this machine (precision.py)."""
+    from ..target.backends import choose_backend
+
+    if choose_backend(config.target).backend == "onnx":
+        return ["fp32", "int8", "int4"] if (Path(config.target.model) / "config.json").is_file() else []
+    return ["fp32", "int8"] if config.target.device == "cpu" else ["fp32", "bf16", "fp16"]
+
+
+def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_new: int, reps: int,
+                        say) -> dict[str, Any]:
+    """Each target precision this machine runs: its verify line, the draft's time per token and acceptance
+    against it (quantization moves both), the best gamma and predicted goodput in process, and target-only's
+    rate. recommended: the best predicted goodput (taken by target.precision auto only with allow_lossy)."""
+    from ..engine import Engine
+
+    rows: dict[str, Any] = {}
+    for p in precisions_here(config):
+        say(f"target precision {p}: verify line, draft cost and acceptance (exported once if needed)")
+        with Engine.from_config(config, overrides={"target.precision": p, "runtime.mode": "in_process",
+                                                   "runtime.cpus": None}) as eng:
+            vpoints = _verify_points(eng.target, prompt, [0, 8], reps)
+            a, _ = _acceptance(eng, calib, max_new)
+            d_tok = _draft_token_s(eng.proposer, prompt, reps) if eng.proposer is not None else 0.0
+        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
+        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok)
+        g, rate = model.best_gamma(a, "in_process")
+        rows[p] = {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints}, "draft_token_s": round(d_tok, 6),
+                   "acceptance": round(a, 4), "best_gamma": g, "predicted_tok_s": round(rate, 1),
+                   "target_only_tok_s": round(1.0 / model.verify(0), 1), "lossless_vs_checkpoint": p == "fp32"}
+    recommended = max(rows, key=lambda p: rows[p]["predicted_tok_s"]) if rows else None
+    return {"candidates": rows, "recommended": recommended,
+            "note": "used by target.precision: auto only with target.allow_lossy: true (quantizing changes "
+                    "the model's output)"}
+
+
 def _profile_placement(config, acceptance: float, calib: list[list[int]], max_new: int, say) -> dict[str, Any]:
     """Every layout this machine allows (tuning/placement.py): measured costs, predicted goodput at its
     best gamma, and measured goodput at that gamma."""
@@ -262,7 +304,7 @@ def _profile_placement(config, acceptance: float, calib: list[list[int]], max_ne
 
 def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file: Path | None = None,
                 overrides: dict | None = None, say=None, drafts: list[Path] | None = None,
-                placement: bool = True) -> dict[str, Any]:
+                placement: bool = True, precisions: bool = True) -> dict[str, Any]:
     """Measure, fit, recommend; write out (YAML) and out with .png. Returns the profile dict."""
     import yaml
 
@@ -322,6 +364,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
                                  reps, say)
     best_draft = max(draft_rows, key=lambda n: max(r["predicted_tok_s"] for r in draft_rows[n]["best"].values()))
     place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
+    precision = _profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions else None
     recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
     profile = {
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -340,6 +383,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "drafts": draft_rows,
         "recommended_draft": best_draft,
         "placement": place,
+        "precision": precision,
         "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
                   "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
                   "recommended_max_batch": recommended_batch(bpoints)},
