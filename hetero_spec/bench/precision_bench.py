@@ -396,10 +396,21 @@ def draft_ms_per_token(samples) -> tuple[float | None, str | None]:
     return None, None
 
 
+def tokens_per_s(samples) -> float | None:
+    """Median over prompts of new tokens / wall time (a prompt's time: the median of its repeats)."""
+    rates = [len(x.token_ids) / x.wall_s for x in samples if x.wall_s > 0]
+    return round(statistics.median(rates), 2) if rates else None
+
+
 def arm_measures(samples) -> dict[str, Any]:
+    """Acceptance, draft and verify costs from the Engine stats of each prompt's first repeat; drafting_prompts:
+    on how many prompts anything was drafted (none: the cost gate kept speculation off, the target decoded
+    alone)."""
     s = stat_sums(samples)
     dms, source = draft_ms_per_token(samples)
+    drafting = sum(bool((x.stats or {}).get("drafted")) for x in samples)
     return {"drafted": int(s["drafted"]), "accepted": int(s["accepted"]), "rounds": int(s["rounds"]),
+            "drafting_prompts": f"{drafting}/{len(samples)}", "tokens_per_s": tokens_per_s(samples),
             "acceptance": round(s["accepted"] / s["drafted"], 4) if s["drafted"] else None,
             "draft_ms_per_token": dms, "draft_ms_source": source,
             "verify_ms_per_round": round(s["time_verify_s"] / s["rounds"] * 1e3, 3) if s["rounds"] else None}
@@ -426,7 +437,8 @@ def run_target_pass(m: Matrix, precision: str, n_cores: int) -> dict[str, Any]:
     summary, result = sc.run_pass(f"target {precision}", engines, arms, s.n_repeats, m.prompts)
     engines_desc = summary["engines"]
     target_dir = (engines_desc.get(TARGET_ONLY) or {}).get("target_dir")
-    target = {"dir": target_dir, "weights_mb": weights_mb(target_dir), "kv": kv_cache(target_dir)}
+    target = {"dir": target_dir, "weights_mb": weights_mb(target_dir), "kv": kv_cache(target_dir),
+              "target_alone_tokens_per_s": tokens_per_s(result.samples.get(TARGET_ONLY, []))}
     rows = []
     for d, src in m.drafts.items():
         for layout in s.layouts:
@@ -450,7 +462,8 @@ def _row(precision: str, draft: str, src: DraftSource, layout: str, name: str, s
         "kv_dtype": f"auto ({kv['dtype']})" if kv else "auto", "shipped_recommendation": shipped,
         "draft_source": {"model": str(src.model) if src.model else None, "draft.precision": src.precision},
         "status": "unavailable" if src.model is None else "failed", "reason": src.reason,
-        "resolved_layout": None, "acceptance": None, "accepted": None, "drafted": None,
+        "resolved_layout": None, "acceptance": None, "accepted": None, "drafted": None, "drafting_prompts": None,
+        "tokens_per_s": None,
         "draft_ms_per_token": None, "draft_ms_source": None, "verify_ms_per_round": None,
         "target_mb": target["weights_mb"], "draft_mb": None,
         "kv_bytes_per_token": kv["bytes_per_token"] if kv else None,
@@ -468,6 +481,7 @@ def _row(precision: str, draft: str, src: DraftSource, layout: str, name: str, s
     row["resolved_layout"] = (placement["chosen"] + (f", {placement['switches']} switch(es)"
                                                      if placement["switches"] else "")) if placement else \
         f"{desc.get('layout')} (target {desc.get('target_threads')} thread(s), draft {desc.get('draft_threads')})"
+    row["resolved_layout"] = row["resolved_layout"].replace(" thread(s), draft ", "+").replace("(target ", "(threads ")
     row.update(status="ok", reason=None, **arm_measures(result.samples[name]),
                speedup=v["median"], speedup_min=v["min"], speedup_max=v["max"], won=f"{v['won']}/{v['prompts']}",
                identical=f"{v['identical']}/{v['prompts']}")
@@ -481,11 +495,12 @@ def _peer(precision: str, name: str, summary: dict[str, Any], result) -> dict[st
                            "status": e["status"], "reason": e.get("reason"),
                            "threads": desc.get("target_threads"), "gamma": desc.get("gamma")}
     if v is not None:
+        measures = arm_measures(result.samples[name])
         out.update(speedup=v["median"], speedup_min=v["min"], speedup_max=v["max"],
                    won=f"{v['won']}/{v['prompts']}", identical=f"{v['identical']}/{v['prompts']}",
-                   **({k: arm_measures(result.samples[name])[k] for k in ("acceptance", "draft_ms_per_token",
-                                                                            "verify_ms_per_round")}
-                      if PEERS[name] != "ort_genai_target_only_all_cores" else {}))
+                   tokens_per_s=measures["tokens_per_s"])
+        if PEERS[name] != "ort_genai_target_only_all_cores":  # ORT GenAI's speculative stats
+            out.update({k: measures[k] for k in ("acceptance", "draft_ms_per_token", "verify_ms_per_round")})
     return out
 
 
@@ -638,7 +653,8 @@ def _kv_text(r: dict[str, Any]) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| target | draft | layout (resolved) | KV dtype | acceptance (accepted/drafted) | draft ms/token | "
+    out = ["| target | draft | layout: resolved | KV dtype | acceptance (accepted/drafted; prompts drafting) | "
+           "draft ms/token | "
            "verify ms/round | target MB | draft MB | KV/token (1k / 8k ctx) | speedup vs target alone (range, "
            "won) | identical |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -650,8 +666,9 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
                        f"{_x(r['draft_mb'], '.1f')} | {_kv_text(r)} | {r['status']}: {r['reason']} | - |")
             continue
         gate = " (w)" if r["draft_ms_source"] and r["draft_ms_source"].startswith("worker") else ""
-        acc = f"{_x(r['acceptance'])} ({r['accepted']}/{r['drafted']})"
-        out.append(f"{head} ({r['resolved_layout']}) | {r['kv_dtype']} | {acc} | "
+        acc = f"{_x(r['acceptance'])} ({r['accepted']}/{r['drafted']}; drafting on {r['drafting_prompts']})"
+        resolved = f" -> {r['resolved_layout']}" if r["layout"] == "auto" else f": {r['resolved_layout']}"
+        out.append(f"{head}{resolved} | {r['kv_dtype']} | {acc} | "
                    f"{_x(r['draft_ms_per_token'], '.2f')}{gate} | {_x(r['verify_ms_per_round'], '.2f')} | "
                    f"{_x(r['target_mb'], '.1f')} | {_x(r['draft_mb'], '.1f')} | {_kv_text(r)} | "
                    f"{r['speedup']:.3f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}, {r['won']}) | "
@@ -720,13 +737,16 @@ def render_markdown(report: dict[str, Any]) -> str:
              "layers x kv_heads x head_dim x element bytes per token, then at 1k and 8k tokens of context (MB = "
              "10^6 bytes). Weights: model.onnx + model.onnx.data on disk. Draft ms/token: time_draft_s / drafted "
              "in process; (w): two_process, where drafting runs in the worker off the request's clock, the "
-             "worker-measured estimate of the gate. Identity: prompts whose greedy output equals the target "
+             "worker-measured estimate of the gate. Acceptance and costs: Engine stats of each prompt's first "
+             "repeat; 'drafting on 0/N': the cost gate kept speculation off on every prompt, so the arm is the "
+             "target decoding alone in that layout. Identity: prompts whose greedy output equals the target "
              "alone at the same precision (a quantized target may differ from fp32; counted, never failed).", ""]
     for p, t in report["targets"].items():
         kv = t["kv"]
         kv_txt = (f"{kv['layers']} layers x {kv['kv_heads']} KV heads x head_dim {kv['head_dim']} x "
                   f"{kv['element_bytes']} B ({kv['dtype']})") if kv else "-"
-        lines.append(f"- target {p}: {t['dir']} ({_x(t['weights_mb'], '.1f')} MB); KV: {kv_txt}")
+        lines.append(f"- target {p}: {t['dir']} ({_x(t['weights_mb'], '.1f')} MB); KV: {kv_txt}; alone (the "
+                     f"reference): {_x(t.get('target_alone_tokens_per_s'), '.1f')} tok/s (median over prompts)")
     lines += ["", "## Matrix", "", *_table(report["rows"]), ""]
     if report["peers"]:
         lines += ["## Peers (ONNX Runtime GenAI, same target export)", "",
@@ -785,7 +805,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     handles += [Patch(facecolor="white", edgecolor="black", hatch=h, label=lay) for lay, h in LAYOUT_HATCH.items()
                 if lay in report["settings"]["layouts"]]
     handles += [Patch(facecolor=c, label=n) for n, c in greys.items() if n in report["settings"]["peers"]]
-    ax.legend(handles=handles, fontsize=7, ncols=2)
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.savefig(path, dpi=120)
 
 
