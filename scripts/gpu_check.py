@@ -66,6 +66,47 @@ def _onnx_backend_rows(target: Path, draft: Path, prompt: list[int], tokens: int
     return rows
 
 
+def _batch_and_precision_rows(cfg: dict, prompt: list[int], tokens: int) -> list[tuple[str, str, str]]:
+    """CUDA: padded batched verification (4 requests at once, each equal to its solo run), then each stored KV
+    cache (fp8 e4m3 and int8 with per-token scales, fp16) and a bf16 target against themselves alone."""
+    import threading
+
+    from hetero_spec import Engine
+
+    rows = []
+    prompts = [prompt, prompt[::-1], prompt[5:], prompt[:9] * 2]
+    with Engine.from_config({**cfg, "runtime": {"mode": "in_process"}, "speculation": {"gamma": 4}}) as eng:
+        solo = [eng.generate(p, max_new_tokens=tokens).token_ids for p in prompts]
+        got: dict[int, list[int]] = {}
+        with eng._lock:  # all four start in the same round
+            threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+                i, eng.generate(prompts[i], max_new_tokens=tokens).token_ids)) for i in range(4)]
+            for th in threads:
+                th.start()
+            time.sleep(0.5)
+        for th in threads:
+            th.join()
+        same = all(got[i] == solo[i] for i in range(4))
+        rows.append(("CUDA batched verification (4 requests, padded pass): each equals its solo run", str(same),
+                     f"batch sizes seen {sorted(set(eng.batch_sizes()))}"))
+    for kv in ("fp8", "int8", "fp16"):
+        t = {**cfg["target"], "kv_cache_dtype": kv}
+        with Engine.from_config({**cfg, "target": t, "draft": {"kind": "none"}}) as eng:
+            ref = eng.generate(prompt, max_new_tokens=tokens).token_ids
+        with Engine.from_config({**cfg, "target": t, "runtime": {"mode": "in_process"}}) as eng:
+            out = eng.generate(prompt, max_new_tokens=tokens, gamma=4)
+        rows.append((f"CUDA KV cache {kv}: identical to its target-only", str(out.token_ids == ref),
+                     f"acceptance {out.stats['acceptance_rate']:.2f}"))
+    t = {**cfg["target"], "dtype": "auto", "precision": "bf16"}
+    with Engine.from_config({**cfg, "target": t, "draft": {"kind": "none"}}) as eng:
+        ref = eng.generate(prompt, max_new_tokens=tokens).token_ids
+    with Engine.from_config({**cfg, "target": t, "runtime": {"mode": "in_process"}}) as eng:
+        out = eng.generate(prompt, max_new_tokens=tokens, gamma=4)
+    rows.append(("CUDA bf16 target: identical to its target-only (may differ at near-ties)",
+                 "same" if out.token_ids == ref else "differs", f"acceptance {out.stats['acceptance_rate']:.2f}"))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", help="HF target directory (default: a random model built here)")
@@ -153,6 +194,9 @@ def main() -> int:
                              f"transfer {gate.get('transfer_ms')} ms, staging copies {eng.target.staging.copies}"))
         rows += _onnx_backend_rows(target, draft, prompt, args.tokens)
         ok &= all(r[1] != "False" for r in rows[-3:])
+        extra = _batch_and_precision_rows(cfg, prompt, args.tokens)
+        rows += extra
+        ok &= all(r[1] != "False" for r in extra)
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print("| check | result | detail |\n|---|---|---|")
     for r in rows:
