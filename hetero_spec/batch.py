@@ -3,7 +3,8 @@
 
 A round of the batch, in process (scheduler.Row holds each request's state):
   0) plan: each row's own gamma, then the batch's plan (tuning/batching.py: speculate, or one shared pass)
-  1) propose: each row's proposer drafts its block (one draft model, in turn)
+  1) propose: each row's proposer drafts its block; rows drafting with the ONNX model step together (one run per
+     draft token for all of them), other proposers in turn
   3) verify: ONE `verify_batch` call for all rows (the backend shares passes as far as it can)
   4) commit + stop checks per row; its tokens go to its caller; a finished or cancelled row leaves at once,
      freeing its target state (a KV slot) and its draft state, and a waiting request takes its place.
@@ -206,7 +207,7 @@ class RequestScheduler:
         """One round for every running request (phases in the module docstring)."""
         target, rows = eng.target, [row for row, _ in self._rows]
         gammas = self._plan(eng, rows)  # 0) plan
-        drafts = [row.propose(k) for row, k in zip(rows, gammas)]  # 1) propose
+        drafts = self._propose(rows, gammas)  # 1) propose
         t = time.perf_counter()  # 3) verify
         outs = target.verify_batch([(row.state, row.ids[-1], d.ids) for row, d in zip(rows, drafts)],
                                    [row.req.params.greedy for row in rows])
@@ -239,11 +240,35 @@ class RequestScheduler:
         gammas = [row.plan() for row in rows]
         if len(rows) > 1 and all(row.policy.fixed is None for row in rows):
             self.last_plan = plan_batch(gammas, [row.policy.estimate() for row in rows], eng.tuning.model(),
-                                        eng.tuning.shared, eng.target.batch_blocks)
+                                        eng.tuning.shared, eng.target.batch_blocks,
+                                        draft_together=all(self._steps_together(row) for row in rows))
             gammas = self.last_plan.gammas
             held = any(g for g in self.last_plan.spec_gammas()) and not any(gammas)
             self._plain = (len(rows), self.PLAIN_HOLD if held else 0)
         return gammas
+
+    @staticmethod
+    def _steps_together(row: Row) -> bool:
+        from .draft.onnx_drafter import OnnxDrafter
+
+        return type(row.proposer) is OnnxDrafter and row.stop is None
+
+    def _propose(self, rows: list[Row], gammas: list[int]) -> list:
+        """1) each row's draft. Rows drafting with the ONNX model (no early stop) step together, one run per
+        draft token for all of them (OnnxDrafter.propose_batch, each row's draft what it would be alone); the
+        others (n-gram, draft selection, early stop) propose in turn."""
+        from .draft.onnx_drafter import OnnxDrafter
+
+        together = [i for i, (row, k) in enumerate(zip(rows, gammas)) if k > 0 and self._steps_together(row)]
+        drafts: list = [None] * len(rows)
+        if len(together) > 1:
+            t = time.perf_counter()
+            out = OnnxDrafter.propose_batch([rows[i].proposer for i in together], [gammas[i] for i in together])
+            share = (time.perf_counter() - t) / len(together)
+            for i, draft in zip(together, out):
+                rows[i].drafted(share)
+                drafts[i] = draft
+        return [d if d is not None else row.propose(k) for d, row, k in zip(drafts, rows, gammas)]
 
     def _end(self, row: Row, ticket: Ticket, eng: Engine | None = None) -> None:
         self._rows = [rt for rt in self._rows if rt[0] is not row]

@@ -219,6 +219,8 @@ class Engine:
                 config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
         else:
             self.proposer = self._parts["proposer"] = self._make_proposer(config)
+            if hasattr(self.proposer, "enable_batching"):  # the batch's drafters: slots of one buffer
+                self.proposer.enable_batching(config.serving.max_batch)
 
     #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
     REPLACE_MIN_TESTED = 16

@@ -174,9 +174,13 @@ class Row:
             self.stopped_early += draft.stopped_early
         else:
             draft = self.proposer.propose(k)
-        self._draft_s = time.perf_counter() - t
-        self.stats.time_draft_s += self._draft_s
+        self.drafted(time.perf_counter() - t)
         return draft
+
+    def drafted(self, seconds: float) -> None:
+        """The time this round's draft took (its share, when several rows drafted together)."""
+        self._draft_s = seconds
+        self.stats.time_draft_s += seconds
 
     def finish(self, draft: Draft, out: Any, verify_s: float | None) -> list[int]:
         """3b) accept, 4) commit + stop checks, token by token inside the block, 5) adapt. verify_s: the pass's

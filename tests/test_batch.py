@@ -112,6 +112,11 @@ def test_batched_requests_equal_their_solo_runs(llama_target, llama_random_onnx,
     draft_dir = {"random": llama_random_onnx, "copy": llama_copy_onnx, None: None}[draft]
     with Engine.from_config(_cfg(llama_target, draft_dir, backend)) as eng:
         solo = {i: eng.generate(PROMPTS[i], **_req(i)).token_ids for i in range(5)}
+        steps = []  # the draft model's runs shared by several requests
+        if draft is not None:
+            dec = eng.proposer.decoder
+            real = dec.append_batch
+            dec.append_batch = lambda states, toks: steps.append(len(states)) or real(states, toks)
         sinks, stats = _run_batch(eng)
         for i in (0, 1, 3, 4):
             assert sinks[i].ids == solo[i], f"request {i} differs from its solo run"
@@ -121,6 +126,8 @@ def test_batched_requests_equal_their_solo_runs(llama_target, llama_random_onnx,
         # the four started in one batch, and the fifth joined it in round 3 (request 2 left in round 4)
         assert stats[0].extra["batch"]["largest_batch"] == 5
         assert stats[4].extra["batch"]["rounds_batched"] > 0
+        if draft is not None:  # the rows drafted together: one draft run per token for several requests
+            assert steps and max(steps) >= 3
         if draft == "random":  # blocks of different lengths, and different accepted lengths, shared passes
             assert {stats[i].drafted for i in (0, 3)} != {0} and stats[0].accepted < stats[0].drafted
         if backend == "onnx":  # every slot of the batched KV buffer is free again
@@ -281,6 +288,10 @@ def test_plan_turns_speculation_off_for_a_compute_bound_batch_and_keeps_it_when_
     assert plan.gammas == [0] * 8 and plan.plain_rate > plan.spec_rate
     plan = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True)
     assert plan.gammas == [4] * 8 and plan.spec_rate > plan.plain_rate
+    # drafting together makes speculation cheaper than drafting in turn
+    apart = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True)
+    together = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True, draft_together=True)
+    assert together.spec_rate > apart.spec_rate
     # acceptance 0: drafting never pays, even on the flat verify
     assert plan_batch([4] * 8, [0.0] * 8, GPU, shared, batch_blocks=True).gammas == [0] * 8
     # one row, nothing measured, or no drafts: the rows' own choices

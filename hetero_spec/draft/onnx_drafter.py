@@ -42,13 +42,66 @@ class OnnxDrafter:
                                  spin=spin))
 
     def spawn(self) -> OnnxDrafter:
-        """A drafter for another request on the same loaded model (one session, a state per request)."""
+        """A drafter for another request on the same loaded model (one session, a state per request; a slot of
+        the batched buffer once enable_batching was called, so that `propose_batch` can step it with others)."""
         new = OnnxDrafter.__new__(OnnxDrafter)
         new._attach(self.decoder)
+        new._pool = self._pool
         return new
+
+    def enable_batching(self, slots: int) -> None:
+        """Drafters spawned from now on keep their cache in slots of one batched buffer (shared layout only)."""
+        if self.decoder.shared and slots > 1 and self._pool is None:
+            self._pool = self.decoder.new_pool(slots)
+
+    def _new_state(self):
+        state = self._pool.acquire() if self._pool is not None else None
+        return state if state is not None else self.decoder.new_state()
+
+    @staticmethod
+    def propose_batch(drafters: list[OnnxDrafter], ks: list[int]) -> list[Draft]:
+        """Draft ks[i] tokens for each drafter, stepping them together: what each `propose(k)` would return.
+
+        A drafter with committed tokens to feed first (more than one) feeds them alone; then every drafter still
+        drafting takes one step in ONE run (`OnnxDecoder.append_batch`, whose rows equal one run per row bit for
+        bit). Drafters that are not slots of one pool draft one by one."""
+        pool = drafters[0]._pool
+        if pool is None or len(drafters) < 2 or any(d.state.pool is not pool for d in drafters):
+            return [d.propose(k) for d, k in zip(drafters, ks)]
+        dec = drafters[0].decoder
+        ks = [min(k, d.context_len - len(d.ids)) for d, k in zip(drafters, ks)]
+        pending: list[int] = []
+        for d, k in zip(drafters, ks):
+            d.last_catchup_s, d._proposed = 0.0, []
+            if k <= 0:
+                pending.append(-1)
+                continue
+            todo = d.ids[d.n_past:]
+            if not todo:  # everything is cached: re-feed the last token for its logits
+                d.rewind_to(d.n_past - 1)
+                todo = d.ids[-1:]
+            if len(todo) > 1:
+                t0 = time.perf_counter()
+                d.append(todo[:-1])
+                d.last_catchup_s = time.perf_counter() - t0
+            pending.append(todo[-1])
+        probs: list[list[np.ndarray]] = [[] for _ in drafters]
+        for i in range(max(ks, default=0)):
+            live = [j for j, k in enumerate(ks) if i < k]
+            logits = dec.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
+            for row, j in enumerate(live):
+                d = drafters[j]
+                tok, q = d._choose(logits[row], len(d.ids) + i)
+                d._proposed.append(tok)
+                if q is not None:
+                    probs[j].append(q)
+                pending[j] = tok
+        return [Draft(ids=list(d._proposed), probs=np.stack(p) if p else None)
+                for d, p in zip(drafters, probs)]
 
     def _attach(self, decoder: OnnxDecoder) -> None:
         self.decoder = decoder
+        self._pool = None
         self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
         self.state = self.decoder.new_state()
@@ -77,8 +130,13 @@ class OnnxDrafter:
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.ids = list(prompt_ids)
         self.params = params
-        self.state, self._proposed = self.decoder.new_state(), []
+        self._release()
+        self.state, self._proposed = self._new_state(), []
         self.alts = {}
+
+    def _release(self) -> None:
+        if getattr(self, "state", None) is not None and self.state.pool is not None:
+            self.state.pool.release(self.state)
 
     def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
         """Pick the token at an absolute position: argmax; coupled: argmax(log q + g) with the noise the
@@ -207,4 +265,5 @@ class OnnxDrafter:
         self._proposed = []
 
     def close(self) -> None:
+        self._release()
         self.state = self.decoder.new_state()

@@ -5,7 +5,8 @@ whole the choice is between two plans for a round, both committing tokens for ev
 
 - plain: every row without a draft, one token each, in ONE shared target pass:
   B tokens in S(B) seconds, where S(t) is the shared pass's cost for t positions;
-- speculate: every row drafts k_b tokens (in turn, one draft model), then the blocks are verified,
+- speculate: every row drafts k_b tokens (in turn, or stepping together when they all draft with the ONNX
+  model: max k_b steps, each scaled like a shared target pass), then the blocks are verified,
   in one padded pass of B x max(k_b + 1) positions where the backend can (`batch_blocks`: torch), else one pass
   per row with a draft (the exported ONNX attention takes one-token rows only) plus one shared pass for the rest:
   sum_b E(a_b, k_b) tokens in sum_b k_b d + verify time.
@@ -72,7 +73,7 @@ class BatchPlan:
 
 
 def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | None, shared: SharedPassCost,
-               batch_blocks: bool) -> BatchPlan:
+               batch_blocks: bool, draft_together: bool = False) -> BatchPlan:
     """The round's gammas for a batch: each row's own choice (speculate) or all 0 (plain), by predicted goodput.
     gammas: the rows' own choices; acceptances: the rows' estimates; model: the one-request costs (None: not
     yet measured, the rows' choices stand)."""
@@ -80,7 +81,7 @@ def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | N
     if b < 2 or not any(gammas):
         return BatchPlan(gammas, "one row" if b < 2 else "no row drafts")
     plain_s = shared.cost(b, model)
-    spec_s = _spec_time(gammas, model, shared, batch_blocks)
+    spec_s = _spec_time(gammas, model, shared, batch_blocks, draft_together)
     if plain_s is None or spec_s is None:
         return BatchPlan(gammas, "costs not measured yet: the rows' own choices")
     tokens = sum(expected_tokens(a, g) for a, g in zip(acceptances, gammas))
@@ -93,10 +94,17 @@ def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | N
 
 
 def _spec_time(gammas: list[int], model: CostModel | None, shared: SharedPassCost,
-               batch_blocks: bool) -> float | None:
+               batch_blocks: bool, draft_together: bool = False) -> float | None:
     if model is None:
         return None
     draft_s = sum(gammas) * model.draft_token_s
+    drafting = sum(1 for g in gammas if g > 0)
+    if draft_together and drafting > 1:
+        # the drafting rows step together (one draft run per token for all): the draft is a smaller decoder of
+        # the same shape, so a shared step is taken to scale with the rows as the target's shared pass does
+        one, many = shared.cost(1, model), shared.cost(drafting, model)
+        if one and many:
+            draft_s = max(gammas) * model.draft_token_s * many / one
     if batch_blocks:
         verify_s = shared.cost(len(gammas) * (max(gammas) + 1), model)
         return None if verify_s is None else draft_s + verify_s
