@@ -9,8 +9,10 @@ A round of the batch, in process (scheduler.Row holds each request's state):
   4) commit + stop checks per row; its tokens go to its caller; a finished or cancelled row leaves at once,
      freeing its target state (a KV slot) and its draft state, and a waiting request takes its place.
 
-In the two_process layout the worker drafts one stream, so requests run one at a time, start to end
-(runtime/pipelined.py), in this same thread.
+In the two_process layout the worker drafts one stream: a lone request runs start to end through it
+(runtime/pipelined.py), overlapped; when several requests are there at once they run as a batch of
+target-only rows (one shared pass per round: on a CPU that outruns one speculative stream at a time, see
+tuning/batching.py), and a request arriving alone afterwards gets the worker again.
 
 Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
 for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
@@ -130,9 +132,9 @@ class RequestScheduler:
     def _round(self, eng: Engine) -> None:
         with eng._lock:
             eng._progress_at = time.monotonic()
-            if eng.runtime is not None:
-                self._alone(eng)
-            else:
+            if eng.runtime is not None and not self._rows and len(self._waiting) < 2:
+                self._alone(eng)  # two_process, one request: the worker drafts it, overlapped
+            else:  # in process; or two_process with several requests: a batch (target-only rows there)
                 self._admit(eng)
                 self._drop_cancelled()
                 if self._rows:

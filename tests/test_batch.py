@@ -326,3 +326,22 @@ def test_recommended_batch_is_where_throughput_stops_growing():
     assert recommended_batch([(1, 1.0), (2, 1.5)]) == 2
     assert recommended_batch([(1, 1.0), (2, 2.0)]) == 1  # no gain at all
     assert recommended_batch([(1, 1.0)]) == 1
+
+
+def test_two_process_serves_a_lone_request_through_the_worker_and_several_as_a_batch(llama_target,
+                                                                                     llama_copy_onnx):
+    cfg = {**_cfg(llama_target, llama_copy_onnx, "torch"),
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4}}
+    from hetero_spec.metrics import Stats
+
+    with Engine.from_config(cfg) as eng:
+        alone = [eng.generate(p, max_new_tokens=12) for p in PROMPTS[:3]]
+        assert all("gate" in o.stats["extra"] and o.stats["drafted"] > 0 for o in alone)  # pipelined
+        sinks, stats = [Collect() for _ in range(3)], [Stats() for _ in range(3)]
+        with held(eng):
+            for p, sink, st in zip(PROMPTS[:3], sinks, stats):
+                eng.submit(p, sink, stats=st, max_new_tokens=12)
+        assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
+        assert all(st.extra["batch"]["largest_batch"] == 3 and st.drafted == 0 for st in stats)
+        # alone again: the worker drafts it
+        assert "gate" in eng.generate(PROMPTS[0], max_new_tokens=12).stats["extra"]

@@ -411,6 +411,9 @@ def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats
             link.control(gate.drafting and (gamma > 0 or not gate.on), ids)
     finally:
         link.end()
+        release = getattr(target, "release_state", None)
+        if release is not None:
+            release(state)  # a slot of the target's batched buffer, when it has one
         stats.time_total_s = time.perf_counter() - t_start
         stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.buf.branch_hits,
                            draft_failures=sup.failures - failures0, draft_restarts=sup.restarts - restarts0,
