@@ -264,6 +264,8 @@ class RequestScheduler:
         together = [i for i, (row, k) in enumerate(zip(rows, gammas)) if k > 0 and self._steps_together(row)]
         drafts: list = [None] * len(rows)
         if len(together) > 1:
+            for i in together:
+                rows[i].arm_probe_window()
             t = time.perf_counter()
             out = OnnxDrafter.propose_batch([rows[i].proposer for i in together], [gammas[i] for i in together])
             share = (time.perf_counter() - t) / len(together)

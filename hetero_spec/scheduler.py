@@ -19,7 +19,7 @@ from .errors import PromptTooLongError, RequestError
 from .metrics import Stats
 from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
-from .tuning.gamma import GammaPolicy, Tuning
+from .tuning.gamma import PROBE_WINDOW, GammaPolicy, Tuning
 
 if TYPE_CHECKING:  # the onnx target backend never imports torch
     from .target.base import Verifier
@@ -163,8 +163,15 @@ class Row:
             return min(policy.g_max, remaining - 1)  # draft selection picks each strategy's own gamma
         return min(policy.choose(), remaining - 1)
 
+    def arm_probe_window(self) -> None:
+        """A re-probe after rounds at gamma 0: the draft feeds at most PROBE_WINDOW of the tokens committed while
+        it rested (OnnxDrafter.catchup_window), so that a useless draft's probes stay cheap."""
+        if self.policy.probing and hasattr(self.proposer, "catchup_window"):
+            self.proposer.catchup_window = PROBE_WINDOW
+
     def propose(self, k: int) -> Draft:
         """1) propose (2) send is a no-op in process)."""
+        self.arm_probe_window()
         t = time.perf_counter()
         if k <= 0:
             draft = Draft(ids=[])

@@ -92,3 +92,45 @@ def test_int4_export_runs(tmp_path, llama_target):
     out = export_draft(llama_target, tmp_path / "int4", precision="int4", quiet=True)
     d = OnnxDrafter(out)
     assert d.append(SEQ).shape == (len(SEQ), 384)
+
+
+def _drafter(path, ids):
+    d = OnnxDrafter(path)
+    d.begin(ids, SamplingParams())
+    return d
+
+
+def test_a_catch_up_window_restarts_the_draft_cache_on_the_last_tokens(llama_copy_onnx):
+    """A re-probe after a long pause feeds only the last catchup_window committed tokens: the draft then equals a
+    draft begun on those tokens alone (RoPE sees relative positions), and the stream goes on consistently."""
+    ids = [(7 * i) % 90 + 3 for i in range(40)]
+    d, ref = _drafter(llama_copy_onnx, ids), _drafter(llama_copy_onnx, ids[-8:])
+    d.catchup_window = 8
+    assert d.propose(4).ids == ref.propose(4).ids
+    assert d.offset == 32 and d.n_past == 8 + 3 and d.catchup_window is None  # one-shot
+    d.commit(2, 11)
+    ref.commit(2, 11)
+    assert d.propose(3).ids == ref.propose(3).ids
+    # a window longer than the backlog changes nothing
+    e, full = _drafter(llama_copy_onnx, ids), _drafter(llama_copy_onnx, ids)
+    e.catchup_window = 64
+    assert e.propose(4).ids == full.propose(4).ids and e.offset == 0
+    # text replaced from before the window (another proposer drafted): the cache starts afresh at the cut
+    d.sync(ids[:20] + [5, 6, 7])
+    assert d.offset == 20 and d.propose(3).ids == _drafter(llama_copy_onnx, [5, 6, 7]).propose(3).ids
+
+
+def test_a_re_probe_arms_the_window(llama_target, llama_copy_onnx):
+    from hetero_spec.metrics import Stats
+    from hetero_spec.scheduler import Request, Row
+    from hetero_spec.target.verifier import TargetModel
+    from hetero_spec.tuning.gamma import PROBE_WINDOW
+
+    target = TargetModel(llama_target, device="cpu", dtype="float32")
+    req = Request(prompt_ids=[1, 2, 3], max_new_tokens=4, params=SamplingParams(), gamma="auto")
+    row = Row(target, OnnxDrafter(llama_copy_onnx), req, Stats())
+    row.arm_probe_window()
+    assert row.proposer.catchup_window is None  # not probing
+    row.policy._probing = True
+    row.arm_probe_window()
+    assert row.proposer.catchup_window == PROBE_WINDOW

@@ -76,10 +76,7 @@ class OnnxDrafter:
             if k <= 0:
                 pending.append(-1)
                 continue
-            todo = d.ids[d.n_past:]
-            if not todo:  # everything is cached: re-feed the last token for its logits
-                d.rewind_to(d.n_past - 1)
-                todo = d.ids[-1:]
+            todo = d._backlog()
             if len(todo) > 1:
                 t0 = time.perf_counter()
                 d.append(todo[:-1])
@@ -109,6 +106,13 @@ class OnnxDrafter:
         self.ids: list[int] = []
         self._proposed: list[int] = []
         self.last_catchup_s = 0.0
+        # the cache holds ids[offset:offset + n_past]: 0 unless a catch-up window dropped the far past
+        self.offset = 0
+        #: one-shot, set before a probe after a long pause (scheduler.Row): when more committed tokens than this
+        #: wait to be fed, the cache restarts on the last catchup_window of them instead of feeding them all (a
+        #: probe then costs a short prefill; RoPE attention only sees relative positions, so a restarted cache is
+        #: the same model on a shorter context). Proposals never change the output, only its speed.
+        self.catchup_window: int | None = None
         # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
         self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
 
@@ -131,8 +135,23 @@ class OnnxDrafter:
         self.ids = list(prompt_ids)
         self.params = params
         self._release()
-        self.state, self._proposed = self._new_state(), []
+        self.state, self._proposed, self.offset = self._new_state(), [], 0
         self.alts = {}
+
+    def _backlog(self) -> list[int]:
+        """What to feed before the next draft token: the committed tokens not cached yet, or the last one again
+        when everything is cached (for its logits). A catchup_window shorter than the backlog restarts the
+        cache on the window (see catchup_window)."""
+        pending = self.ids[self.offset + self.n_past:]
+        window, self.catchup_window = self.catchup_window, None
+        if window is not None and len(pending) > window:
+            self._release()
+            self.state, self.offset = self._new_state(), len(self.ids) - window
+            pending = self.ids[self.offset:]
+        if not pending:
+            self.rewind_to(self.n_past - 1)
+            pending = self.ids[-1:]
+        return pending
 
     def _release(self) -> None:
         if getattr(self, "state", None) is not None and self.state.pool is not None:
@@ -155,10 +174,7 @@ class OnnxDrafter:
         if k <= 0:
             self._proposed = []
             return Draft(ids=[])
-        pending = self.ids[self.n_past:]
-        if not pending:  # everything is cached: re-feed the last token to get its logits
-            self.rewind_to(self.n_past - 1)
-            pending = self.ids[-1:]
+        pending = self._backlog()
         out: list[int] = []
         probs: list[np.ndarray] = []
         conf: list[float] | None = [] if min_confidence is not None else None
@@ -202,10 +218,7 @@ class OnnxDrafter:
         for i in range(max(n, 0)):
             if i and stop is not None and stop():
                 break
-            pending = self.ids[self.n_past:]
-            if not pending:
-                self.rewind_to(self.n_past - 1)
-                pending = self.ids[-1:]
+            pending = self._backlog()
             t0 = time.perf_counter() if len(pending) > 2 else 0.0
             logits = self.append(pending)[-1]
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
@@ -222,14 +235,19 @@ class OnnxDrafter:
     def truncate(self, length: int) -> None:
         """Forget tokens from position `length` on (and their cache entries)."""
         del self.ids[length:]
-        self.rewind_to(min(self.n_past, length))
+        if length < self.offset:  # cut before the cached window: start the cache afresh there
+            self._release()
+            self.state, self.offset = self._new_state(), length
+        else:
+            self.rewind_to(min(self.n_past, length - self.offset))
 
     def branch(self, position: int, token: int, n: int, stop=None) -> tuple:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
         Returns (tokens, state, alts) for `adopt`. The branch drafts on a fork of the cache (decoder.fork),
         so the stream's own cache stays valid."""
         saved = (list(self.ids), self.state, self.alts)
-        self.state = self.decoder.fork(self.state, min(self.n_past, position))
+        # (the worker drafts branches and never sets a catch-up window: offset is 0 there)
+        self.state = self.decoder.fork(self.state, min(self.n_past, max(0, position - self.offset)))
         del self.ids[position:]
         self.ids.append(token)
         self.alts = {}
@@ -261,7 +279,7 @@ class OnnxDrafter:
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)
         self.ids.extend([*self._proposed[:n_accepted], next_token])
-        self.rewind_to(min(self.n_past, base + n_accepted))
+        self.rewind_to(min(self.n_past, base + n_accepted - self.offset))
         self._proposed = []
 
     def close(self) -> None:

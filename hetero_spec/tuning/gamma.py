@@ -27,6 +27,7 @@ EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
 PROBE_EVERY_MAX = 512
 PROBE_GAMMA = 2
+PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
 
 
 @dataclass
@@ -214,6 +215,11 @@ class GammaPolicy:
         self.reason = reason
         self.choices[0] += 1
         return 0
+
+    @property
+    def probing(self) -> bool:
+        """This round is a re-probe after rounds at gamma 0."""
+        return self._probing
 
     def observe(self, k: int, n: int, verify_s: float | None, draft_s: float | None) -> None:
         self.acceptance.observe(k, n)
