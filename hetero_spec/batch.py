@@ -42,6 +42,13 @@ log = logging.getLogger("hetero_spec.batch")
 DONE = object()  # the last item of a ticket's sink when the request ended normally (stats.finish_reason says how)
 
 
+def is_last(item: Any) -> bool:
+    """A sink item that ends its request: DONE (True), or the exception that ended it (raised here)."""
+    if isinstance(item, BaseException):
+        raise item
+    return item is DONE
+
+
 @dataclass
 class Ticket:
     """One submitted request: what it asks, where its stats and tokens go, and how to cancel it."""
@@ -142,13 +149,8 @@ class RequestScheduler:
 
     def _alone(self, eng: Engine) -> None:
         """two_process: the next request, start to end (the worker drafts one stream)."""
-        with self._cv:
-            if not self._waiting:
-                return
-            ticket = self._waiting.popleft()
-        if ticket.cancel.is_set():
-            ticket.stats.finish_reason = "cancelled"
-            ticket.put(DONE)
+        ticket = self._next_waiting()
+        if ticket is None:
             return
         try:
             rounds = eng.runtime.decode(eng.target, ticket.req, ticket.stats)
@@ -168,6 +170,19 @@ class RequestScheduler:
         self._between_requests(eng)
         ticket.put(DONE)
 
+    def _next_waiting(self) -> Ticket | None:
+        """The first waiting request that is still wanted (one cancelled while it waited ends here); None when
+        none waits."""
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return None
+                ticket = self._waiting.popleft()
+            if not ticket.cancel.is_set():
+                return ticket
+            ticket.stats.finish_reason = "cancelled"
+            ticket.put(DONE)
+
     def _between_requests(self, eng: Engine) -> None:
         """The last running request has ended and none waits: the placement may move now (tuning/placement.py),
         before that request's caller hears it is done, so what it runs next sees the new layout."""
@@ -180,14 +195,9 @@ class RequestScheduler:
         while len(self._rows) < serving.max_batch:
             if not may_join(len(self._rows), serving.mode, eng.tuning.model(), eng.tuning.shared):
                 break
-            with self._cv:
-                if not self._waiting:
-                    return
-                ticket = self._waiting.popleft()
-            if ticket.cancel.is_set():
-                ticket.stats.finish_reason = "cancelled"
-                ticket.put(DONE)
-                continue
+            ticket = self._next_waiting()
+            if ticket is None:
+                return
             row = None
             try:
                 row = Row(eng.target, eng._row_proposer(), ticket.req, ticket.stats, eng.tuning,

@@ -389,23 +389,16 @@ class Engine:
     def _decode(self, req: Request, stats: Stats, cancel: threading.Event | None = None) -> Iterator[list[int]]:
         """Submit the request to the scheduler and yield its rounds' tokens. `cancel` set (a client gone), or
         the iterator closed early: the request leaves the batch before its next round, freeing its state."""
-        from .batch import DONE
+        from .batch import is_last
 
         items: queue.Queue = queue.Queue()
         ticket = self._submit(req, stats, cancel, items.put)
-        done = False
+        item = None
         try:
-            while True:
-                item = items.get()
-                if item is DONE:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
+            while not is_last(item := items.get()):
                 yield item
         finally:
-            if not done:
+            if item is None or isinstance(item, list):  # left before the end: the request stops
                 ticket.cancel.set()
 
     def health(self, timeout_s: float | None = None) -> dict:
@@ -540,7 +533,7 @@ class Engine:
                              stats: Stats | None = None, cancel: threading.Event | None = None):
         """An async iterator of each round's committed token ids, validated at once (like stream_tokens).
         Leaving the iteration early (a client gone) cancels the request before its next round."""
-        from .batch import DONE
+        from .batch import is_last
 
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
@@ -549,19 +542,12 @@ class Engine:
                              top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, gamma=gamma)
 
         async def rounds():
-            done = False
+            item = None
             try:
-                while True:
-                    item = await items.get()
-                    if item is DONE:
-                        done = True
-                        return
-                    if isinstance(item, BaseException):
-                        done = True
-                        raise item
+                while not is_last(item := await items.get()):
                     yield item
             finally:
-                if not done:
+                if item is None or isinstance(item, list):  # left before the end: the request stops
                     ticket.cancel.set()
 
         return rounds()

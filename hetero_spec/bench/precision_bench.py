@@ -43,7 +43,7 @@ from typing import Any
 
 from .context import CPU_FP32, BenchContext, BenchError, RunOutput
 from .tuning_bench import (TARGET_ONLY, Arm, EngineRunner, PromptSet, Say, Scenario, _check_context,
-                           _prompt_sources, pair_arms, say_stderr, target_only_overrides)
+                           _prompt_sources, input_flags, pair_arms, say_stderr, target_only_overrides)
 
 PRECISIONS = ("fp32", "int8", "int4")
 LAYOUTS = ("auto", "two_process", "in_process")
@@ -872,15 +872,7 @@ def command_line(s: PrecisionSettings) -> str:
         parts += ["--systems", ",".join(PEERS[p] for p in s.peers) or "none"]
     if s.gammas != DEFAULT_GAMMAS:
         parts += ["--gammas", ",".join(map(str, s.gammas)) if s.gammas else "config"]
-    if s.prompt_tokens != 128:
-        parts += ["--prompt-tokens", str(s.prompt_tokens)]
-    if s.prompts_file:
-        parts += ["--prompts-file", str(s.prompts_file)]
-    if s.draft_hf:
-        parts += ["--draft-hf", str(s.draft_hf)]
-    for k, v in s.overrides.items():
-        parts += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
-    return shlex.join(parts)
+    return shlex.join(parts + input_flags(s))
 
 
 def run_precision_cli(args) -> int:

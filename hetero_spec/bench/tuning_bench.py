@@ -875,6 +875,12 @@ def command_line(s: ScenarioSettings) -> str:
         parts += ["--layouts", ",".join(s.layouts)]
     if s.repeats:
         parts += ["--repeats", str(s.repeats)]
+    return shlex.join(parts + input_flags(s))
+
+
+def input_flags(s) -> list[str]:
+    """The command-line flags of a bench's inputs, as given (prompt length and file, draft, --set overrides)."""
+    parts: list[str] = []
     if s.prompt_tokens != 128:
         parts += ["--prompt-tokens", str(s.prompt_tokens)]
     if s.prompts_file:
@@ -883,7 +889,7 @@ def command_line(s: ScenarioSettings) -> str:
         parts += ["--draft-hf", str(s.draft_hf)]
     for k, v in s.overrides.items():
         parts += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
-    return shlex.join(parts)
+    return parts
 
 
 def _prompt_sources(s: ScenarioSettings, config, n_sources: int) -> tuple[list[list[int]], bool]:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..batch import DONE
+from ..batch import is_last
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, RequestError
 from ..metrics import Stats
@@ -67,13 +67,8 @@ class Job:
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], bool]]:
         """(token ids, last chunk) as rounds commit them."""
-        while True:
-            item, last = await self.queue.get()
-            if item is DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item, last
+        while not is_last((got := await self.queue.get())[0]):
+            yield got
 
 
 def _usage(stats: Stats) -> dict[str, int]:

@@ -222,12 +222,12 @@ class TargetModel:
 
         batch = DynamicCache(config=self.config)
         for li, layer in enumerate(batch.layers):
+            like_k, like_v = self._kv_like(li, caches), self._kv_like(li, caches, values=True)
             keys, values = [], []
             for cache, n in zip(caches, lens):
                 src = cache.layers[li]
-                k, v = (src.keys, src.values) if n else (None, None)
-                keys.append(_left_pad(k, big_l, self._kv_like(li, caches)))
-                values.append(_left_pad(v, big_l, self._kv_like(li, caches, values=True)))
+                keys.append(_left_pad(src.keys if n else None, big_l, like_k))
+                values.append(_left_pad(src.values if n else None, big_l, like_v))
             layer.update(torch.cat(keys), torch.cat(values))
         return batch
 
