@@ -235,19 +235,26 @@ class Engine:
         gate = getattr(self.runtime, "_gate", None)
         # two processes with the gate off after a whole request: the target is decoding alone, on fewer cores
         gate_off = gate is not None and not gate.on and not gate.probing
-        if self.tuning.acceptance.tested - self._tested_at_switch < self.REPLACE_MIN_TESTED and not gate_off:
-            return
         from .tuning import placement as pl
 
         costs = pl.Costs.from_dict(self.placement["costs"])
+        a = self.tuning.global_acceptance()
+        now = pl.Layout(**self.placement["chosen"])
+        if now.target_threads not in costs.verify or now.draft_threads not in costs.draft_token_s:
+            return
+        g_now, rate_now = pl.predict(costs, now, a)
+        # a draft worker holds cores, and at this acceptance gamma auto drafts nothing (so no more tokens will be
+        # tested; waiting for REPLACE_MIN_TESTED of them would keep the target on its share of cores for good)
+        idle_worker = now.mode == "two_process" and g_now == 0
+        if (self.tuning.acceptance.tested - self._tested_at_switch < self.REPLACE_MIN_TESTED and not gate_off
+                and not idle_worker):
+            return
         layouts = [lay for lay in pl.candidates(self._auto_config, pl.allowed_cpus())
                    if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s]
         if not layouts:
             return
-        a = self.tuning.global_acceptance()
-        now = pl.Layout(**self.placement["chosen"])
         best, rows = pl.choose(costs, layouts, a)
-        rate_now, rate_best = pl.predict(costs, now, a)[1], pl.predict(costs, best, a)[1]
+        rate_best = pl.predict(costs, best, a)[1]
         if gate_off:  # what runs now is the target alone
             rate_now = 1.0 / costs.model(now).verify(0)
         if best == now or rate_best < self.REPLACE_GAIN * rate_now:
