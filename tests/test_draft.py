@@ -134,3 +134,34 @@ def test_a_re_probe_arms_the_window(llama_target, llama_copy_onnx):
     row.policy._probing = True
     row.arm_probe_window()
     assert row.proposer.catchup_window == PROBE_WINDOW
+
+
+def test_a_catch_up_skip_feeds_only_the_end_of_a_backlog(llama_copy_onnx):
+    """Draft selection: the model drafted up to position 13, then 20 tokens came from another strategy. With
+    catchup_skip = 4 only the last 4 are fed after the cached 13: the draft then equals a draft begun on that
+    text with a gap (positions are relative), and commit, sync and truncate keep it consistent."""
+    ids = [(7 * i) % 90 + 3 for i in range(36)]
+    d = _drafter(llama_copy_onnx, ids[:12])
+    d.catchup_skip = 4
+    d.propose(3)
+    d.commit(1, 50)  # the draft's first token accepted, then the target's
+    assert d._at == list(range(13))  # the prompt's 12 + the accepted draft token
+    text = d.ids + ids[14:34]
+    d.sync(text)
+    ref = _drafter(llama_copy_onnx, text[:13] + text[-4:])
+    assert d.propose(5).ids == ref.propose(5).ids
+    assert d.n_past == len(d._at) == 13 + 4 + 4 and d._at[13:17] == list(range(len(text) - 4, len(text)))
+    d.commit(2, 77)
+    ref.commit(2, 77)
+    assert d.propose(3).ids == ref.propose(3).ids and d.n_past == len(d._at)
+    # a backlog no longer than the skip is fed whole
+    e = _drafter(llama_copy_onnx, ids[:12])
+    e.catchup_skip = 4
+    e.propose(2)
+    e.sync(ids[:15])
+    assert e.propose(2).ids == _drafter(llama_copy_onnx, ids[:15]).propose(2).ids and e._at[:15] == list(range(15))
+    # text replaced inside the gap: the cache keeps what lies before the cut; the rest is a new backlog
+    new = text[:20] + [5, 6]
+    d.sync(new)
+    assert d._at == list(range(13)) and d.n_past == 13
+    assert d.propose(3).ids == _drafter(llama_copy_onnx, new[:13] + new[-4:]).propose(3).ids

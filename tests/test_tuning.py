@@ -341,3 +341,38 @@ def test_draft_candidates_errors(llama_target, llama_random_onnx):
     with pytest.raises(ConfigError, match="each strategy may appear once"):
         Engine.from_config({**base, "draft": {"kind": "onnx", "model": str(llama_random_onnx),
                                               "candidates": ["ngram", "ngram"]}, "runtime": {"mode": "two_process"}})
+
+
+def test_selection_counts_a_models_catch_up_in_its_round():
+    """In process, a model round first feeds what the lookup committed since the model last drafted. That cost
+    is the model's, per round: enough of it and the target alone is predicted faster than the model."""
+    from hetero_spec.draft.select import CATCHUP_SKIP, SelectingProposer
+    from hetero_spec.tuning.cost_model import CostModel
+
+    model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
+    sel = SelectingProposer({"onnx": object(), "ngram": object()}, lambda: model, explore_rounds=0)
+    onnx = sel.stats["onnx"]
+    onnx.acceptance = Acceptance(accepted=60, tested=100)
+    sel.chooser.observe_cost("onnx", 0.06, 100)
+    onnx.rounds = 10
+    for st in sel.stats.values():
+        st.last_round = 10 ** 6
+    sel._round = 10 ** 6
+    free, g = sel.chooser.predict(model, "onnx", 8)
+    assert g >= 1 and free > 1 / model.verify(0)
+    assert sel.choose(8, )[0] in ("onnx", "ngram")
+    sel.chooser.observe_cost("onnx", 0.0, 0, catchup_s=10 * 0.002)  # 2 ms a round
+    dear, _ = sel.chooser.predict(model, "onnx", 8)
+    assert dear < free and sel.summary()["strategies"]["onnx"]["catchup_ms_per_round"] == pytest.approx(2.0)
+    sel.chooser.observe_cost("onnx", 0.0, 0, catchup_s=10 * 0.010)  # 12 ms a round: the target alone wins
+    assert sel.chooser.choose(8, ["onnx"]) == (None, 0)
+    # in two processes the worker catches up on its own cores: not counted against the round
+    sel.chooser.layouts["onnx"] = "two_process"
+    assert sel.chooser.predict(model, "onnx", 8)[0] > dear
+    # a model candidate next to a lookup feeds at most CATCHUP_SKIP tokens of the lookup's text; alone, all
+    class Drafter:
+        catchup_skip = None
+
+    assert SelectingProposer({"onnx": Drafter(), "ngram": object()}, lambda: model).candidates["onnx"].catchup_skip \
+        == CATCHUP_SKIP
+    assert SelectingProposer({"onnx": Drafter()}, lambda: model).candidates["onnx"].catchup_skip is None

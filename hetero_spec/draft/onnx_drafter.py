@@ -5,6 +5,7 @@ extend/truncate/branch/adopt for the pipelined worker. Never imports torch.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from pathlib import Path
@@ -76,10 +77,10 @@ class OnnxDrafter:
             if k <= 0:
                 pending.append(-1)
                 continue
-            todo = d._backlog()
+            start, todo = d._backlog()
             if len(todo) > 1:
                 t0 = time.perf_counter()
-                d.append(todo[:-1])
+                d._feed(start, todo[:-1])
                 d.last_catchup_s = time.perf_counter() - t0
             pending.append(todo[-1])
         probs: list[list[np.ndarray]] = [[] for _ in drafters]
@@ -88,6 +89,7 @@ class OnnxDrafter:
             logits = dec.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
             for row, j in enumerate(live):
                 d = drafters[j]
+                d._at.append(len(d.ids) + i - 1)  # the token just fed: ids[-1], then this block's drafts
                 tok, q = d._choose(logits[row], len(d.ids) + i)
                 d._proposed.append(tok)
                 if q is not None:
@@ -106,8 +108,16 @@ class OnnxDrafter:
         self.ids: list[int] = []
         self._proposed: list[int] = []
         self.last_catchup_s = 0.0
-        # the cache holds ids[offset:offset + n_past]: 0 unless a catch-up window dropped the far past
-        self.offset = 0
+        # cached position p holds ids[_at[p]] (increasing): ids[0:n_past] unless a catch-up window dropped the far
+        # past (the cache then starts at `offset`) or a catch-up skip left a gap; _base: where an empty cache starts
+        self._at: list[int] = []
+        self._base = 0
+        #: set by draft selection (draft/select.py): when more committed tokens than this wait to be fed (another
+        #: strategy drafted meanwhile), only the last catchup_skip of them are fed, after the cached past; the
+        #: ones between are skipped. Feeding all of them cost about as much as drafting two tokens a model round
+        #: on the demo pair; RoPE attention sees relative positions, so the draft reads a text with a gap, which
+        #: lowers its acceptance a little. Proposals never change the output, only its speed.
+        self.catchup_skip: int | None = None
         #: one-shot, set before a probe after a long pause (scheduler.Row): when more committed tokens than this
         #: wait to be fed, the cache restarts on the last catchup_window of them instead of feeding them all (a
         #: probe then costs a short prefill; RoPE attention only sees relative positions, so a restarted cache is
@@ -121,37 +131,69 @@ class OnnxDrafter:
         """Positions of the current stream held in the draft's KV cache."""
         return self.state.n_past
 
+    @property
+    def offset(self) -> int:
+        """The index in ids of the first cached token (0 unless a catch-up window dropped the far past)."""
+        return self._at[0] if self._at else self._base
+
+    def _fed(self) -> int:
+        """The index in ids after the last cached token."""
+        return self._at[-1] + 1 if self._at else self._base
+
+    def _feed(self, start: int, tokens: list[int]) -> np.ndarray:
+        """Run tokens that are ids[start:start + len(tokens)] (drafts: the positions they will take)."""
+        logits = self.decoder.append(self.state, tokens)
+        self._at.extend(range(start, start + len(tokens)))
+        return logits
+
+    def _keep_below(self, limit: int) -> None:
+        """Drop the cached positions of ids[limit:]."""
+        n = bisect.bisect_left(self._at, limit)
+        if n < len(self._at):
+            self.rewind_to(n)
+
+    def _restart(self, base: int) -> None:
+        """An empty cache that starts at ids[base]."""
+        self._release()
+        self.state, self._at, self._base = self._new_state(), [], base
+
     # -- low level: append tokens / rewind, as onnxruntime-genai's Generator does ------------------
     def append(self, tokens: list[int]) -> np.ndarray:
         """Run tokens through the model after the cached past; returns logits [len(tokens), vocab_width]."""
-        return self.decoder.append(self.state, tokens)
+        return self._feed(self._fed(), tokens)
 
     def rewind_to(self, n: int) -> None:
         """Keep only the first n cached positions."""
         self.decoder.rewind(self.state, n)
+        del self._at[n:]
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.ids = list(prompt_ids)
         self.params = params
-        self._release()
-        self.state, self._proposed, self.offset = self._new_state(), [], 0
+        self._restart(0)
+        self._proposed = []
         self.alts = {}
 
-    def _backlog(self) -> list[int]:
-        """What to feed before the next draft token: the committed tokens not cached yet, or the last one again
-        when everything is cached (for its logits). A catchup_window shorter than the backlog restarts the
-        cache on the window (see catchup_window)."""
-        pending = self.ids[self.offset + self.n_past:]
+    def _backlog(self) -> tuple[int, list[int]]:
+        """(start, tokens): what to feed before the next draft token, ids[start:]: the committed tokens not
+        cached yet, or the last one again when everything is cached (for its logits). A catchup_window shorter
+        than the backlog restarts the cache on the window (see catchup_window); a catchup_skip shorter than it
+        feeds only its end (see catchup_skip)."""
+        start, end = self._fed(), len(self.ids)
         window, self.catchup_window = self.catchup_window, None
-        if window is not None and len(pending) > window:
-            self._release()
-            self.state, self.offset = self._new_state(), len(self.ids) - window
-            pending = self.ids[self.offset:]
-        if not pending:
-            self.rewind_to(self.n_past - 1)
-            pending = self.ids[-1:]
-        return pending
+        if window is not None and end - start > window:
+            self._restart(end - window)
+            start = end - window
+        elif self.catchup_skip is not None and self._at and end - start > self.catchup_skip:
+            start = end - self.catchup_skip
+        if start >= end:
+            start = end - 1
+            if self._at:
+                self._keep_below(start)
+            else:
+                self._base = start
+        return start, self.ids[start:]
 
     def _release(self) -> None:
         if getattr(self, "state", None) is not None and self.state.pool is not None:
@@ -174,7 +216,7 @@ class OnnxDrafter:
         if k <= 0:
             self._proposed = []
             return Draft(ids=[])
-        pending = self._backlog()
+        start, pending = self._backlog()
         out: list[int] = []
         probs: list[np.ndarray] = []
         conf: list[float] | None = [] if min_confidence is not None else None
@@ -182,7 +224,7 @@ class OnnxDrafter:
         self.last_catchup_s = 0.0
         for i in range(k):
             t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
-            logits = self.append(pending)[-1]
+            logits = self._feed(start, pending)[-1]
             if t0:  # feeding the prompt or committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids) + i)
@@ -195,7 +237,7 @@ class OnnxDrafter:
             out.append(tok)
             if q is not None:
                 probs.append(q)
-            pending = [tok]
+            start, pending = len(self.ids) + i, [tok]
         self._proposed = out
         return Draft(ids=out, probs=np.stack(probs) if probs else None, conf=conf, stopped_early=stopped)
 
@@ -218,9 +260,9 @@ class OnnxDrafter:
         for i in range(max(n, 0)):
             if i and stop is not None and stop():
                 break
-            pending = self._backlog()
+            start, pending = self._backlog()
             t0 = time.perf_counter() if len(pending) > 2 else 0.0
-            logits = self.append(pending)[-1]
+            logits = self._feed(start, pending)[-1]
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids))
@@ -236,29 +278,31 @@ class OnnxDrafter:
         """Forget tokens from position `length` on (and their cache entries)."""
         del self.ids[length:]
         if length < self.offset:  # cut before the cached window: start the cache afresh there
-            self._release()
-            self.state, self.offset = self._new_state(), length
+            self._restart(length)
         else:
-            self.rewind_to(min(self.n_past, length - self.offset))
+            self._keep_below(length)
 
     def branch(self, position: int, token: int, n: int, stop=None) -> tuple:
         """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
         Returns (tokens, state, alts) for `adopt`. The branch drafts on a fork of the cache (decoder.fork),
         so the stream's own cache stays valid."""
-        saved = (list(self.ids), self.state, self.alts)
-        # (the worker drafts branches and never sets a catch-up window: offset is 0 there)
-        self.state = self.decoder.fork(self.state, min(self.n_past, max(0, position - self.offset)))
+        saved = (list(self.ids), self.state, self.alts, self._at, self._base)
+        keep = bisect.bisect_left(self._at, position)
+        self.state = self.decoder.fork(self.state, keep)
+        self._at = self._at[:keep]
+        if not self._at:
+            self._base = min(self._base, position)
         del self.ids[position:]
         self.ids.append(token)
         self.alts = {}
         tokens = self.extend(n, stop=stop).ids
-        result = (tokens, self.state, self.alts)
-        self.ids[:], self.state, self.alts = saved
+        result = (tokens, self.state, self.alts, self._at, self._base)
+        self.ids[:], self.state, self.alts, self._at, self._base = saved
         return result
 
     def adopt(self, position: int, token: int, branch: tuple) -> None:
         """Replace the stream from `position` on by a pre-drafted branch that starts with `token`."""
-        tokens, state, alts = branch
+        tokens, state, alts, self._at, self._base = branch
         self.ids[position:] = [token, *tokens]
         self.state = state
         self.alts = {p: a for p, a in self.alts.items() if p < position}
@@ -279,9 +323,8 @@ class OnnxDrafter:
     def commit(self, n_accepted: int, next_token: int) -> None:
         base = len(self.ids)
         self.ids.extend([*self._proposed[:n_accepted], next_token])
-        self.rewind_to(min(self.n_past, base + n_accepted - self.offset))
+        self._keep_below(base + n_accepted)
         self._proposed = []
 
     def close(self) -> None:
-        self._release()
-        self.state = self.decoder.new_state()
+        self._restart(0)

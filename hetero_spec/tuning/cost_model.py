@@ -60,12 +60,14 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 @dataclass
 class CostModel:
     """Seconds: one verification pass is verify_fixed_s + verify_per_token_s * tokens; one draft token
-    draft_token_s; one proposal's transfer transfer_s (two_process)."""
+    draft_token_s; one proposal's transfer transfer_s (two_process); catchup_s, in process, what a drafting round
+    pays before its first token (feeding what another strategy committed meanwhile: draft selection)."""
 
     verify_fixed_s: float
     verify_per_token_s: float
     draft_token_s: float
     transfer_s: float = 0.0
+    catchup_s: float = 0.0
 
     def verify(self, g: int) -> float:
         """V(g): one target pass over g drafts plus the last committed token."""
@@ -77,7 +79,7 @@ class CostModel:
         if g <= 0:
             return self.verify(0)
         if layout == "in_process":
-            return g * self.draft_token_s + self.verify(g)
+            return self.catchup_s + g * self.draft_token_s + self.verify(g)
         miss = 1.0 - all_accepted(a, g, a_first)
         return self.verify(g) + self.transfer_s + miss * g * self.draft_token_s
 
