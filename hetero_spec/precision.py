@@ -1,7 +1,8 @@
 """Precision switches: `target.precision` (with `target.dtype` as its alias) and `draft.precision`.
 
 - onnx target: the model builder's export at the precision (fp32, int8 and int4 run on the CPU provider; the
-  builder's CPU graph computes in fp32, so fp16/bf16 need a CUDA or DirectML export), exported on first use
+  builder's CPU graph computes in fp32, so fp16 needs a GPU provider: the export is made for the first of
+  target.providers, e.g. `-e cuda` for CUDAExecutionProvider), exported on first use
   and cached (target/export_cache.py).
 - torch target: fp32/fp16/bf16 are the dtype; int8 is PyTorch's dynamic quantization of every nn.Linear
   (int8 weights, activations quantized per call) on a CPU. int4 and int8 on CUDA need torchao, which this
@@ -28,6 +29,7 @@ log = logging.getLogger("hetero_spec.precision")
 _FROM_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
 ONNX_CPU = ("fp32", "int8", "int4")
+ONNX_GPU = ("fp32", "fp16", "int8", "int4")  # the builder's precisions for a GPU provider's export
 
 
 def resolve_auto(cfg: Config, recommended: str | None) -> Config:
@@ -79,12 +81,16 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
         if is_export and t.precision is not None:
             log.info("target.precision %s: target.model is already an export (%s); it is used as it is",
                      p, t.model)
-        cpu = (t.providers or ["CPUExecutionProvider"])[0] == "CPUExecutionProvider"
-        if not is_export and cpu and p not in ONNX_CPU:
+        first = (t.providers or ["CPUExecutionProvider"])[0]
+        if not is_export and first == "CPUExecutionProvider" and p not in ONNX_CPU:
             raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
                               "the ONNX model builder's CPU export computes in fp32: choose fp32, int8 or int4 for "
-                              "the CPU provider (fp16/bf16 need a CUDA or DirectML export, `hetero-spec export "
-                              "--precision fp16 --execution-provider cuda`, or the torch backend on CUDA)")
+                              "the CPU provider (fp16 needs a GPU provider's export: target.providers: "
+                              "[CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend on CUDA)")
+        if not is_export and first != "CPUExecutionProvider" and p not in ONNX_GPU:
+            raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
+                              f"the ONNX model builder exports fp32, fp16, int8 or int4 for {first}: choose one "
+                              "of them (bf16: the torch backend on CUDA)")
         return p
     if p == "int4" or (p == "int8" and cuda):
         raise ConfigError(cfg.blame("target.precision"), "target.precision", p,

@@ -10,6 +10,9 @@ token is the one-token decode's argmax within GAP nats of log-probability. fp32 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -130,3 +133,32 @@ def test_a_stored_kv_cache_keeps_speculation_identical_to_the_target_alone(llama
 def test_kv_cache_dtype_is_a_torch_switch(llama_target):
     with pytest.raises(ConfigError, match=r"target\.kv_cache_dtype.*onnx backend keeps the export's KV cache"):
         Engine.from_config(_cfg(llama_target, "onnx", None, kv_cache_dtype="int8"))
+
+
+def test_an_onnx_target_on_a_gpu_provider_is_exported_for_that_provider(llama_target, tmp_path):
+    """target.precision fp16 with target.providers [CUDAExecutionProvider]: the builder's export for CUDA
+    (`-e cuda`; its CPU graph would compute in fp32), cached apart from the CPU export. Here (no CUDA provider)
+    the Engine says so before it exports anything; the export itself is checked directly."""
+    import onnx
+
+    from hetero_spec.target.backends import builder_ep
+    from hetero_spec.target.export_cache import cached_export
+
+    cfg = _cfg(llama_target, "onnx", "fp16")
+    cfg["target"]["providers"] = ["CUDAExecutionProvider"]
+    before = sorted((Path(os.environ["HETERO_SPEC_CACHE"]) / "onnx").glob("*"))
+    with pytest.raises(ConfigError, match=r"target\.providers\[0\].*CUDAExecutionProvider.*not available"):
+        Engine.from_config(cfg)
+    assert sorted((Path(os.environ["HETERO_SPEC_CACHE"]) / "onnx").glob("*")) == before  # nothing exported
+    cfg["target"]["precision"] = "bf16"
+    with pytest.raises(ConfigError, match=r"target\.precision.*bf16.*fp32, fp16, int8 or int4 for CUDA"):
+        Engine.from_config(cfg)
+    assert (builder_ep(["CUDAExecutionProvider"]), builder_ep(["DmlExecutionProvider"]), builder_ep(None)) == \
+        ("cuda", "dml", "cpu")
+    gpu = cached_export(llama_target, "fp16", root=tmp_path, execution_provider="cuda")
+    cpu = cached_export(llama_target, "fp32", root=tmp_path)
+    assert "-fp16-cuda-" in gpu.name and "-cuda" not in cpu.name and gpu != cpu
+    types = {i.name: i.type.tensor_type.elem_type for i in onnx.load(gpu / "model.onnx", load_external_data=False)
+             .graph.input}
+    assert types["past_key_values.0.key"] == onnx.TensorProto.FLOAT16
+    assert cached_export(llama_target, "fp16", root=tmp_path, execution_provider="cuda") == gpu  # cached

@@ -65,12 +65,27 @@ def precision_of(t) -> str:
     return {"float16": "fp16", "bfloat16": "bf16"}.get(t.dtype, "fp32")
 
 
-def onnx_model_dir(t) -> Path:
-    """The ONNX directory the onnx backend loads: target.model itself, or its cached export at the precision."""
+#: the model builder's `-e` for the first of target.providers (the graph it writes differs per provider)
+BUILDER_EP = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda", "DmlExecutionProvider": "dml",
+              "WebGpuExecutionProvider": "webgpu", "NvTensorRTRTXExecutionProvider": "NvTensorRtRtx",
+              "QNNExecutionProvider": "qnn"}
+
+
+def builder_ep(providers: list[str] | None) -> str:
+    return BUILDER_EP.get((providers or ["CPUExecutionProvider"])[0], "cpu")
+
+
+def onnx_model_dir(t, source: str = "<config>") -> Path:
+    """The ONNX directory the onnx backend loads: target.model itself, or its cached export at the precision,
+    for the builder's provider matching target.providers (checked first: an export takes minutes)."""
     model = Path(t.model)
     if (model / "model.onnx").is_file():
         return model
-    return cached_export(model, precision_of(t))
+    if t.providers:
+        from ..onnx_decoder import check_providers
+
+        check_providers(t.providers, source, key="target.providers")
+    return cached_export(model, precision_of(t), execution_provider=builder_ep(t.providers))
 
 
 def load_target(t, threads: int | None, spin: bool = True):

@@ -62,8 +62,9 @@ def exportable(model_dir: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def source_stamp(model_dir: Path, precision: str) -> dict:
-    """What identifies a checkpoint and its export: path, config, weight files (name, size, mtime)."""
+def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu") -> dict:
+    """What identifies a checkpoint and its export: path, config, weight files (name, size, mtime), and the
+    builder's execution provider when it is not the CPU (the CPU exports' keys predate it)."""
     model_dir = Path(model_dir).resolve()
     files = sorted(p for p in model_dir.iterdir()
                    if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model"))
@@ -73,15 +74,20 @@ def source_stamp(model_dir: Path, precision: str) -> dict:
         builder = version("onnxruntime-genai")
     except Exception:  # metadata missing: still a stable key
         builder = "?"
-    return {"dir": str(model_dir), "precision": precision, "builder": builder,
-            "config": json.loads((model_dir / "config.json").read_text()),
-            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    stamp = {"dir": str(model_dir), "precision": precision, "builder": builder,
+             "config": json.loads((model_dir / "config.json").read_text()),
+             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    if execution_provider != "cpu":
+        stamp["execution_provider"] = execution_provider
+    return stamp
 
 
-def entry_dir(model_dir: Path, precision: str = "fp32", root: Path | None = None) -> Path:
-    stamp = source_stamp(model_dir, precision)
+def entry_dir(model_dir: Path, precision: str = "fp32", root: Path | None = None,
+              execution_provider: str = "cpu") -> Path:
+    stamp = source_stamp(model_dir, precision, execution_provider)
     key = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
-    return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}-{key}"
+    ep = "" if execution_provider == "cpu" else f"-{execution_provider}"
+    return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}{ep}-{key}"
 
 
 def _complete(entry: Path) -> bool:
@@ -89,11 +95,13 @@ def _complete(entry: Path) -> bool:
 
 
 def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = None,
-                  progress: Callable[[str], None] | None = None, role: str = "target") -> Path:
-    """The ONNX export of model_dir at `precision`, exported now if the cache has none for this checkpoint."""
+                  progress: Callable[[str], None] | None = None, role: str = "target",
+                  execution_provider: str = "cpu") -> Path:
+    """The ONNX export of model_dir at `precision` for the builder's `execution_provider` (its `-e`: the graph
+    differs per provider; fp16 needs a GPU one), exported now if the cache has none for this checkpoint."""
     from ..draft.export import export_draft
 
-    entry = entry_dir(model_dir, precision, root)
+    entry = entry_dir(model_dir, precision, root, execution_provider)
     if _complete(entry):
         log.info("%s: using the cached ONNX export %s", role, entry)
         return entry
@@ -103,13 +111,14 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         if _complete(entry):
             return entry
         say = progress or _stderr(entry)
-        say(f"exporting the {role} {model_dir} to ONNX ({precision}) once, into the cache {entry} "
+        say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache {entry} "
             "(set HETERO_SPEC_CACHE to move it)")
         scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            export_draft(model_dir, scratch, precision, progress=say)
-            (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision), indent=2))
+            export_draft(model_dir, scratch, precision, execution_provider, progress=say)
+            (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
+                                                          indent=2))
             shutil.rmtree(entry, ignore_errors=True)
             scratch.rename(entry)
         finally:
