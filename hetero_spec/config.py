@@ -58,6 +58,11 @@ class TargetConfig(_Section):
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""
+    spin: bool = False
+    """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). On a
+    machine the engine has to itself that is faster (demo target, 2 cores, in process: 1.07-1.25x decoding alone,
+    1.05-1.09x speculating with a one-thread draft); on a machine that other work keeps busy it is much slower
+    (0.62x with one core busy), so it is off by default."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
 

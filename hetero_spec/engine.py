@@ -204,10 +204,10 @@ class Engine:
 
             self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
             threads = self._cpu_plan.threads
-        # ONNX Runtime's pool threads do not spin after a run: in process the draft's pool takes turns with the
-        # target's on the same cores, and even alone, with the loop's Python work between steps on a busy
-        # 2-core machine, spinning measured slower (10.6 against 9.4 ms a step at 2 threads)
-        self.target = load_target(config.target, threads, spin=False)
+        # ONNX Runtime's pool threads do not spin after a run unless target.spin: on a busy machine spinning
+        # measured much slower (10.6 against 9.4 ms a step at 2 threads; 0.62x decoding alone with one of 2
+        # cores busy), on an idle one faster (1.07-1.25x alone)
+        self.target = load_target(config.target, threads, spin=config.target.spin)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
         if config.runtime.mode == "two_process":

@@ -213,3 +213,22 @@ def test_demo_pair_onnx_backend_agrees_with_torch():
             assert eng.target.backend == backend
             outs[backend] = [eng.generate(p, max_new_tokens=48).token_ids for p in prompts]
     assert outs["onnx"] == outs["torch"]
+
+
+def test_target_spin_reaches_the_session(llama_copy_onnx, reference):
+    """target.spin (off by default: on a busy machine spinning pool threads cost far more than they save) is
+    the session's allow_spinning; the output does not depend on it."""
+    cfg = {"target": {"model": str(llama_copy_onnx), "backend": "onnx", "threads": 2},
+           "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}}
+
+    def spinning(eng) -> bool:
+        opts = eng.target.decoder.session.get_session_options()
+        try:
+            return opts.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+        except Exception:  # not set: ONNX Runtime's default, spinning
+            return True
+
+    with Engine.from_config(cfg) as off, Engine.from_config(cfg, overrides={"target.spin": True}) as on:
+        assert not spinning(off) and spinning(on)
+        assert on.generate(PROMPTS[0], max_new_tokens=20).token_ids == \
+            off.generate(PROMPTS[0], max_new_tokens=20).token_ids == reference[0][0][:20]
