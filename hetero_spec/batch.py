@@ -9,10 +9,12 @@ A round of the batch, in process (scheduler.Row holds each request's state):
   4) commit + stop checks per row; its tokens go to its caller; a finished or cancelled row leaves at once,
      freeing its target state (a KV slot) and its draft state, and a waiting request takes its place.
 
-In the two_process layout the worker drafts one stream: a lone request runs start to end through it
-(runtime/pipelined.py), overlapped; when several requests are there at once they run as a batch of
-target-only rows (one shared pass per round: on a CPU that outruns one speculative stream at a time, see
-tuning/batching.py), and a request arriving alone afterwards gets the worker again.
+In the two_process layout the draft worker drafts for several requests at once (one stream each,
+runtime/draft_worker.py). Requests then take turns, a round each, in this thread (runtime/pipelined.py: each
+verifies its own block while the worker drafts everyone's next one), and join and leave between rounds. When
+several requests start together and shared target passes without drafts are predicted faster
+(tuning/batching.streams_or_rows: on a CPU a shared pass of B tokens costs little more than one), they run as a
+batch of target-only rows instead; either way the mode holds until its requests are done.
 
 Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
 for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import EngineClosedError
 from .metrics import Stats
 from .scheduler import Request, Row
-from .tuning.batching import BatchPlan, may_join, plan_batch
+from .tuning.batching import BatchPlan, may_join, plan_batch, streams_or_rows
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -67,6 +69,14 @@ class Ticket:
             self.cancel.set()
 
 
+@dataclass
+class Stream:
+    """A two_process request taking turns with others: its decode loop (a generator, one round per next())."""
+
+    rounds: Any
+    ticket: Ticket
+
+
 class RequestScheduler:
     """Owns the loop thread. Holds the Engine weakly, so a dropped Engine is still collected (and its finalizer
     stops this loop)."""
@@ -76,6 +86,8 @@ class RequestScheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._rows: list[tuple[Row, Ticket]] = []
+        self._streams: list[Stream] = []  # two_process: requests taking turns, drafted by the worker
+        self.last_mode = ""  # two_process: why the last requests took turns or shared passes
         self._stopping = False
         self.last_plan: BatchPlan | None = None
         self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
@@ -93,7 +105,7 @@ class RequestScheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._streams)
 
     @property
     def waiting(self) -> int:
@@ -114,13 +126,13 @@ class RequestScheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._waiting or self._rows or self._stopping):
+                while not (self._waiting or self._rows or self._streams or self._stopping):
                     self._cv.wait()
                 if self._stopping:
                     while self._waiting:
                         self._waiting.popleft().put(EngineClosedError("this Engine was closed before the "
                                                                       "request started"))
-                    if not self._rows:
+                    if not self._rows and not self._streams:
                         break
             engine = self._engine()
             if engine is None:  # collected: its finalizer released the models
@@ -139,36 +151,72 @@ class RequestScheduler:
     def _round(self, eng: Engine) -> None:
         with eng._lock:
             eng._progress_at = time.monotonic()
-            if eng.runtime is not None and not self._rows and len(self._waiting) < 2:
-                self._alone(eng)  # two_process, one request: the worker drafts it, overlapped
-            else:  # in process; or two_process with several requests: a batch (target-only rows there)
+            if eng.runtime is not None and not self._rows and (self._streams or self._take_turns(eng)):
+                self._admit_streams(eng)  # two_process: requests take turns, the worker drafts them all
+                if self._streams:
+                    self._step_streams(eng)
+            else:  # in process; or two_process when shared passes without drafts pay more
                 self._admit(eng)
                 self._drop_cancelled()
                 if self._rows:
                     self._step(eng)
 
-    def _alone(self, eng: Engine) -> None:
-        """two_process: the next request, start to end (the worker drafts one stream)."""
-        ticket = self._next_waiting()
-        if ticket is None:
-            return
-        try:
-            rounds = eng.runtime.decode(eng.target, ticket.req, ticket.stats)
-            try:
-                for chunk in rounds:
-                    eng._progress_at = time.monotonic()
-                    self.batch_sizes.append(1)
-                    ticket.put(chunk)
-                    if ticket.cancel.is_set() and not ticket.stats.finish_reason:
-                        ticket.stats.finish_reason = "cancelled"
-                        break
-            finally:
-                rounds.close()  # ends the request's draft state (worker End) now
-        except Exception as exc:  # noqa: BLE001 - the request's caller gets it
-            ticket.put(exc)
-            return
+    def _take_turns(self, eng: Engine) -> bool:
+        """two_process, nothing running: whether the waiting requests take turns drafted by the worker, or run as
+        target-only rows in shared passes (tuning/batching.streams_or_rows)."""
+        b = min(len(self._waiting), eng.config.serving.max_batch)
+        turns, why = streams_or_rows(b, eng.tuning.global_acceptance(), eng.tuning.model(), eng.tuning.shared)
+        if b > 1:
+            self.last_mode = why
+        return turns
+
+    def _admit_streams(self, eng: Engine) -> None:
+        while len(self._streams) < eng.config.serving.max_batch:
+            ticket = self._next_waiting()
+            if ticket is None:
+                return
+            # the loop thread is pinned around each round (_step_streams), not by each request
+            self._streams.append(Stream(eng.runtime.decode(eng.target, ticket.req, ticket.stats, pin=False),
+                                        ticket))
+
+    def _step_streams(self, eng: Engine) -> None:
+        """One round of every request taking turns (its tokens to its caller); a finished, failed or cancelled one
+        leaves at once (its worker stream ends: End), and a waiting request takes its place next round."""
+        from .runtime.engine_side import pinned_thread
+
+        n = len(self._streams)
+        self.batch_sizes.append(n)
+        with pinned_thread(eng.runtime.target_cpus):
+            for st in list(self._streams):
+                ticket = st.ticket
+                if ticket.cancel.is_set():
+                    ticket.stats.finish_reason = ticket.stats.finish_reason or "cancelled"
+                    self._end_stream(st, eng)
+                    continue
+                try:
+                    chunk = next(st.rounds)
+                except StopIteration:
+                    self._end_stream(st, eng)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the request's caller gets it; the others go on
+                    self._streams.remove(st)
+                    st.rounds.close()
+                    ticket.put(exc)
+                    continue
+                eng._progress_at = time.monotonic()
+                if n > 1:
+                    ticket.batched_rounds += 1
+                    ticket.largest_batch = max(ticket.largest_batch, n)
+                ticket.put(chunk)
+
+    def _end_stream(self, st: Stream, eng: Engine) -> None:
+        self._streams.remove(st)
+        st.rounds.close()  # ends the request's draft state (worker End) now
         self._between_requests(eng)
-        ticket.put(DONE)
+        if st.ticket.batched_rounds:
+            st.ticket.stats.extra["batch"] = {"rounds_taking_turns": st.ticket.batched_rounds,
+                                              "largest_batch": st.ticket.largest_batch, "mode": self.last_mode}
+        st.ticket.put(DONE)
 
     def _next_waiting(self) -> Ticket | None:
         """The first waiting request that is still wanted (one cancelled while it waited ends here); None when
@@ -186,7 +234,7 @@ class RequestScheduler:
     def _between_requests(self, eng: Engine) -> None:
         """The last running request has ended and none waits: the placement may move now (tuning/placement.py),
         before that request's caller hears it is done, so what it runs next sees the new layout."""
-        if not self._rows and not self._waiting and not eng._closed:
+        if not self._rows and not self._streams and not self._waiting and not eng._closed:
             eng._maybe_replace()
 
     def _admit(self, eng: Engine) -> None:
@@ -310,3 +358,10 @@ class RequestScheduler:
                 log.exception("request scheduler: releasing a failed request")
             ticket.put(exc)
         self._rows = []
+        for st in self._streams:
+            try:
+                st.rounds.close()
+            except Exception:  # noqa: BLE001 - as above
+                log.exception("request scheduler: releasing a failed request")
+            st.ticket.put(exc)
+        self._streams = []

@@ -328,24 +328,57 @@ def test_recommended_batch_is_where_throughput_stops_growing():
     assert recommended_batch([(1, 1.0)]) == 1
 
 
-def test_two_process_serves_a_lone_request_through_the_worker_and_several_as_a_batch(llama_target,
-                                                                                     llama_copy_onnx):
-    cfg = {**_cfg(llama_target, llama_copy_onnx, "torch"),
-           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4}}
+def test_two_process_requests_take_turns_drafted_by_one_worker(monkeypatch, llama_target, llama_copy_onnx):
+    """two_process with a real worker process: requests started together take turns, a round each, while the
+    one worker drafts for all of them (a stream each); each output equals its own solo run. When shared passes
+    without drafts are predicted faster (streams_or_rows), they run as a batch of target-only rows instead."""
+    import hetero_spec.batch as batch_mod
     from hetero_spec.metrics import Stats
-
     from tests.fixtures.memworker import FixedGate
 
+    cfg = {**_cfg(llama_target, llama_copy_onnx, "torch"),
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4}}
     with Engine.from_config(cfg) as eng:
         # held on, waiting for each block: on a loaded machine the default gate may turn a slow worker off
         eng.runtime.make_gate = lambda: FixedGate("on", budget_s=60.0)
         alone = [eng.generate(p, max_new_tokens=12) for p in PROMPTS[:3]]
         assert all("gate" in o.stats["extra"] and o.stats["drafted"] > 0 for o in alone)  # pipelined
-        sinks, stats = [Collect() for _ in range(3)], [Stats() for _ in range(3)]
-        with held(eng):
-            for p, sink, st in zip(PROMPTS[:3], sinks, stats):
-                eng.submit(p, sink, stats=st, max_new_tokens=12)
-        assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
+
+        def together():
+            sinks, stats = [Collect() for _ in range(3)], [Stats() for _ in range(3)]
+            with held(eng):
+                for p, sink, st in zip(PROMPTS[:3], sinks, stats):
+                    eng.submit(p, sink, stats=st, max_new_tokens=12)
+            assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
+            return stats
+
+        stats = together()
+        assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_taking_turns"] > 0
+                   and st.drafted > 0 and "gate" in st.extra for st in stats)
+        monkeypatch.setattr(batch_mod, "streams_or_rows", lambda b, *a: (b < 2, "shared passes predicted faster"))
+        stats = together()
         assert all(st.extra["batch"]["largest_batch"] == 3 and st.drafted == 0 for st in stats)
         # alone again: the worker drafts it
         assert "gate" in eng.generate(PROMPTS[0], max_new_tokens=12).stats["extra"]
+
+
+def test_streams_or_rows_follows_the_costs():
+    from hetero_spec.tuning.batching import SharedPassCost, interleaved_rate, streams_or_rows
+    from hetero_spec.tuning.cost_model import CostModel
+
+    # a CPU: one-thread verify 4 ms + 0.3 ms a token; a shared pass of B rows 4 + 0.6 B ms; draft 1 ms a token
+    model = CostModel(verify_fixed_s=0.004, verify_per_token_s=0.0003, draft_token_s=0.001)
+    shared = SharedPassCost()
+    for b in (1, 2, 4, 8):
+        shared.observe(b, 0.004 + 0.0006 * b)
+    g, rate = interleaved_rate(0.8, model)
+    assert g >= 2 and rate > 1 / model.verify(0)
+    assert streams_or_rows(1, 0.8, model, shared)[0]  # one request: always the worker
+    assert streams_or_rows(2, 0.8, model, shared)[0]  # 2 / 5.2 ms shared < drafted turns
+    turns, why = streams_or_rows(8, 0.8, model, shared)  # 8 / 8.8 ms shared: more than turns make
+    assert not turns and "shared passes" in why
+    assert streams_or_rows(8, 0.8, None, shared)[0]  # no costs yet: the worker drafts
+    # a draft slower than verification bounds the turns by drafting: g d, not V(g)
+    slow = CostModel(verify_fixed_s=0.004, verify_per_token_s=0.0003, draft_token_s=0.008)
+    assert interleaved_rate(0.8, slow)[1] < rate
+    assert interleaved_rate(0.0, model) == (0, pytest.approx(1 / model.verify(0)))

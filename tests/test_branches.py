@@ -17,7 +17,7 @@ from hetero_spec.draft.onnx_drafter import OnnxDrafter
 from hetero_spec.runtime.branches import BranchPlanner
 from hetero_spec.runtime.draft_worker import Worker
 from hetero_spec.runtime.pipelined import StreamBuffer
-from hetero_spec.transport.protocol import Begin, Branch, Proposal, Sync
+from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync
 
 
 
@@ -222,3 +222,39 @@ def test_pinning_moves_only_this_engines_zmq_threads_and_restores_the_decode_thr
     finally:
         mine.close()
         other.close()
+
+
+def test_one_worker_drafts_several_streams(llama_copy_onnx):
+    """Each Begin opens a stream with its own draft state; streams take turns a token at a time (step), a Sync
+    rebases only its own stream, End closes one and the others go on, and beyond max_streams the stream heard
+    of least recently is closed. Correction branches are pre-drafted for a lone stream only."""
+    ch = FakeChannel()
+    w = Worker(ch, OnnxDrafter(llama_copy_onnx), parent_pid=os.getppid(), clock=lambda: 0.0, max_streams=2)
+    prompts = {1: [5, 17, 33, 2, 99], 2: [40, 41, 42, 43]}
+    for rid, p in prompts.items():
+        w.handle(Begin(req_id=rid, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=3, max_ahead=7),
+                 [np.asarray(p, np.int32)])
+    assert set(w.streams) == {1, 2}
+    for _ in range(200):
+        if not w.step(idle_wait_s=0.0):
+            break
+    props = ch.take(Proposal)
+    got = {rid: [t for m, a in props if m.req_id == rid for t in a[0].tolist()] for rid in prompts}
+    ref = OnnxDrafter(llama_copy_onnx)
+    for rid, p in prompts.items():  # each stream drafted alone, to max_ahead
+        ref.begin(p, w.model.params)
+        assert got[rid] == ref.extend(7).ids
+    assert not ch.take(Branch)  # two streams: no branches
+    # request 2's target rejects at its first draft token: only stream 2 starts a new epoch
+    w.handle(Sync(req_id=2, pos=4, epoch=0), [np.asarray([7], np.int32)])
+    assert (w.streams[1].req.epoch, w.streams[2].req.epoch) == (0, 1)
+    assert w.streams[2].drafter.ids == prompts[2] + [7] and len(w.streams[1].drafter.ids) == 5 + 7
+    w.handle(End(req_id=1), [])
+    assert set(w.streams) == {2} and w.cur is w.streams[2]
+    # a third and a fourth request with max_streams=2: the least recently heard of (2, then 3) is closed
+    for rid in (3, 4):
+        w.handle(Begin(req_id=rid, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=3, max_ahead=7),
+                 [np.asarray([1, 2, 3], np.int32)])
+    assert set(w.streams) == {3, 4}
+    w.handle(Sync(req_id=2, pos=5, epoch=1), [np.asarray([8], np.int32)])  # a closed stream: ignored
+    assert set(w.streams) == {3, 4}

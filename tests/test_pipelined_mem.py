@@ -204,3 +204,57 @@ def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llam
     assert out.token_ids == ref
     assert out.stats["extra"]["dropped_messages"] == 1000
     assert out.stats["drafted"] > 0
+
+
+# -- one worker, several requests taking turns --------------------------------------------------------
+def test_requests_take_turns_on_one_worker_with_joins_and_a_cancel(monkeypatch, llama_target, llama_copy_onnx):
+    """Four requests start together (fixed gammas 1-4 and auto, greedy and seeded sampling), a fifth joins after
+    the first's 2nd round, the third is cancelled after its 3rd: they take turns, a round each, and the one worker
+    drafts for all of them (a stream each, with its own epochs). Each output equals its solo run; every stream
+    is closed at the end."""
+    from tests.test_batch import PROMPTS as BATCH_PROMPTS
+    from tests.test_batch import _req, _run_batch
+
+    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    with eng:
+        solo = {i: eng.generate(BATCH_PROMPTS[i], **_req(i)) for i in range(5)}
+        mw = launcher.workers[-1].worker
+        streams_seen = []
+        real_step = mw.step
+        mw.step = lambda *a, **k: streams_seen.append(len(mw.streams)) or real_step(*a, **k)
+        sinks, stats = _run_batch(eng)
+        for i in (0, 1, 3, 4):
+            assert sinks[i].ids == solo[i].token_ids, f"request {i} differs from its solo run"
+            assert stats[i].finish_reason == "length" and stats[i].drafted > 0
+        assert stats[2].finish_reason == "cancelled" and sinks[2].chunks == 3
+        assert sinks[2].ids == solo[2].token_ids[:len(sinks[2].ids)]
+        assert stats[0].extra["batch"]["largest_batch"] == 5 and stats[4].extra["batch"]["rounds_taking_turns"] > 0
+        assert max(streams_seen) == 5  # the worker held all five streams at once
+        launcher.workers[-1].run()  # the in-memory worker reads what was sent since the target last looked
+        assert mw.streams == {}  # each request's End closed its stream
+
+
+def test_the_worker_dies_while_requests_take_turns(monkeypatch, llama_target, llama_copy_onnx):
+    """The worker is killed mid-way (at the 6th Sync, several streams open): every request finishes with its solo
+    output (the target decodes alone until the restarted worker takes the streams up again). (A draft that is
+    always right: with a useless one, shared passes without drafts are predicted faster and the requests would
+    not take turns.)"""
+    from hetero_spec.metrics import Stats
+    from tests.test_batch import Collect, held
+
+    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    prompts = [PROMPT, PROMPT[::-1], [40, 41, 42, 43, 44, 40, 41, 42]]
+    with eng:
+        solo = [eng.generate(p, max_new_tokens=24, gamma=3).token_ids for p in prompts]
+        first = eng.runtime.sup.current().generation
+        launcher.kill_when(_nth(Sync, 6))
+        sinks, stats = [Collect() for _ in prompts], [Stats() for _ in prompts]
+        with held(eng):
+            for p, sink, st in zip(prompts, sinks, stats):
+                eng.submit(p, sink, stats=st, max_new_tokens=24, gamma=3)
+        assert [s.wait() for s in sinks] == solo
+        assert launcher.killed == [("to_worker", "Sync")]
+        assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_taking_turns"] > 0
+                   for st in stats)
+        wait_for_restart(eng, first)
+        assert eng.generate(prompts[0], max_new_tokens=24, gamma=3).token_ids == solo[0]

@@ -5,6 +5,12 @@ the last committed position it knows. Every Sync from the target carries the new
 where they differ from the worker's stream, the worker truncates its stream and KV cache there, starts a
 new epoch, and drafts on from the corrected context.
 
+One worker drafts for several requests at once: each Begin opens a stream (its own draft state on the one
+loaded model, its own epoch, rollback and send batching), keyed by req_id; End closes it. Streams take turns a
+token at a time, so a stream the target is about to verify is never far behind. Pre-drafted correction
+branches use the idle time of a lone stream only. At most `max_streams` streams are kept: a Begin beyond that
+closes the stream heard of least recently (its request then decodes alone).
+
 Never imports torch. Exits by itself when the target process goes away (its parent pid changes; checked
 every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM. It ignores SIGINT: Ctrl-C at a
 terminal reaches the whole process group, and the target process decides how to shut the worker down.
@@ -40,6 +46,7 @@ from .branches import BranchPlanner
 log = logging.getLogger("hetero_spec.draft_worker")
 
 FLUSH_S = 0.002  # longest a drafted token waits to be sent
+MAX_STREAMS = 64  # requests drafted for at once (the target side asks for at most serving.max_batch)
 
 
 @dataclass
@@ -54,6 +61,39 @@ class _Request:
     sent: int = 0       # stream positions below this have been sent
 
 
+@dataclass
+class _Stream:
+    """One request's drafting state in the worker."""
+
+    req: _Request
+    drafter: OnnxDrafter
+    branches: dict = None  # (position, token) -> pre-drafted continuation if the target puts token there
+    plan_exhausted: bool = False  # nothing worth pre-drafting until the next message or token
+    unsent_t0: float | None = None
+    unsent_s: float = 0.0
+    unsent_timed: int = 0
+    unsent_probs: list = None
+
+    def __post_init__(self) -> None:
+        self.branches = {} if self.branches is None else self.branches
+        self.unsent_probs = [] if self.unsent_probs is None else self.unsent_probs
+
+
+def _stream_attr(name: str):
+    """A Worker attribute that is the current stream's (the stream the worker is handling or drafting)."""
+
+    def get(self):
+        return getattr(self.cur, name) if self.cur is not None else self._idle[name]
+
+    def put(self, value):
+        if self.cur is not None:
+            setattr(self.cur, name, value)
+        else:
+            self._idle[name] = value
+
+    return property(get, put)
+
+
 def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
     """The token ids of a Begin/Sync frame, or None unless it is one 1-D array of ids in [0, vocab)."""
     if len(arrays) != 1 or arrays[0].ndim != 1:
@@ -66,46 +106,85 @@ def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
 
 class Worker:
     """The worker's protocol side. `step()` does one unit of work; `loop()` runs it until Shutdown.
-    `clock` is a seam for tests (the send-batching deadline)."""
+    `clock` is a seam for tests (the send-batching deadline). `req`, `drafter`, `branches` and the unsent-token
+    bookkeeping are those of the current stream (`cur`: the last one begun, handled or drafted for)."""
+
+    req = _stream_attr("req")
+    drafter = _stream_attr("drafter")
+    branches = _stream_attr("branches")
+    plan_exhausted = _stream_attr("plan_exhausted")
+    unsent_t0 = _stream_attr("unsent_t0")
+    unsent_s = _stream_attr("unsent_s")
+    unsent_timed = _stream_attr("unsent_timed")
+    unsent_probs = _stream_attr("unsent_probs")
 
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0,
-                 branches: bool = True, clock=time.monotonic):
-        self.ch, self.drafter, self.parent_pid, self.delay_s = channel, drafter, parent_pid, delay_s
+                 branches: bool = True, clock=time.monotonic, max_streams: int = MAX_STREAMS):
+        self.ch, self.parent_pid, self.delay_s = channel, parent_pid, delay_s
+        self.model = drafter  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.clock = clock
-        self.req: _Request | None = None
+        self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
+        self.cur: _Stream | None = None
+        self.max_streams = max(1, max_streams)
+        # what the attributes above read when no stream is open
+        self._idle = {"req": None, "drafter": drafter, "branches": {}, "plan_exhausted": False,
+                      "unsent_t0": None, "unsent_s": 0.0, "unsent_timed": 0, "unsent_probs": []}
+        self._turn = 0  # round-robin position among the streams that want to draft
         self.running = True
         self.use_branches = branches
-        # (position, token) -> pre-drafted continuation if the target puts `token` at `position`
-        self.branches: dict[tuple[int, int], tuple] = {}
         self.branch_hits = 0
         self.planner = BranchPlanner()
-        self._reset_unsent()
-        self.plan_exhausted = False  # nothing worth pre-drafting until the next message or token
+
+    def _stream(self, req_id: int) -> _Stream | None:
+        """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
+        st = self.streams.pop(req_id, None)
+        if st is not None:
+            self.streams[req_id] = st
+            self.cur = st
+        return st
+
+    def _open(self, req: _Request) -> _Stream:
+        old = self.streams.pop(req.req_id, None)
+        while len(self.streams) >= self.max_streams:  # evict the least recently heard of
+            evicted = self.streams.pop(next(iter(self.streams)))
+            log.warning("more than %d streams: closing the stream of request %d", self.max_streams,
+                        evicted.req.req_id)
+            evicted.drafter.close()
+        drafter = old.drafter if old is not None else self.model.spawn()
+        st = self.streams[req.req_id] = _Stream(req, drafter)
+        self.cur = st
+        return st
+
+    def _close(self, req_id: int) -> None:
+        st = self.streams.pop(req_id, None)
+        if st is not None:
+            st.drafter.close()
+        if self.cur is st:
+            self.cur = next(reversed(self.streams.values()), None)
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
-        self.plan_exhausted = False
+        for st in self.streams.values():
+            st.plan_exhausted = False
         if isinstance(msg, Begin):
-            prompt = _valid_ids(arrays, self.drafter.vocab_width)
+            prompt = _valid_ids(arrays, self.model.vocab_width)
             if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
                 self.ch.reject("Begin without a valid prompt, gamma or max_ahead")
                 return
-            self.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
-                                                     sampling="coupled" if msg.coupled else "rejection"))
-            self.req = _Request(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, committed=len(prompt),
-                                base=len(prompt), sent=len(prompt))
-            self.branches = {}
-            self._reset_unsent()
-        elif isinstance(msg, Sync) and self.req is not None and msg.req_id == self.req.req_id:
-            tokens = _valid_ids(arrays, self.drafter.vocab_width)
+            st = self._open(_Request(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, committed=len(prompt),
+                                     base=len(prompt), sent=len(prompt)))
+            st.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
+                                                    sampling="coupled" if msg.coupled else "rejection"))
+        elif isinstance(msg, Sync) and self._stream(msg.req_id) is not None:
+            tokens = _valid_ids(arrays, self.model.vocab_width)
             if tokens is None or msg.pos < 0:
                 self.ch.reject("Sync without valid token ids")
                 return
             self._sync(msg.pos, tokens, msg.epoch)
-        elif isinstance(msg, Control) and self.req is not None and msg.req_id == self.req.req_id:
+        elif isinstance(msg, Control) and self._stream(msg.req_id) is not None:
             self.req.drafting, self.req.gamma = msg.drafting, max(1, msg.gamma)
-        elif isinstance(msg, End) and self.req is not None and msg.req_id == self.req.req_id:
-            self.req = None
+        elif isinstance(msg, End) and msg.req_id in self.streams:
+            self._close(msg.req_id)
         elif isinstance(msg, Ping):
             self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.ch.dropped))
         elif isinstance(msg, Shutdown):
@@ -258,21 +337,32 @@ class Worker:
     def step(self, idle_wait_s: float = 0.2) -> bool:
         """One unit of work: handle a message, send, pre-draft a branch, or draft one token. Waits up
         to idle_wait_s for a message only when there is nothing else to do; False when it did nothing."""
-        n = self.want_to_draft()
-        busy = n or (self.req is not None and self.req.drafting and self.drafter.params.greedy
-                     and self.use_branches and not self.plan_exhausted)
+        want = {}
+        for rid, st in self.streams.items():
+            self.cur = st
+            want[rid] = self.want_to_draft()
+        lone = len(self.streams) == 1
+        if lone:
+            self.cur = next(iter(self.streams.values()))
+        busy = any(want.values()) or (lone and self.req.drafting and self.drafter.params.greedy
+                                      and self.use_branches and not self.plan_exhausted)
         got = self.ch.recv(0.0 if busy else idle_wait_s)
         if got is not None:
             self.handle(*got)
             return True  # drain everything queued before drafting on a possibly stale stream
-        if self.should_flush(n):
-            self.flush()
+        for rid, st in list(self.streams.items()):
+            self.cur = st
+            if self.should_flush(want[rid]):
+                self.flush()
+                return True
+        if lone and not want[self.cur.req.req_id] and self.pre_draft_branch():
             return True
-        if not n and self.pre_draft_branch():
-            return True
-        if n:
-            # one token at a time, looking at the socket in between: a correction that arrives
-            # mid-block stops drafting on the stale stream at once
+        order = [rid for rid, n in want.items() if n]
+        if order:
+            # one token at a time, looking at the socket in between: a correction that arrives mid-block stops
+            # drafting on the stale stream at once; streams take turns
+            self._turn = (self._turn + 1) % len(order)
+            self.cur = self.streams[order[self._turn]]
             self.draft_once(1)
             return True
         return False

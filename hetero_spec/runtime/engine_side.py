@@ -158,8 +158,9 @@ class PipelinedRuntime:
         transfer = (self._gate.transfer_s.value if self._gate is not None else None) or 0.0
         return CostModel(line[0], line[1], d, transfer)
 
-    def decode(self, target: Verifier, req: Request, stats: Stats):
-        """The decode loop's thread runs on the target's cores while it serves the request."""
+    def decode(self, target: Verifier, req: Request, stats: Stats, pin: bool = True):
+        """The decode loop's thread runs on the target's cores while it serves the request (pin: False when the
+        caller pins it, e.g. around requests that take turns in one thread)."""
         r = self.config.runtime
         # gamma auto: chosen each round by decode_pipelined; the worker starts at the gamma the cost model
         # predicts now, and may draft ahead as far as the largest gamma allows
@@ -179,7 +180,7 @@ class PipelinedRuntime:
                                        if "ngram" in self.chooser.names else None)
             if selection.ngram is not None:
                 selection.ngram.begin(req.prompt_ids, req.params)
-        with pinned_thread(self.target_cpus):
+        with pinned_thread(self.target_cpus if pin else None):
             yield from decode_pipelined(target, self.sup, req, stats, self._gate, max_ahead,
                                         trace=r.trace, clock=self.clock, policy=policy, selection=selection)
 

@@ -167,6 +167,8 @@ class DraftLink:
         if w is not None and w is self.w:
             self.dropped += w.channel.dropped - self._dropped_base
             self.w = None
+            if w.links.get(self.req_id) is self:
+                del w.links[self.req_id]
 
     def _lose(self, w: Worker, reason: str) -> None:
         self._leave(w)
@@ -191,6 +193,7 @@ class DraftLink:
         if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
             self._leave(self.w)
             self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
+            w.links[self.req_id] = self
             p = self.req.params
             self.synced = len(ids)
             if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
@@ -216,21 +219,28 @@ class DraftLink:
             return False
         msg, arrays = got
         self.sup.heard(w, msg)
-        if isinstance(msg, (Proposal, Branch)) and msg.req_id == self.req_id:
-            why = self._check_arrays(arrays)
-            if why:
-                w.channel.reject(f"{type(msg).__name__}: {why}")
-                self.rejected += 1
-                return True
-        if isinstance(msg, Proposal) and msg.req_id == self.req_id:
+        if isinstance(msg, (Proposal, Branch)):
+            # another request drafted on this worker (interleaved in this thread) gets its own proposals
+            link = self if msg.req_id == self.req_id else w.links.get(msg.req_id)
+            if link is not None and link.w is w:
+                link._accept(w, msg, arrays, waited=timeout_s > 0 and link is self)
+        return True
+
+    def _accept(self, w: Worker, msg, arrays: list[np.ndarray], waited: bool) -> None:
+        """A Proposal or Branch of this request's stream (transfer time sampled only when we waited for it)."""
+        why = self._check_arrays(arrays)
+        if why:
+            w.channel.reject(f"{type(msg).__name__}: {why}")
+            self.rejected += 1
+            return
+        if isinstance(msg, Proposal):
             now = self.clock()
-            self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if timeout_s > 0 else None)
+            self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
-        elif isinstance(msg, Branch) and msg.req_id == self.req_id:
+        else:
             self.buf.add_branch(msg, arrays[0])
-        return True
 
     def _check_arrays(self, arrays: list[np.ndarray]) -> str:
         """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert)."""

@@ -61,6 +61,9 @@ class Worker:
     last_heard: float = field(default_factory=time.monotonic)
     ping_sent: float | None = None
     stderr_path: str = ""
+    #: the requests drafted on this worker now, by req_id (runtime/pipelined.DraftLink): one link's receive
+    #: hands another request's proposals to that request (requests interleaved in one thread share the channel)
+    links: dict = field(default_factory=dict)
 
 
 class ProcessLauncher:

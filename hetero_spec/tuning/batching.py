@@ -72,6 +72,36 @@ class BatchPlan:
         return self.asked if self.asked is not None else self.gammas
 
 
+def interleaved_rate(a: float, model: CostModel, g_max: int = 16) -> tuple[int, float]:
+    """(gamma, committed tokens/s) of requests taking turns on one target while one draft worker drafts for all
+    of them (two_process): the target verifies one request's block after another, the worker drafts the other
+    requests' next blocks meanwhile, so a request's round costs V(g) while the worker keeps up (g d <= V(g)),
+    else g d. The rate does not depend on how many requests take turns: their passes are not shared."""
+    best = (0, 1.0 / model.verify(0))
+    for g in range(1, g_max + 1):
+        rate = expected_tokens(a, g) / max(model.verify(g), g * model.draft_token_s + model.transfer_s)
+        if rate > best[1]:
+            best = (g, rate)
+    return best
+
+
+def streams_or_rows(b: int, a: float, model: CostModel | None, shared: SharedPassCost) -> tuple[bool, str]:
+    """two_process, b requests starting together: (True: they take turns, drafted by the worker; False: one
+    shared target pass per round without drafts), by predicted committed tokens/s, and why."""
+    if b < 2:
+        return True, "one request: the worker drafts it"
+    if model is None:
+        return True, "no cost model yet: the worker drafts them"
+    g, streams = interleaved_rate(a, model)
+    s = shared.cost(b, model)
+    plain = b / s if s else 0.0
+    if streams >= plain:
+        return True, f"{b} requests taking turns, drafted by the worker: {streams:.1f} tok/s (gamma {g}) >= " \
+                     f"{plain:.1f} in shared passes without drafts"
+    return False, f"{b} requests in shared passes without drafts: {plain:.1f} tok/s > {streams:.1f} taking " \
+                  "turns, drafted by the worker"
+
+
 def plan_batch(gammas: list[int], acceptances: list[float], model: CostModel | None, shared: SharedPassCost,
                batch_blocks: bool, draft_together: bool = False) -> BatchPlan:
     """The round's gammas for a batch: each row's own choice (speculate) or all 0 (plain), by predicted goodput.
