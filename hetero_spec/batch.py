@@ -165,9 +165,9 @@ class RequestScheduler:
         """two_process, nothing running: whether the waiting requests take turns drafted by the worker, or run as
         target-only rows in shared passes (tuning/batching.streams_or_rows)."""
         b = min(len(self._waiting), eng.config.serving.max_batch)
-        setting = eng.config.serving.worker_streams
+        setting = eng.config.serving.two_process
         if setting != "auto" or b < 2:
-            turns, why = setting != "off" or b < 2, f"serving.worker_streams: {setting}"
+            turns, why = setting == "turns" or b < 2, f"serving.two_process: {setting}"
         else:
             turns, why = streams_or_rows(b, eng.tuning.global_acceptance(), eng.tuning.model(), eng.tuning.shared)
         if b > 1:

@@ -202,17 +202,17 @@ class ServingConfig(_Section):
     order). Their one-token steps, and on the torch backend their draft blocks, share one target pass. 1: one
     request at a time. `auto`: the profile's recommended_max_batch (speculation.profile; `hetero-spec profile`
     measures a shared pass against batch size), else 8. In the two_process layout: the most requests taking
-    turns (see worker_streams)."""
+    turns (see two_process)."""
     mode: Literal["throughput", "latency"] = "throughput"
     """The scheduler's objective for a batch. `throughput`: the most committed tokens per second over the
     batch (speculation per row only when the cost model predicts it beats one shared pass). `latency`: each
     running request's own time per token; a request waits rather than join a batch that would slow the
     running ones by more than 1.5x (predicted)."""
-    worker_streams: Literal["auto", "on", "off"] = "auto"
-    """two_process layout, several requests at once. `on`: they take turns, a round each, and the draft worker
-    drafts for all of them (a stream each). `off`: they run as target-only rows in shared passes (a lone request
-    still gets the worker). `auto`: whichever the cost model predicts commits more tokens per second
-    (tuning/batching.streams_or_rows), decided when requests start with nothing running."""
+    two_process: Literal["auto", "turns", "shared"] = "auto"
+    """How several requests at once run in the two_process layout. `turns`: they take turns, a round each, and
+    the draft worker drafts for all of them (a stream each). `shared`: they run as target-only rows in shared
+    passes (a lone request still gets the worker). `auto`: whichever the cost model predicts commits more tokens
+    per second (tuning/batching.streams_or_rows), decided when requests start with nothing running."""
 
 
 class Config(_Section):

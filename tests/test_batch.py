@@ -331,8 +331,8 @@ def test_recommended_batch_is_where_throughput_stops_growing():
 def test_two_process_requests_take_turns_drafted_by_one_worker(llama_target, llama_copy_onnx):
     """two_process with a real worker process: requests started together take turns, a round each, while the
     one worker drafts for all of them (a stream each); each output equals its own solo run. With
-    serving.worker_streams off (what auto picks when shared passes without drafts are predicted faster), they run
-    as a batch of target-only rows instead."""
+    serving.two_process: shared (what auto picks when shared passes without drafts are predicted faster), they
+    run as a batch of target-only rows instead."""
     from hetero_spec.metrics import Stats
     from tests.fixtures.memworker import FixedGate
 
@@ -355,7 +355,7 @@ def test_two_process_requests_take_turns_drafted_by_one_worker(llama_target, lla
         stats = together()
         assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_taking_turns"] > 0
                    and st.drafted > 0 and "gate" in st.extra for st in stats)
-        eng.config.serving.worker_streams = "off"  # as if shared passes were predicted faster
+        eng.config.serving.two_process = "shared"  # as if shared passes were predicted faster
         stats = together()
         assert all(st.extra["batch"]["largest_batch"] == 3 and st.drafted == 0 for st in stats)
         # alone again: the worker drafts it
