@@ -12,9 +12,9 @@ A round of the batch, in process (scheduler.Row holds each request's state):
 In the two_process layout the draft worker drafts for several requests at once (one stream each,
 runtime/draft_worker.py). Requests then take turns, a round each, in this thread (runtime/pipelined.py: each
 verifies its own block while the worker drafts everyone's next one), and join and leave between rounds. When
-several requests start together and shared target passes without drafts are predicted faster
-(tuning/batching.streams_or_rows: on a CPU a shared pass of B tokens costs little more than one), they run as a
-batch of target-only rows instead; either way the mode holds until its requests are done.
+shared target passes without drafts are predicted faster for everything running and waiting
+(tuning/batching.streams_or_rows: on a CPU a shared pass of B tokens costs little more than one), the waiting
+requests join as target-only rows instead: each round then runs the streams' turns and one round of the rows.
 
 Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
 for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
@@ -151,20 +151,19 @@ class RequestScheduler:
     def _round(self, eng: Engine) -> None:
         with eng._lock:
             eng._progress_at = time.monotonic()
-            if eng.runtime is not None and not self._rows and (self._streams or self._take_turns(eng)):
+            if eng.runtime is not None and self._waiting and self._take_turns(eng):
                 self._admit_streams(eng)  # two_process: requests take turns, the worker drafts them all
-                if self._streams:
-                    self._step_streams(eng)
-            else:  # in process; or two_process when shared passes without drafts pay more
-                self._admit(eng)
-                self._drop_cancelled()
-                if self._rows:
-                    self._step(eng)
+            self._admit(eng)  # in process; or two_process when shared passes without drafts pay more
+            if self._streams:
+                self._step_streams(eng)
+            self._drop_cancelled()
+            if self._rows:
+                self._step(eng)
 
     def _take_turns(self, eng: Engine) -> bool:
-        """two_process, nothing running: whether the waiting requests take turns drafted by the worker, or run as
-        target-only rows in shared passes (tuning/batching.streams_or_rows)."""
-        b = min(len(self._waiting), eng.config.serving.max_batch)
+        """two_process: whether the waiting requests take turns drafted by the worker, or join target-only rows in
+        shared passes (tuning/batching.streams_or_rows over everything running and waiting)."""
+        b = min(len(self._waiting) + self.running, eng.config.serving.max_batch)
         setting = eng.config.serving.two_process
         if setting != "auto" or b < 2:
             turns, why = setting == "turns" or b < 2, f"serving.two_process: {setting}"
@@ -175,7 +174,7 @@ class RequestScheduler:
         return turns
 
     def _admit_streams(self, eng: Engine) -> None:
-        while len(self._streams) < eng.config.serving.max_batch:
+        while self.running < eng.config.serving.max_batch:
             ticket = self._next_waiting()
             if ticket is None:
                 return
@@ -244,7 +243,7 @@ class RequestScheduler:
     def _admit(self, eng: Engine) -> None:
         """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit)."""
         serving = eng.config.serving
-        while len(self._rows) < serving.max_batch:
+        while self.running < serving.max_batch:
             if not may_join(len(self._rows), serving.mode, eng.tuning.model(), eng.tuning.shared):
                 break
             ticket = self._next_waiting()

@@ -258,3 +258,32 @@ def test_the_worker_dies_while_requests_take_turns(monkeypatch, llama_target, ll
                    for st in stats)
         wait_for_restart(eng, first)
         assert eng.generate(prompts[0], max_new_tokens=24, gamma=3).token_ids == solo[0]
+
+
+def test_requests_arriving_during_a_turn_join_as_rows_when_shared_passes_pay(monkeypatch, llama_target,
+                                                                              llama_copy_onnx):
+    """A request runs alone through the worker; three more arrive after its first round, and shared passes
+    are what pays for them (serving.two_process: shared): they join as target-only rows in one shared pass per
+    round while the first keeps its turns with the worker. Every output equals its solo run."""
+    from hetero_spec.metrics import Stats
+    from tests.test_batch import Collect
+
+    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    prompts = [PROMPT, PROMPT[::-1], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 7, 6, 5]]
+    with eng:
+        solo = [eng.generate(p, max_new_tokens=20, gamma=3).token_ids for p in prompts]
+        eng.config.serving.two_process = "shared"
+        stats = [Stats() for _ in prompts]
+        sinks: list[Collect] = []
+
+        def arrive(n):
+            if n == 1:
+                for p, st in zip(prompts[1:], stats[1:]):
+                    sinks.append(Collect())
+                    eng.submit(p, sinks[-1], stats=st, max_new_tokens=20, gamma=3)
+
+        first = Collect(on_chunk=arrive)
+        eng.submit(prompts[0], first, stats=stats[0], max_new_tokens=20, gamma=3)
+        assert [first.wait()] + [s.wait() for s in sinks] == solo
+        assert "gate" in stats[0].extra and stats[0].drafted > 0  # its turns, drafted by the worker
+        assert all(st.drafted == 0 and st.extra["batch"]["largest_batch"] == 3 for st in stats[1:])
