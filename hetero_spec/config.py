@@ -212,7 +212,8 @@ class ServingConfig(_Section):
     """How several requests at once run in the two_process layout. `turns`: they take turns, a round each, and
     the draft worker drafts for all of them (a stream each). `shared`: they run as target-only rows in shared
     passes (a lone request still gets the worker). `auto`: whichever the cost model predicts commits more tokens
-    per second (tuning/batching.streams_or_rows), decided when requests start with nothing running."""
+    per second for everything running and waiting (tuning/batching.streams_or_rows); requests that join as rows
+    share one pass per round while those taking turns keep them."""
 
 
 class Config(_Section):
