@@ -415,8 +415,13 @@ class Engine:
         `draft_restarts`/`draft_failures` are running totals over the Engine's life. The worker must answer
         within timeout_s (default: runtime.heartbeat_s), else it is reported unresponsive."""
         self._check_open()
-        if not self._lock.acquire(blocking=False):
-            # the request loop reports each round: silent longer than the heartbeat means stuck
+        locked = self._lock.acquire(blocking=False)
+        if not locked or self._scheduler.running:
+            # a round is on, or requests run between rounds (two_process: their proposals share the worker's
+            # channel, which a ping would read): the request loop reports each round, and silent longer than the
+            # heartbeat means stuck
+            if locked:
+                self._lock.release()
             stalled = time.monotonic() - self._progress_at
             limit = timeout_s or self.config.runtime.heartbeat_s
             return {"target": "ok" if stalled <= max(limit, 1.0) else "stalled", "busy": True,
@@ -428,8 +433,7 @@ class Engine:
                 self.target.forward(state, [0])
             finally:
                 self.target.release_state(state)
-            return {"target": "ok", "busy": self._scheduler.running > 0,
-                    "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
+            return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
                     **self._draft_health(probe=True, timeout_s=timeout_s)}
         finally:
             self._lock.release()

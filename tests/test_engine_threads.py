@@ -64,20 +64,54 @@ def test_4_threads_x_3_requests_equal_their_sequential_runs(llama_target, llama_
 
 
 def test_health_during_a_request_does_not_disturb_it(llama_target, llama_copy_onnx):
-    """health() while a request streams answers from what is known, without touching the channel."""
+    """health() while requests run answers from what is known, without touching the worker's channel (its
+    proposals share it): during a round (the scheduler holds the Engine), and between rounds while a request
+    still runs. Only an idle Engine probes for real (a ping: rtt_ms)."""
+    import threading
+
+    from hetero_spec.metrics import Stats
     from tests.conftest import hf_greedy
+    from tests.test_batch import Collect
 
     with Engine.from_config(_cfg("two_process", llama_target, llama_copy_onnx)) as eng:
-        from hetero_spec.metrics import Stats
+        pings = []
+        real_health = eng.runtime.sup.health
+        eng.runtime.sup.health = lambda *a, **k: pings.append(1) or real_health(*a, **k)
+        # during a round: the sink runs in the scheduler's thread, which holds the Engine until we are done
+        asked, answered, seen = threading.Event(), threading.Event(), []
 
-        stats = Stats()
-        healths = []
-        for _piece in eng.stream(PROMPTS[0], max_new_tokens=40, gamma=3, stats=stats):
-            healths.append(eng.health())
-        out = eng.generate(PROMPTS[0], max_new_tokens=40, gamma=3)
-        assert out.token_ids == hf_greedy(llama_target, PROMPTS[0], 40)
-        assert stats.new_tokens == len(out.token_ids) and stats.extra["stale_proposals"] == 0
-        assert healths and all(h["busy"] and h["draft"] == "ok" for h in healths)
+        def on_chunk(n):
+            if n == 1:
+                asked.set()
+                assert answered.wait(60)
+
+        sink, stats = Collect(on_chunk=on_chunk), Stats()
+        eng.submit(PROMPTS[0], sink, stats=stats, max_new_tokens=40, gamma=3)
+        assert asked.wait(60)
+        seen.append(eng.health())
+        answered.set()
+        # whatever the timing, a health() in the stream is busy unless the request had already ended
+        assert not pings  # no probe during the round
+        records = []
+        for _piece in eng.stream(PROMPTS[1], max_new_tokens=40, gamma=3, stats=(s2 := Stats())):
+            before = len(pings)
+            h = eng.health()
+            records.append((h, s2.finish_reason, len(pings) > before))
+        assert sink.wait() == hf_greedy(llama_target, PROMPTS[0], 40)
+        assert stats.extra["stale_proposals"] == 0 and s2.extra["stale_proposals"] == 0
+        assert seen[0]["busy"] and seen[0]["draft"] == "ok" and "rtt_ms" not in seen[0]
+        # busy and no probe, unless the request had already ended (then an idle Engine probes)
+        assert all((h["busy"] and h["draft"] == "ok" and not pinged) or (done and not h["busy"])
+                   for h, done, pinged in records)
+        pings.clear()
+        # between rounds, a request still running (as the scheduler reports it): no probe either
+        real_running = type(eng._scheduler).running
+        try:
+            type(eng._scheduler).running = property(lambda self: 1)
+            between = eng.health()
+        finally:
+            type(eng._scheduler).running = real_running
+        assert between["busy"] and "rtt_ms" not in between and not pings
         idle = eng.health()
-        assert not idle["busy"] and idle["draft"] == "ok" and "rtt_ms" in idle
+        assert not idle["busy"] and idle["draft"] == "ok" and "rtt_ms" in idle and pings
         assert idle["draft_restarts"] == 0 and idle["draft_failures"] == 0
