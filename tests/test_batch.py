@@ -337,7 +337,9 @@ def test_two_process_requests_take_turns_drafted_by_one_worker(llama_target, lla
     from tests.fixtures.memworker import FixedGate
 
     cfg = {**_cfg(llama_target, llama_copy_onnx, "torch"),
-           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4}}
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4},
+           # not auto: that choice follows costs measured on this machine, and load changes them
+           "serving": {"two_process": "turns"}}
     with Engine.from_config(cfg) as eng:
         # held on, waiting for each block: on a loaded machine the default gate may turn a slow worker off
         eng.runtime.make_gate = lambda: FixedGate("on", budget_s=60.0)

@@ -215,7 +215,8 @@ def test_requests_take_turns_on_one_worker_with_joins_and_a_cancel(monkeypatch, 
     from tests.test_batch import PROMPTS as BATCH_PROMPTS
     from tests.test_batch import _req, _run_batch
 
-    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    cfg = {**_cfg(llama_target, llama_copy_onnx), "serving": {"two_process": "turns"}}
+    eng, launcher = mem_engine(monkeypatch, cfg, llama_copy_onnx)
     with eng:
         solo = {i: eng.generate(BATCH_PROMPTS[i], **_req(i)) for i in range(5)}
         mw = launcher.workers[-1].worker
@@ -236,13 +237,12 @@ def test_requests_take_turns_on_one_worker_with_joins_and_a_cancel(monkeypatch, 
 
 def test_the_worker_dies_while_requests_take_turns(monkeypatch, llama_target, llama_copy_onnx):
     """The worker is killed mid-way (at the 6th Sync, several streams open): every request finishes with its solo
-    output (the target decodes alone until the restarted worker takes the streams up again). (A draft that is
-    always right: with a useless one, shared passes without drafts are predicted faster and the requests would
-    not take turns.)"""
+    output (the target decodes alone until the restarted worker takes the streams up again)."""
     from hetero_spec.metrics import Stats
     from tests.test_batch import Collect, held
 
-    eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
+    cfg = {**_cfg(llama_target, llama_copy_onnx), "serving": {"two_process": "turns"}}
+    eng, launcher = mem_engine(monkeypatch, cfg, llama_copy_onnx)
     prompts = [PROMPT, PROMPT[::-1], [40, 41, 42, 43, 44, 40, 41, 42]]
     with eng:
         solo = [eng.generate(p, max_new_tokens=24, gamma=3).token_ids for p in prompts]
