@@ -142,7 +142,7 @@ def test_an_onnx_target_on_a_gpu_provider_is_exported_for_that_provider(llama_ta
     import onnx
 
     from hetero_spec.target.backends import builder_ep
-    from hetero_spec.target.export_cache import cached_export
+    from hetero_spec.target.export_cache import cached_export, entry_dir
 
     cfg = _cfg(llama_target, "onnx", "fp16")
     cfg["target"]["providers"] = ["CUDAExecutionProvider"]
@@ -156,7 +156,7 @@ def test_an_onnx_target_on_a_gpu_provider_is_exported_for_that_provider(llama_ta
     assert (builder_ep(["CUDAExecutionProvider"]), builder_ep(["DmlExecutionProvider"]), builder_ep(None)) == \
         ("cuda", "dml", "cpu")
     gpu = cached_export(llama_target, "fp16", root=tmp_path, execution_provider="cuda")
-    cpu = cached_export(llama_target, "fp32", root=tmp_path)
+    cpu = entry_dir(llama_target, "fp16", root=tmp_path)  # where the CPU export would go (not made: it is slow)
     assert "-fp16-cuda-" in gpu.name and "-cuda" not in cpu.name and gpu != cpu
     types = {i.name: i.type.tensor_type.elem_type for i in onnx.load(gpu / "model.onnx", load_external_data=False)
              .graph.input}
