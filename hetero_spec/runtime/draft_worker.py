@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,16 +67,13 @@ class _Stream:
 
     req: _Request
     drafter: OnnxDrafter
-    branches: dict = None  # (position, token) -> pre-drafted continuation if the target puts token there
+    # (position, token) -> pre-drafted continuation if the target puts token there
+    branches: dict = field(default_factory=dict)
     plan_exhausted: bool = False  # nothing worth pre-drafting until the next message or token
     unsent_t0: float | None = None
     unsent_s: float = 0.0
     unsent_timed: int = 0
-    unsent_probs: list = None
-
-    def __post_init__(self) -> None:
-        self.branches = {} if self.branches is None else self.branches
-        self.unsent_probs = [] if self.unsent_probs is None else self.unsent_probs
+    unsent_probs: list = field(default_factory=list)
 
 
 def _stream_attr(name: str):
