@@ -1,0 +1,82 @@
+"""What two decoders on two cores cost each other (issue 12): the target's step and the draft's token, each alone
+on its own core, and both at once (the two-process layout's situation), in interleaved repeats.
+
+Usage: python scripts/corun.py [--target-precision int8] [--draft models/draft-onnx-int8] [--seconds 3]
+       [--repeats 4]
+Needs 2 cores. Prints a Markdown table of median ms per one-token step after a 128-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def _decode(model: str, role: str, core: int, seconds: float, start, out) -> None:
+    os.sched_setaffinity(0, {core})
+    from hetero_spec.onnx_decoder import OnnxDecoder
+
+    dec = OnnxDecoder(Path(model), threads=1, role=role)
+    prompt = [(7 * i) % 200 + 10 for i in range(128)]
+    st = dec.new_state()
+    dec.append(st, prompt)
+    start.wait()  # both begin together
+    times, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        if st.n_past >= 240:
+            dec.rewind(st, 128)
+        t = time.perf_counter()
+        dec.append(st, [11])
+        times.append(time.perf_counter() - t)
+    out.put((role, 1e3 * statistics.median(times)))
+
+
+def run(arms: list[tuple[str, str, int]], seconds: float) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(len(arms)), ctx.Queue()
+    procs = [ctx.Process(target=_decode, args=(m, role, core, seconds, start, out)) for m, role, core in arms]
+    for p in procs:
+        p.start()
+    got = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return got
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="models/target", help="target checkpoint (exported and cached as needed)")
+    p.add_argument("--target-precision", default="int8")
+    p.add_argument("--draft", default="models/draft-onnx-int8", help="exported ONNX draft directory")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--repeats", type=int, default=4)
+    args = p.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("needs 2 cores")
+    from hetero_spec.target.export_cache import cached_export
+
+    target = str(cached_export(Path(args.target), args.target_precision))
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    t_arm, d_arm = (target, "target", cores[0]), (args.draft, "draft", cores[1])
+    res: dict[str, list[float]] = {k: [] for k in ("target alone", "draft alone", "target, both", "draft, both")}
+    for rep in range(args.repeats):
+        plans = [("alone", [t_arm]), ("alone", [d_arm]), ("both", [t_arm, d_arm])]
+        for kind, arms in plans[rep % 3:] + plans[:rep % 3]:
+            for role, ms in run(arms, args.seconds).items():
+                res[f"{role} {kind}" if kind == "alone" else f"{role}, both"].append(ms)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print(f"target {args.target_precision} ({target}) on core {cores[0]}, draft {args.draft} on core {cores[1]}; "
+          f"1 thread each; medians of {args.repeats} interleaved repeats of {args.seconds:g} s\n")
+    print("| decoder | alone (ms/step) | both at once (ms/step) | slowdown |")
+    print("|---|---:|---:|---:|")
+    for role in ("target", "draft"):
+        a, b = med[f"{role} alone"], med[f"{role}, both"]
+        print(f"| {role} | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
