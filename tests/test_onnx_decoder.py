@@ -1,6 +1,6 @@
 """The shared ONNX decoder runner (onnx_decoder.py): the in-place shared-buffer layout computes exactly what
-the copy layout does through appends, rollbacks at every position of a block, buffer growth and forks; a
-fork never disturbs the state it came from."""
+the copy layout does through appends, rollbacks at every position of a block, buffer growth and forks, and so
+do its one-token steps, whose buffers stay bound; a fork never disturbs the state it came from."""
 
 from __future__ import annotations
 
@@ -80,3 +80,42 @@ def test_rollback_after_a_rejection_at_every_position_of_a_block(model_dir, shar
         t.prefill(fresh, PROMPT)
         want = t.forward(fresh, [*BLOCK[:j + 1], 200 + j, 201])[-2:]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"rejected at {j}")
+
+
+def test_one_token_steps_keep_their_buffers_bound_and_equal_the_copy_layout(model_dir):
+    """One-token steps rewrite buffers bound once (DecoderState.step): through several-token runs (which rebind
+    those names), rewinds, buffer growth, a fork and a KV pool's growth, every step's logits equal the copy
+    layout's, and logits already returned are never overwritten by a later step."""
+    shared, copy = _pair(model_dir)
+    pool = shared.new_pool(2)
+    states = [shared.new_state(), pool.acquire(), pool.acquire()]
+    refs = [copy.new_state() for _ in states]
+    for s, c in zip(states, refs):
+        shared.append(s, PROMPT)
+        copy.append(c, PROMPT)
+    rng = np.random.default_rng(1)
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    for step in range(40):
+        i = step % 3
+        s, c = states[i], refs[i]
+        if step % 7 == 6:  # a block, then a rollback into it
+            toks = rng.integers(0, 250, 4).tolist()
+            shared.append(s, toks)
+            copy.append(c, toks)
+            keep = s.n_past - int(rng.integers(1, 4))
+            shared.rewind(s, keep)
+            copy.rewind(c, keep)
+        tok = int(rng.integers(0, 250))
+        got = shared.append(s, [tok])
+        want = copy.append(c, [tok])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"step {step}, state {i}")
+        kept.append((got, got.copy()))
+        assert s.n_past == c.n_past
+    assert s.step is not None and states[0].capacity > 16  # stepped on bound buffers; grew from 4
+    assert pool.capacity > 16  # the pool grew too (every slot rebound)
+    for got, snapshot in kept:
+        np.testing.assert_array_equal(got, snapshot)
+    forked = shared.fork(states[0], states[0].n_past - 2)
+    ref = copy.fork(refs[0], refs[0].n_past - 2)
+    assert forked.step is None
+    np.testing.assert_allclose(shared.append(forked, [3]), copy.append(ref, [3]), rtol=1e-5, atol=1e-5)
