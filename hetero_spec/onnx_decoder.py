@@ -161,12 +161,16 @@ class OnnxDecoder:
         state.kv = outs[1:]
         return outs[0]
 
-    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int) -> np.ndarray:
+    def _make_room(self, state: DecoderState, n: int) -> None:
+        """Shared layout: buffers with room for n more positions (the state's own, or its KV pool's)."""
         if state.n_past + n > state.capacity:
             if state.pool is not None:
                 state.pool.ensure(state.n_past + n)
             else:
                 self._grow(state, state.n_past + n)
+
+    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int) -> np.ndarray:
+        self._make_room(state, n)
         io = state.binding
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
@@ -182,11 +186,7 @@ class OnnxDecoder:
         attention mask, whose length grows, is bound anew (binding every input and the logits each step cost
         as much as 0.1-0.2 ms of Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next
         step's."""
-        if state.n_past + 1 > state.capacity:
-            if state.pool is not None:
-                state.pool.ensure(state.n_past + 1)
-            else:
-                self._grow(state, state.n_past + 1)
+        self._make_room(state, 1)
         io = state.binding
         if state.step is None:
             ids, pos = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
