@@ -348,8 +348,10 @@ class Engine:
         from .draft.onnx_drafter import OnnxDrafter
 
         self._check_draft(config)
-        return OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
-                           vocab_width=self.target.vocab_width, spin=False)
+        from .draft.select import prompt_window
+
+        return OnnxDrafter(d.model, providers=d.providers, threads=d.threads, vocab_width=self.target.vocab_width,
+                           spin=False, prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process"))
 
     def _check_draft(self, config: Config) -> None:
         """Preflight, before anything heavy loads (the target takes seconds to minutes): model paths, the

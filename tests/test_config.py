@@ -33,6 +33,7 @@ def test_defaults_and_relative_paths(tmp_path):
     ("generation: {temperature: -1}\n", "generation.temperature", -1, "greater than or equal"),
     ("draft: {kind: magic}\n", "draft.kind", "magic", "onnx"),
     ("draft: {providers: [1]}\n", "draft.providers[0]", 1, "valid string"),
+    ("draft: {prompt_window: 0}\n", "draft.prompt_window", 0, "an integer >= 1, 'auto' or null"),
     ("bogus: {}\n", "bogus", {}, "unknown key"),
     ("target: {device: tpu}\n", "target.device", "tpu", "cuda"),
 ])

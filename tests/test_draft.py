@@ -165,3 +165,54 @@ def test_a_catch_up_skip_feeds_only_the_end_of_a_backlog(llama_copy_onnx):
     d.sync(new)
     assert d._at == list(range(13)) and d.n_past == 13
     assert d.propose(3).ids == _drafter(llama_copy_onnx, new[:13] + new[-4:]).propose(3).ids
+
+
+def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_copy_onnx):
+    """draft.prompt_window: a prompt longer than the window is read from its last `window` tokens on. The draft
+    then equals a draft begun on those tokens alone, the stream goes on consistently (commit, a rejected block,
+    the worker's extend/truncate), sampled positions stay absolute, spawned drafters keep the window, and a
+    prompt within the window is read whole."""
+    ids = [(7 * i) % 90 + 3 for i in range(40)]
+    d = OnnxDrafter(llama_copy_onnx, prompt_window=8)
+    d.begin(ids, SamplingParams())
+    ref = _drafter(llama_copy_onnx, ids[-8:])
+    assert d.propose(4).ids == ref.propose(4).ids
+    assert d.offset == 32 and d.n_past == 8 + 3 and d._at == list(range(32, 43))
+    d.commit(1, 11)
+    ref.commit(1, 11)
+    assert d.propose(3).ids == ref.propose(3).ids and d.n_past == len(d._at)
+    # stream mode (the worker): extend, then a correction truncates inside the drafted run
+    w = OnnxDrafter(llama_copy_onnx, prompt_window=8).spawn()
+    assert w.prompt_window == 8
+    w.begin(ids, SamplingParams())
+    wref = _drafter(llama_copy_onnx, ids[-8:])
+    assert w.extend(5).ids == wref.extend(5).ids and w.offset == 32
+    w.truncate(42)
+    wref.truncate(10)
+    w.ids.append(61)
+    wref.ids.append(61)
+    assert w.extend(3).ids == wref.extend(3).ids
+    # coupled sampling keys its noise by the absolute position: the windowed draft samples at positions 40..
+    params = SamplingParams(temperature=1.0, seed=5)
+    s = OnnxDrafter(llama_copy_onnx, prompt_window=8)
+    s.begin(ids, params)
+    logits = OnnxDrafter(llama_copy_onnx).append(ids[-8:])[-1]
+    assert s.propose(1).ids == [s._choose(logits, 40)[0]]
+    # a prompt within the window is read whole
+    e = OnnxDrafter(llama_copy_onnx, prompt_window=64)
+    e.begin(ids, SamplingParams())
+    assert e.propose(3).ids == _drafter(llama_copy_onnx, ids).propose(3).ids and e.offset == 0
+    with pytest.raises(ValueError, match="prompt_window"):
+        OnnxDrafter(llama_copy_onnx, prompt_window=0)
+
+
+def test_prompt_window_auto_is_a_window_only_for_a_model_next_to_a_lookup_in_process():
+    from hetero_spec.draft.select import PROMPT_WINDOW, prompt_window
+
+    assert prompt_window("auto", ["onnx", "ngram"], "in_process") == PROMPT_WINDOW == 32
+    assert prompt_window("auto", ["ngram", "onnx"], "in_process") == PROMPT_WINDOW
+    assert prompt_window("auto", ["onnx", "ngram"], "two_process") is None  # the worker drafts every round
+    assert prompt_window("auto", [], "in_process") is None  # the model alone
+    assert prompt_window("auto", ["onnx"], "in_process") is None
+    assert prompt_window(None, ["onnx", "ngram"], "in_process") is None  # null: the whole prompt
+    assert prompt_window(7, [], "two_process") == 7

@@ -69,6 +69,20 @@ def test_two_process_identity_with_rejections(llama_target, llama_random_onnx):
                 assert out.stats["drafted"] > 0
 
 
+def test_prompt_window_reaches_the_worker_and_output_stays_identical(llama_target, llama_random_onnx):
+    """draft.prompt_window: the worker is started with it (its command line), and output with a draft that
+    reads only the prompt's last 3 tokens is identical to target-only."""
+    cfg = _cfg(llama_target, llama_random_onnx)
+    cfg["draft"]["prompt_window"] = 3
+    with Engine.from_config(cfg) as eng:
+        pid = eng.runtime.sup.current().proc.pid
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--prompt-window") + 1] == b"3"
+        for prompt in PROMPTS:
+            out = eng.generate(prompt, max_new_tokens=30, gamma=3)
+            assert out.token_ids == hf_greedy(llama_target, prompt, 30) and out.stats["drafted"] > 0
+
+
 def test_stop_token_and_max_new_tokens_inside_block(pipelined, llama_target):
     prompt = PROMPTS[0]
     free = hf_greedy(llama_target, prompt, 40)

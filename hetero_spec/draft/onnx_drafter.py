@@ -38,9 +38,12 @@ class OnnxDrafter:
     name = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
-                 vocab_width: int | None = None, spin: bool = True):
+                 vocab_width: int | None = None, spin: bool = True, prompt_window: int | None = None):
         self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
                                  spin=spin))
+        if prompt_window is not None and prompt_window < 1:
+            raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
+        self.prompt_window = prompt_window
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of
@@ -48,6 +51,7 @@ class OnnxDrafter:
         new = OnnxDrafter.__new__(OnnxDrafter)
         new._attach(self.decoder)
         new._pool = self._pool
+        new.prompt_window = self.prompt_window
         return new
 
     def enable_batching(self, slots: int) -> None:
@@ -125,6 +129,9 @@ class OnnxDrafter:
         self.catchup_window: int | None = None
         # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
         self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
+        #: draft.prompt_window: a prompt longer than this is read from its last prompt_window tokens on (the
+        #: cache starts there; see begin). None: the whole prompt.
+        self.prompt_window: int | None = None
 
     @property
     def n_past(self) -> int:
@@ -169,9 +176,12 @@ class OnnxDrafter:
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A new stream. With a prompt_window, the cache starts at the window (the first draft feeds only
+        the prompt's last prompt_window tokens); positions stay absolute in `ids` (sampling noise)."""
         self.ids = list(prompt_ids)
         self.params = params
-        self._restart(0)
+        w = self.prompt_window
+        self._restart(max(0, len(self.ids) - w) if w else 0)
         self._proposed = []
         self.alts = {}
 

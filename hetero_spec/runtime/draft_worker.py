@@ -383,6 +383,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--delay-ms", type=float, default=0.0, help="test only: sleep per drafted token")
+    p.add_argument("--prompt-window", type=int, default=0,
+                   help="draft from at most the last N prompt tokens (draft.prompt_window; 0: all)")
     p.add_argument("--keys-stdin", action="store_true",
                    help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
     p.add_argument("--max-msg-bytes", type=int, default=256 << 20, help="largest frame accepted")
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             drafter = OnnxDrafter(args.model, providers=args.providers.split(","), threads=args.threads,
-                                  vocab_width=args.vocab_width or None)
+                                  vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None)
         except Exception as exc:  # report why, then exit non-zero
             ch.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)

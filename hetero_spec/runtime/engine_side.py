@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..draft.ngram import NgramProposer
-from ..draft.select import StrategyChooser
+from ..draft.select import StrategyChooser, prompt_window
 from ..metrics import Stats
 from ..scheduler import Request
 from ..tuning.cost_model import CostModel
@@ -134,6 +134,7 @@ class PipelinedRuntime:
             transport=r.transport, host=r.host, port=r.port, curve=r.curve, curve_keys=r.curve_keys,
             cpus=self.draft_cpus, ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
             restart_backoff_s=r.restart_backoff_s, delay_ms=r.test_draft_delay_ms,
+            prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"),
             max_msg_bytes=max_msg_bytes(vocab_width, context_len, cap)), launcher=launcher, clock=clock)
         if self.draft_cpus and hasattr(os, "sched_setaffinity"):
             pin_threads(self.sup.thread_ids, self.draft_cpus)

@@ -48,6 +48,7 @@ class WorkerSpec:
     max_backoff_s: float = 30.0
     max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES
     delay_ms: float = 0.0  # test only
+    prompt_window: int | None = None  # draft.prompt_window
 
 
 @dataclass
@@ -85,6 +86,8 @@ class ProcessLauncher:
                "--parent-pid", str(os.getpid()), "--max-msg-bytes", str(spec.max_msg_bytes)]
         if spec.delay_ms:
             cmd += ["--delay-ms", str(spec.delay_ms)]
+        if spec.prompt_window:
+            cmd += ["--prompt-window", str(spec.prompt_window)]
         if spec.cpus:
             cmd += ["--cpus", ",".join(map(str, spec.cpus))]
         if curve is not None:
