@@ -98,8 +98,9 @@ class DraftConfig(_Section):
     threads: int = Field(default=1, ge=1)
     """ONNX Runtime intra-op threads for the draft."""
     prompt_window: int | Literal["auto"] | None = "auto"
-    """onnx draft: read at most the last N tokens of each prompt (its KV cache starts there, the draft sees
-    a shorter text). A small draft gains little from far context, and its prompt prefill is not free: on the
+    """onnx draft: the first feed of each request reads at most the last N tokens of the text (its KV cache
+    starts there, the draft sees a shorter text): the prompt's end, or, next to the n-gram lookup, the text when
+    the model first drafts. A small draft gains little from far context, and its prompt prefill is not free: on the
     demo pair a 170-token prompt costs the int8 draft 46 ms, about 40 draft tokens. null: the whole prompt.
     `auto`: 32 in process when draft.candidates has the n-gram lookup next to the model (the model then
     drafts only some rounds, so its prefill is paid for fewer tokens; draft/select.py), else the whole

@@ -167,7 +167,8 @@ class Row:
         """A re-probe after rounds at gamma 0: the draft feeds at most PROBE_WINDOW of the tokens committed while
         it rested (OnnxDrafter.catchup_window), so that a useless draft's probes stay cheap."""
         if self.policy.probing and hasattr(self.proposer, "catchup_window"):
-            self.proposer.catchup_window = PROBE_WINDOW
+            armed = self.proposer.catchup_window  # a prompt window not yet used (draft.prompt_window) stays
+            self.proposer.catchup_window = PROBE_WINDOW if armed is None else min(armed, PROBE_WINDOW)
 
     def propose(self, k: int) -> Draft:
         """1) propose (2) send is a no-op in process)."""

@@ -167,7 +167,7 @@ def test_a_catch_up_skip_feeds_only_the_end_of_a_backlog(llama_copy_onnx):
     assert d.propose(3).ids == _drafter(llama_copy_onnx, new[:13] + new[-4:]).propose(3).ids
 
 
-def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_copy_onnx):
+def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_target, llama_copy_onnx):
     """draft.prompt_window: a prompt longer than the window is read from its last `window` tokens on. The draft
     then equals a draft begun on those tokens alone, the stream goes on consistently (commit, a rejected block,
     the worker's extend/truncate), sampled positions stay absolute, spawned drafters keep the window, and a
@@ -198,6 +198,23 @@ def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_copy_onn
     s.begin(ids, params)
     logits = OnnxDrafter(llama_copy_onnx).append(ids[-8:])[-1]
     assert s.propose(1).ids == [s._choose(logits, 40)[0]]
+    # another strategy drafted first (selection): the first feed reads the last 8 tokens of the text then
+    late = OnnxDrafter(llama_copy_onnx, prompt_window=8)
+    late.begin(ids[:20], SamplingParams())
+    late.sync(ids)
+    assert late.propose(4).ids == _drafter(llama_copy_onnx, ids[-8:]).propose(4).ids and late.offset == 32
+    # a re-probe's window does not widen a prompt window that is still armed
+    from hetero_spec.metrics import Stats
+    from hetero_spec.scheduler import Request, Row
+    from hetero_spec.target.verifier import TargetModel
+    from hetero_spec.tuning.gamma import PROBE_WINDOW
+
+    row = Row(TargetModel(llama_target, device="cpu", dtype="float32"), OnnxDrafter(llama_copy_onnx, prompt_window=8),
+              Request(prompt_ids=ids, max_new_tokens=4, params=SamplingParams(), gamma="auto"), Stats())
+    row.proposer.begin(ids, SamplingParams())
+    row.policy._probing = True
+    row.arm_probe_window()
+    assert row.proposer.catchup_window == 8 < PROBE_WINDOW
     # a prompt within the window is read whole
     e = OnnxDrafter(llama_copy_onnx, prompt_window=64)
     e.begin(ids, SamplingParams())

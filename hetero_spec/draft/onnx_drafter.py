@@ -129,8 +129,9 @@ class OnnxDrafter:
         self.catchup_window: int | None = None
         # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
         self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
-        #: draft.prompt_window: a prompt longer than this is read from its last prompt_window tokens on (the
-        #: cache starts there; see begin). None: the whole prompt.
+        #: draft.prompt_window: the first feed of a stream reads at most the last prompt_window tokens of the text
+        #: (the cache starts there): the prompt's end, or, when another strategy drafted first (selection), the
+        #: end of the text then. None: everything. See begin.
         self.prompt_window: int | None = None
 
     @property
@@ -176,12 +177,13 @@ class OnnxDrafter:
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """A new stream. With a prompt_window, the cache starts at the window (the first draft feeds only
-        the prompt's last prompt_window tokens); positions stay absolute in `ids` (sampling noise)."""
+        """A new stream. With a prompt_window, the first feed (the next propose or extend) restarts the cache on
+        the last prompt_window tokens of the text as it is then (a one-shot catch-up window); positions stay
+        absolute in `ids` (sampling noise)."""
         self.ids = list(prompt_ids)
         self.params = params
-        w = self.prompt_window
-        self._restart(max(0, len(self.ids) - w) if w else 0)
+        self._restart(0)
+        self.catchup_window = self.prompt_window
         self._proposed = []
         self.alts = {}
 
