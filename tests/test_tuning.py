@@ -56,6 +56,27 @@ def test_best_gamma_depends_on_the_hardware():
     assert cpu.best_gamma(0.85, "two_process")[0] >= g_cpu
 
 
+def test_best_gamma_equals_the_argmax_of_goodput():
+    """best_gamma inlines goodput's formulas (it runs every round): over random costs, acceptance (out of range
+    too), run-aware acceptance, layouts and limits it returns exactly the argmax of `goodput` (the smallest gamma
+    among equals) and that goodput, floats and all."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        m = CostModel(rng.uniform(1e-4, 1e-2), rng.choice([0.0, rng.uniform(0, 1e-3)]),
+                      rng.choice([0.0, rng.uniform(0, 3e-3)]), rng.choice([0.0, rng.uniform(0, 1e-3)]),
+                      rng.choice([0.0, rng.uniform(0, 2e-3)]))
+        a = rng.choice([0.0, 1.0, rng.uniform(-0.2, 1.2), rng.random()])
+        a_first = rng.choice([None, 0.0, 1.0, rng.random()])
+        layout = rng.choice(["in_process", "two_process"])
+        g_max = rng.choice([0, 1, 4, 16, 64])
+        ref = max(range(g_max + 1), key=lambda g: (m.goodput(g, a, layout, a_first), -g))
+        assert m.best_gamma(a, layout, g_max, a_first) == (ref, m.goodput(ref, a, layout, a_first))
+    with pytest.raises(ValueError, match="layout"):
+        m.best_gamma(0.5, "three_process")
+
+
 def test_acceptance_counts_only_tested_tokens():
     acc = Acceptance()
     acc.observe(4, 4)  # all accepted: 4 tested

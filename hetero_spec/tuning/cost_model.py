@@ -88,9 +88,30 @@ class CostModel:
         return expected_tokens(a, g, a_first) / self.round_time(g, a, layout, a_first)
 
     def best_gamma(self, a: float, layout: str, g_max: int = 16, a_first: float | None = None) -> tuple[int, float]:
-        """(gamma in 0..g_max with the highest predicted goodput, that goodput); 0 means do not speculate."""
-        best = max(range(g_max + 1), key=lambda g: (self.goodput(g, a, layout, a_first), -g))
-        return best, self.goodput(best, a, layout, a_first)
+        """(gamma in 0..g_max with the highest predicted goodput, that goodput); 0 means do not speculate; the
+        smallest gamma among equals. Asked every round (gamma auto, the gate, draft selection), so goodput's
+        formulas are inlined here, term for term (the same floats; tests compare it with `goodput`)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        a = min(max(a, 0.0), 1.0)
+        a1 = None if a_first is None else min(max(a_first, 0.0), 1.0)
+        vf, vp, d = self.verify_fixed_s, self.verify_per_token_s, self.draft_token_s
+        inproc = layout == "in_process"
+        best, best_rate = 0, 1.0 / (vf + vp * 1)
+        for g in range(1, g_max + 1):
+            if a1 is None:
+                e = float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+            else:
+                e = 1.0 + a1 * (float(g) if a >= 1.0 else (1.0 - a ** g) / (1.0 - a))
+            if inproc:
+                r = self.catchup_s + g * d + (vf + vp * (g + 1))
+            else:
+                miss = 1.0 - (a ** g if a1 is None else a1 * a ** (g - 1))
+                r = (vf + vp * (g + 1)) + self.transfer_s + miss * g * d
+            rate = e / r
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best, best_rate
 
     def to_dict(self) -> dict:
         return asdict(self)
