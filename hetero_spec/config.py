@@ -58,6 +58,12 @@ class TargetConfig(_Section):
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""
+    prefill_threads: int | Literal["auto"] = "auto"
+    """onnx backend: threads for the prompt's prefill, a second ONNX Runtime session of the target bound to the
+    same KV cache (it costs a second copy of the weights in memory). `auto`: in two_process, every core this
+    process may use: the target decodes on its own cores, but the worker's core is mostly free while the prompt
+    is read (README, "Prefill on every core"); otherwise target.threads (no second session). A number at most
+    the target's threads: no second session. Ignored by the torch backend."""
     spin: bool = False
     """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). On a
     machine the engine has to itself that is faster (demo target, 2 cores, in process: 1.07-1.25x decoding alone,
@@ -65,6 +71,13 @@ class TargetConfig(_Section):
     (0.62x with one core busy), so it is off by default."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
+
+    @field_validator("prefill_threads", mode="before")
+    @classmethod
+    def _check_prefill_threads(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("must be an integer >= 1 or 'auto'")
 
     @field_validator("device")
     @classmethod

@@ -207,7 +207,10 @@ class Engine:
         # ONNX Runtime's pool threads do not spin after a run unless target.spin: on a busy machine spinning
         # measured much slower (10.6 against 9.4 ms a step at 2 threads; 0.62x decoding alone with one of 2
         # cores busy), on an idle one faster (1.07-1.25x alone)
-        self.target = load_target(config.target, threads, spin=config.target.spin)
+        prefill = config.target.prefill_threads
+        if prefill == "auto":
+            prefill = self._cpu_plan.prefill_threads if self._cpu_plan is not None else None
+        self.target = load_target(config.target, threads, spin=config.target.spin, prefill_threads=prefill)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
         if config.runtime.mode == "two_process":

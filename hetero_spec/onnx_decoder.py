@@ -79,13 +79,31 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
-                 spin: bool = True):
+                 spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         path = model_dir / "model.onnx"
         if not path.is_file():
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
         providers = providers or ["CPUExecutionProvider"]
         check_providers(providers, key=f"{role}.providers")
+        self.session = self._load(path, providers, threads, spin, role)
+        # prefill_threads > threads: a second session of the same model, used only for runs marked wide (a
+        # prompt's prefill) and bound to the same KV buffers. In two processes the target decodes on one core
+        # while the worker's core is mostly free during the prompt (README, "Prefill on every core"). Its pool
+        # threads never spin: after the prefill the other core is the worker's.
+        self.prefill_threads = prefill_threads if prefill_threads and prefill_threads > threads else None
+        self._wide = (self._load(path, providers, self.prefill_threads, False, role)
+                      if self.prefill_threads else None)
+        self.model_dir = model_dir
+        self._setup_io(model_dir)
+        self.vocab_width = vocab_width or self.model_vocab
+        declared = bool(self.search_config.get("past_present_share_buffer")) and bool(self.past_names)
+        on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
+        self.shared = (declared and on_cpu) if shared_buffer is None else (shared_buffer and declared)
+        self.layout = "shared" if self.shared else "copy"
+
+    @staticmethod
+    def _load(path: Path, providers: list[str], threads: int, spin: bool, role: str):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -97,16 +115,9 @@ class OnnxDecoder:
             # demo pair on 2 cores, target and draft at 2 threads: a round of 4 drafts + verify 17.0 -> 9.2 ms)
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ModelLoadError(f"cannot load {role} model {str(path)!r}: {exc}") from exc
-        self.model_dir = model_dir
-        self._setup_io(model_dir)
-        self.vocab_width = vocab_width or self.model_vocab
-        declared = bool(self.search_config.get("past_present_share_buffer")) and bool(self.past_names)
-        on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
-        self.shared = (declared and on_cpu) if shared_buffer is None else (shared_buffer and declared)
-        self.layout = "shared" if self.shared else "copy"
 
     def _setup_io(self, model_dir: Path) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -135,8 +146,9 @@ class OnnxDecoder:
     def new_state(self) -> DecoderState:
         return DecoderState()
 
-    def append(self, state: DecoderState, tokens: list[int]) -> np.ndarray:
-        """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width]."""
+    def append(self, state: DecoderState, tokens: list[int], wide: bool = False) -> np.ndarray:
+        """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width]. wide: a run of
+        several tokens goes to the prefill session (prefill_threads), when there is one."""
         n = len(tokens)
         total = state.n_past + n
         if total > self._ones.shape[1]:
@@ -149,15 +161,17 @@ class OnnxDecoder:
         }
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(state.n_past, state.n_past + n, dtype=np.int64)[None]
-        logits = self._run_shared(state, feeds, n) if self.shared else self._run_copy(state, feeds)
+        session = self._wide if wide and n > 1 and self._wide is not None else self.session
+        logits = (self._run_shared(state, feeds, n, session) if self.shared
+                  else self._run_copy(state, feeds, session))
         state.n_past += n
         return self.fit_width(logits[0])
 
-    def _run_copy(self, state: DecoderState, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    def _run_copy(self, state: DecoderState, feeds: dict[str, np.ndarray], session) -> np.ndarray:
         if not state.kv:
             state.kv = [np.zeros(self.kv_shape, dtype=self.kv_dtype) for _ in self.past_names]
         feeds.update(zip(self.past_names, state.kv))
-        outs = self.session.run(["logits", *self.present_names], feeds)
+        outs = session.run(["logits", *self.present_names], feeds)
         state.kv = outs[1:]
         return outs[0]
 
@@ -169,16 +183,20 @@ class OnnxDecoder:
             else:
                 self._grow(state, state.n_past + n)
 
-    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int) -> np.ndarray:
+    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int, session) -> np.ndarray:
         self._make_room(state, n)
-        io = state.binding
+        if session is self.session:
+            io = state.binding
+            state.step = None  # input_ids and logits are bound to this run's arrays now
+        else:  # the prefill session: a binding of its own over the state's buffers, for this run only
+            io = session.io_binding()
+            self._bind_kv(io, state.kv)
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
         # the logits go straight into a numpy array of ours: no OrtValue wrappers, no copy out
         logits = np.empty((1, n, self.model_vocab), dtype=self.logits_dtype)
         io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
-        state.step = None  # input_ids and logits are bound to this run's arrays now
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
         return logits
 
     def _step_shared(self, state: DecoderState, token: int) -> np.ndarray:
@@ -215,11 +233,15 @@ class OnnxDecoder:
 
     def _bind(self, state: DecoderState, kv: list[np.ndarray]) -> None:
         io = self.session.io_binding()
+        self._bind_kv(io, kv)
+        state.kv, state.binding, state.step = kv, io, None
+
+    def _bind_kv(self, io, kv: list[np.ndarray]) -> None:
+        """Bind each buffer as both a past input and its present output (the kernel writes into it)."""
         for past, present, buf in zip(self.past_names, self.present_names, kv):
-            value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares buf's memory: the kernel writes into it
+            value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares buf's memory
             io.bind_ortvalue_input(past, value)
             io.bind_ortvalue_output(present, value)
-        state.kv, state.binding, state.step = kv, io, None
 
     def new_pool(self, slots: int) -> KvPool:
         """Batched buffers for up to `slots` sequences (shared layout only): see KvPool."""
@@ -359,10 +381,7 @@ class KvPool:
         if io is None:
             dec = self.decoder
             io = dec.session.io_binding()
-            for name, present, buf in zip(dec.past_names, dec.present_names, self.kv):
-                value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
-                io.bind_ortvalue_input(name, value)
-                io.bind_ortvalue_output(present, value)
+            dec._bind_kv(io, [buf[lo:hi] for buf in self.kv])
             self._bindings[(lo, hi)] = io
         return io
 

@@ -34,6 +34,7 @@ def test_defaults_and_relative_paths(tmp_path):
     ("draft: {kind: magic}\n", "draft.kind", "magic", "onnx"),
     ("draft: {providers: [1]}\n", "draft.providers[0]", 1, "valid string"),
     ("draft: {prompt_window: 0}\n", "draft.prompt_window", 0, "an integer >= 1, 'auto' or null"),
+    ("target: {prefill_threads: 0}\n", "target.prefill_threads", 0, "an integer >= 1 or 'auto'"),
     ("bogus: {}\n", "bogus", {}, "unknown key"),
     ("target: {device: tpu}\n", "target.device", "tpu", "cuda"),
 ])

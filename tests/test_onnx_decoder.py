@@ -119,3 +119,54 @@ def test_one_token_steps_keep_their_buffers_bound_and_equal_the_copy_layout(mode
     ref = copy.fork(refs[0], refs[0].n_past - 2)
     assert forked.step is None
     np.testing.assert_allclose(shared.append(forked, [3]), copy.append(ref, [3]), rtol=1e-5, atol=1e-5)
+
+
+class _CountingSession:
+    """A session that counts its runs (to see which session ran what)."""
+
+    def __init__(self, session):
+        self.session, self.runs = session, 0
+
+    def io_binding(self):
+        return self.session.io_binding()
+
+    def run_with_iobinding(self, io):
+        self.runs += 1
+        return self.session.run_with_iobinding(io)
+
+    def run(self, *args):
+        self.runs += 1
+        return self.session.run(*args)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
+def test_a_prefill_on_more_threads_writes_the_cache_the_decoding_session_reads(model_dir, shared):
+    """prefill_threads: runs marked wide go to a second session with more threads, bound to the same KV buffers
+    (a state of its own, and slots of a KV pool). Its logits, and every later step and block that reads the cache
+    it wrote, equal a decoder with one session exactly; only the wide runs of several tokens go to it."""
+    dec = OnnxDecoder(model_dir, threads=1, prefill_threads=2, shared_buffer=shared)
+    ref = OnnxDecoder(model_dir, threads=1, shared_buffer=shared)
+    assert dec.prefill_threads == 2 and ref._wide is None
+    assert OnnxDecoder(model_dir, threads=2, prefill_threads=2)._wide is None  # no more threads: no second session
+    dec.initial_capacity = ref.initial_capacity = 8  # the wide prefill grows the buffers
+    dec._wide = wide = _CountingSession(dec._wide)
+    prompts = [PROMPT * 2, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6]]
+    states = [dec.new_state()]
+    refs = [ref.new_state()]
+    if shared:
+        pool, ref_pool = dec.new_pool(2), ref.new_pool(2)
+        states += [pool.acquire(), pool.acquire()]
+        refs += [ref_pool.acquire(), ref_pool.acquire()]
+    for s, r, p in zip(states, refs, prompts):
+        np.testing.assert_array_equal(dec.append(s, p, wide=True), ref.append(r, p))
+    assert wide.runs == len(states)
+    rng = np.random.default_rng(2)
+    for step in range(24):
+        i = step % len(states)
+        toks = rng.integers(0, 250, 1 if step % 4 else 5).tolist()
+        np.testing.assert_array_equal(dec.append(states[i], toks, wide=len(toks) == 1), ref.append(refs[i], toks),
+                                      err_msg=f"step {step}, state {i}")
+        if step % 4 == 0:
+            dec.rewind(states[i], states[i].n_past - 2)
+            ref.rewind(refs[i], refs[i].n_past - 2)
+    assert wide.runs == len(states)  # one-token runs and unmarked blocks stay on the decoding session

@@ -4,6 +4,7 @@ two-process), clear config errors, and no torch import anywhere on that path."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -58,6 +59,7 @@ def reference(llama_copy_onnx):
 def test_onnx_target_is_lossless_in_process(llama_copy_onnx, llama_random_onnx, reference, kind):
     draft = {"copy": llama_copy_onnx, "random": llama_random_onnx}.get(kind)
     with Engine.from_config(_cfg(llama_copy_onnx, "onnx" if draft else kind, draft)) as eng:
+        assert eng.target.decoder.prefill_threads is None  # in process: no second session (prefill_threads auto)
         for gamma in (1, 4, 8):
             for i, p in enumerate(PROMPTS):
                 out = eng.generate(p, max_new_tokens=40, gamma=gamma)
@@ -75,6 +77,9 @@ def test_onnx_target_two_process(monkeypatch, llama_copy_onnx, llama_random_onnx
                **{"runtime.mode": "two_process", "runtime.pin_cpus": False, "runtime.heartbeat_s": 1e6})
     eng, _ = mem_engine(monkeypatch, cfg, llama_random_onnx)
     with eng:
+        # target.prefill_threads auto: the prompt is read on every core of the process, the rest on the target's
+        cores = len(os.sched_getaffinity(0))
+        assert eng.target.decoder.prefill_threads == (cores if cores > 1 else None)
         for gamma in (2, 5):
             for i, p in enumerate(PROMPTS):
                 assert eng.generate(p, max_new_tokens=40, gamma=gamma).token_ids == reference[0][i]

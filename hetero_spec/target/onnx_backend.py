@@ -51,12 +51,13 @@ class OnnxTarget:
     backend = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
-                 max_context: int | None = None, spin: bool = True):
+                 max_context: int | None = None, spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         if not (model_dir / "model.onnx").is_file():
             raise ModelLoadError(f"target model directory {str(model_dir)!r} has no model.onnx; the onnx backend "
                                  "needs an exported target (`hetero-spec export --model HF_DIR --out DIR`)")
-        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin)
+        self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
+                                   prefill_threads=prefill_threads)
         self.model_dir = model_dir
         self.vocab_width = self.decoder.vocab_width
         ctx = self.decoder.context_len
@@ -87,11 +88,13 @@ class OnnxTarget:
         if state.dec.pool is not None:
             state.dec.pool.release(state.dec)
 
-    def forward(self, state: OnnxTargetState, tokens: list[int], last_only: bool = False) -> np.ndarray:
-        """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only)."""
+    def forward(self, state: OnnxTargetState, tokens: list[int], last_only: bool = False,
+                wide: bool = False) -> np.ndarray:
+        """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only).
+        wide: on the prefill session's threads (target.prefill_threads), when there is one."""
         if not tokens:
             raise ValueError("forward needs at least one token")
-        logits = self.decoder.append(state.dec, tokens)
+        logits = self.decoder.append(state.dec, tokens, wide=wide)
         return logits[-1:] if last_only else logits
 
     def rollback(self, state: OnnxTargetState, n_keep: int) -> None:
@@ -101,9 +104,10 @@ class OnnxTarget:
         self.decoder.rewind(state.dec, n_keep)
 
     def prefill(self, state: OnnxTargetState, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last (the invariant the decode loop relies on)."""
+        """Cache every prompt token but the last (the invariant the decode loop relies on), on the prefill
+        session's threads when there is one."""
         if len(prompt_ids) > 1:
-            self.forward(state, prompt_ids[:-1], last_only=True)
+            self.forward(state, prompt_ids[:-1], last_only=True, wide=True)
 
     def verify(self, state: OnnxTargetState, last_token: int, draft_ids: list[int],
                greedy: bool) -> list[int] | np.ndarray:
