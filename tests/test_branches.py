@@ -155,6 +155,11 @@ def test_worker_batches_sends_and_offers_branches(worker):
     # batched: one send when the target's next block is complete, one at max_ahead
     assert [(m.start, len(a[0])) for m, a in props] == [(len(prompt), gamma), (len(prompt) + gamma, gamma + 1)]
     assert [m.start for m, _ in props][0] == len(prompt)
+    # no branch before the target's first Sync: it is still reading the prompt (on this worker's core too)
+    assert not ch.take(Branch) and w.can_branch() is False
+    w.handle(Sync(req_id=1, pos=len(prompt), epoch=0), [np.asarray(w.drafter.ids[len(prompt):][:1], np.int32)])
+    _run_until_idle(w)
+    ch.take(Proposal)  # the token drafted to refill max_ahead
     branches = ch.take(Branch)
     assert branches, "idle time went unused"
     ref = OnnxDrafter(w.drafter.model_dir)
