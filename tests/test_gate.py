@@ -67,6 +67,28 @@ def test_rounds_without_draft_tokens_turn_it_off():
     assert not g.on and "no draft tokens" in g.switches[-1]["reason"]
 
 
+def test_empty_waits_count_as_misses_only_until_the_draft_has_reported_timings():
+    """After min_samples draft timings, a wait that runs out empty is noise (a short budget on a busy machine),
+    not evidence: the timings decide, and a draft that is fast enough stays on."""
+    g = CostGate(clock=Clock())
+    g.observe_verify(0.010)
+    for _ in range(g.min_samples):
+        g.observe_proposal(0.001, 1, 0.0002)
+    for _ in range(10):
+        g.observe_wait(0)
+        g.decide(4)
+    assert g.on and g.misses == 0 and g.switches == []
+    # one timing short of min_samples: misses still count
+    h = CostGate(clock=Clock())
+    h.observe_verify(0.010)
+    for _ in range(h.min_samples - 1):
+        h.observe_proposal(0.001, 1, 0.0002)
+    for _ in range(h.max_misses):
+        h.observe_wait(0)
+    h.decide(4)
+    assert not h.on and "no draft tokens" in h.switches[-1]["reason"]
+
+
 def test_wait_budget_is_the_predicted_draft_time_capped_at_one_verification():
     g = CostGate(clock=Clock())
     assert g.wait_budget(4, default=0.02) == pytest.approx(0.01)  # nothing known: half the default
@@ -173,3 +195,60 @@ def test_the_runtime_keeps_one_gate_for_all_requests(monkeypatch, llama_target, 
         eng.runtime.make_gate = lambda: FixedGate("off")  # a new factory is honoured at the next request
         out = eng.generate([5, 17, 33, 2], max_new_tokens=6)
         assert eng.runtime._gate is not first and out.stats["drafted"] == 0
+
+
+class _Chan:
+    """A worker channel of the target side that delivers only what the test puts in."""
+
+    def __init__(self, clock):
+        self.clock, self.inbox, self.sent, self.closed, self.dropped = clock, [], [], False, 0
+
+    def send(self, msg, *arrays):
+        self.sent.append(msg)
+        return True
+
+    def recv(self, timeout_s):
+        if self.inbox:
+            return self.inbox.pop(0)
+        self.clock.t += timeout_s or 0.0
+        return None
+
+    def reject(self, why):
+        self.dropped += 1
+
+
+def test_a_worker_still_reading_the_prompt_makes_no_misses():
+    """Until the worker's first proposal of a request (it may still be reading the prompt, beside the target's
+    prefill), rounds that wait in vain do not count as misses; after it they do (while the gate has fewer than
+    min_samples timings)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from hetero_spec.runtime.pipelined import DraftLink
+    from hetero_spec.sampling import SamplingParams
+    from hetero_spec.scheduler import Request
+    from hetero_spec.transport.protocol import Proposal
+
+    clk = Clock()
+    ch = _Chan(clk)
+    w = SimpleNamespace(channel=ch, links={})
+    sup = SimpleNamespace(current=lambda: w, check=lambda w: True, heard=lambda w, m: None, fail=lambda w, r: None)
+    gate = CostGate(clock=clk)
+    prompt = [5, 6, 7]
+    link = DraftLink(sup, Request(prompt, 16, SamplingParams(), 3), gate, 7, None, 100, clock=clk)
+    link.begin(prompt)
+    ids = list(prompt)
+    for _ in range(2 * gate.max_misses):  # the target decodes alone meanwhile
+        assert link.gather(ids, 3, True, first_wait_s=0.01).ids == []
+        ids.append(1)
+        link.sync(ids)
+        gate.decide(3)
+    assert gate.misses == 0 and gate.on
+    ch.inbox.append((Proposal(req_id=link.req_id, epoch=0, base=3, start=3, draft_s=0.003, draft_t0=0.0,
+                              sent=clk.t, timed=3), [np.asarray([1, 1, 1, 1, 9], np.int32)]))
+    assert link.gather(ids, 3, True, first_wait_s=0.01).ids == [9]  # heard: the part past what is committed
+    ids.append(2)  # a correction: nothing usable until the worker drafts again
+    link.sync(ids)
+    for _ in range(gate.max_misses):
+        assert link.gather(ids, 3, True, first_wait_s=0.01).ids == []
+    assert gate.misses == gate.max_misses

@@ -154,6 +154,10 @@ class DraftLink:
         self.sampled = not (req.params.greedy or req.params.coupled)  # q travels with each token
         self.buf = StreamBuffer(sampled=self.sampled)
         self.synced = 0
+        # whether the current worker has proposed anything for this request: until then it is reading the
+        # prompt (its prefill can outlast the target's, e.g. with target.prefill_threads on its core), and an
+        # empty wait is no evidence of a slow draft (CostGate.observe_wait)
+        self.heard = False
         self.drafting = True
         self.gamma = req.gamma  # the worker's block length (gamma: auto changes it between rounds)
         self.req_id = time.monotonic_ns()
@@ -193,6 +197,7 @@ class DraftLink:
         if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
             self._leave(self.w)
             self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
+            self.heard = False
             w.links[self.req_id] = self
             p = self.req.params
             self.synced = len(ids)
@@ -236,6 +241,7 @@ class DraftLink:
         if isinstance(msg, Proposal):
             now = self.clock()
             self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
+            self.heard = True
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
             if self.timeline is not None:
                 self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
@@ -268,7 +274,8 @@ class DraftLink:
             if len(toks) >= k:
                 break
             if now >= deadline:
-                self.gate.observe_wait(len(toks))
+                if self.heard:  # a worker still reading the prompt is not slow at drafting
+                    self.gate.observe_wait(len(toks))
                 break
             if not self.sup.check(w):
                 self._leave(w)
