@@ -85,6 +85,23 @@ def test_stream_buffer_without_matching_branch_invalidates():
     assert buf.stale == 2  # a proposal of a dropped stream
 
 
+def test_stream_buffer_shadow_compares_what_the_target_decoded_alone():
+    """While the target decodes alone, the worker's tokens are compared with the committed ones as a verification
+    would: (tested, accepted) up to and including the first mismatch, which drops the stream."""
+    buf = StreamBuffer()
+    buf.add(*_prop(0, 10, 10, [1, 2, 3, 4, 5]))
+    assert buf.shadow(list(range(10))) == (0, 0)  # nothing committed past the prompt yet
+    assert buf.shadow(list(range(10)) + [1, 2]) == (2, 2) and buf.base == 12
+    assert buf.usable(list(range(10)) + [1, 2]) == ([3, 4, 5], [])  # the rest stays usable
+    assert buf.shadow(list(range(10)) + [1, 2, 3, 9, 5]) == (2, 1)  # 3 agreed, 4 did not
+    assert buf.min_epoch == 1 and buf.tokens == []
+    buf.add(*_prop(0, 10, 15, [6]))
+    assert buf.stale == 1  # the dropped stream's late tokens
+    buf.add(*_prop(1, 14, 14, [5, 6, 8]))  # the worker re-based after the target's 9
+    assert buf.shadow(list(range(10)) + [1, 2, 3, 9, 5, 6]) == (2, 2)  # 5, 6 agreed; 8 not decoded yet
+    assert buf.shadow(list(range(10)) + [1, 2, 3, 9, 5, 6, 7]) == (1, 0)
+
+
 def test_sampled_stream_needs_a_distribution_per_token():
     buf = StreamBuffer(sampled=True)
     buf.add(*_prop(0, 5, 5, [1, 2]))

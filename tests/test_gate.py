@@ -161,7 +161,43 @@ def test_with_a_cost_model_the_gate_decides_by_predicted_goodput():
             g.decide(4)
         assert g.pays() is on and g.on is on, a
         if not on:
-            assert g.switches[-1]["reason"] == "cost model: no gamma beats the target alone"
+            reason = g.switches[-1]["reason"]
+            assert reason.startswith("cost model: no gamma beats the target alone (acceptance 0.02, draft ")
+            assert "verify 5.00 + 0.40 ms/token" in reason
+
+
+def test_a_probe_measures_acceptance_against_the_targets_own_tokens():
+    """Turned off by an acceptance estimated low early on, the gate used to stay off for good: a probe refreshed
+    only the draft's timings. With shadow comparisons (greedy, coupled) the probe waits for probe_tested of them,
+    they join the estimate, and a draft that agrees turns speculation back on; one that does not stays off.
+    A request that cannot compare (rejection sampling) decides at the first timings, as before."""
+    for agree, shadow, on in ((True, True, True), (False, True, False), (True, False, False)):
+        clk = Clock()
+        tuning = _tuned(0.7)
+        tuning.prior_weight = 4.0
+        for _ in range(3):  # a cold start: nothing accepted in 5 tested, so 0.31 with the prior
+            tuning.acceptance.observe(8, 0)
+        g = CostGate(tuning=tuning, probe_interval_s=0.5, min_rounds=0, min_samples=1, clock=clk)
+        g.begin_request(shadow=shadow)
+        g.observe_verify(0.005)
+        g.observe_proposal(0.024, 8, 0.0001)  # 3 ms a draft token: at 0.31 no gamma pays
+        g.decide(4)
+        assert not g.on and "acceptance 0.31, draft 3.00 ms/token" in g.switches[-1]["reason"]
+        clk.t += 0.5
+        g.decide(4)
+        assert g.probing
+        g.observe_proposal(0.024, 8, 0.0001)  # fresh timings
+        if shadow:
+            for _ in range(3):  # at most 6 compared, short of probe_tested: no decision yet
+                g.observe_shadow(2, 2) if agree else g.observe_shadow(1, 0)
+                g.decide(4)
+                assert g.probing and not g.on
+            for _ in range(20):
+                g.observe_shadow(2, 2) if agree else g.observe_shadow(1, 0)
+            g.decide(4)
+        else:
+            g.decide(4)
+        assert not g.probing and g.on is on, (agree, shadow)
 
 
 def test_the_gate_persists_across_requests():

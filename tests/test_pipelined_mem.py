@@ -72,6 +72,42 @@ def test_mem_identity_and_every_round_gets_a_full_block(monkeypatch, llama_targe
     assert out.stats["extra"]["draft_failures"] == 0 and out.stats["extra"]["dropped_messages"] == 0
 
 
+def test_mem_a_probe_measures_acceptance_and_turns_a_gate_stuck_off_back_on(monkeypatch, llama_target,
+                                                                           llama_copy_onnx):
+    """The real cost gate, off from the start with an acceptance estimated near 0 (a cold start gone wrong):
+    its probes let the worker draft in the background, the target compares those tokens with the ones it decodes
+    alone (shadow acceptance: the copy draft agrees with all of them), and speculation comes back on within the
+    request. A fixed cost model (the profile) and the ticking clock make every decision deterministic."""
+    from hetero_spec.tuning.cost_model import CostModel
+
+    from hetero_spec.runtime import pipelined
+
+    # a request reads the ticking clock about once a round: probes and idle checks every few rounds
+    monkeypatch.setattr(pipelined, "IDLE_CHECK_S", 0.001)
+    cfg = _cfg(llama_target, llama_copy_onnx, gate={"enabled": True, "probe_interval_s": 0.01})
+    eng, launcher = mem_engine(monkeypatch, cfg, llama_copy_onnx, gate=None)
+    real_make = eng.runtime.make_gate
+
+    def off_gate():
+        g = real_make()
+        g.on, g._off_at = False, launcher.clock()
+        return g
+
+    with eng:
+        eng.runtime.make_gate = off_gate
+        eng.tuning.profile = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.001)
+        for _ in range(20):
+            eng.tuning.acceptance.observe(8, 0)
+        assert eng.tuning.global_acceptance() < 0.12  # at 0.5 ms a draft token, no gamma pays below 0.15
+        out = eng.generate(PROMPT, max_new_tokens=80, gamma=4)
+        gate = eng.runtime._gate
+    assert out.token_ids == hf_greedy(llama_target, PROMPT, 80)
+    assert gate.shadow_tested >= gate.probe_tested and eng.tuning.global_acceptance() > 0.5
+    reasons = [s["reason"] for s in out.stats["extra"]["gate"]["switches"]]
+    assert any(r.startswith("probe: the cost model says speculation pays") for r in reasons), reasons
+    assert out.stats["drafted"] > 0
+
+
 def test_mem_rejections_identity(monkeypatch, llama_target, llama_random_onnx):
     eng, _ = mem_engine(monkeypatch, _cfg(llama_target, llama_random_onnx), llama_random_onnx)
     with eng:

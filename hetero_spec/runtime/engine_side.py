@@ -176,7 +176,8 @@ class PipelinedRuntime:
         max_ahead = r.max_ahead or 2 * (req.gamma if policy.fixed is not None else policy.g_max) + 1
         if self._gate is None or self._gate_maker is not self.make_gate:
             self._gate, self._gate_maker = self.make_gate(), self.make_gate
-        self._gate.begin_request()
+        # greedy and coupled: acceptance is token equality, so a probe measures it against the target's own tokens
+        self._gate.begin_request(shadow=req.params.greedy or req.params.coupled)
         selection = None
         if self.chooser is not None:
             ng = self.config.draft.ngram

@@ -104,6 +104,23 @@ class StreamBuffer:
         self.min_epoch = self.epoch + 1
         self.tokens, self.probs, self.branches = [], [], {}
 
+    def shadow(self, ids: list[int]) -> tuple[int, int]:
+        """While the target decodes alone (gate off, probing): compare the stream's tokens with the committed
+        ones they cover, as a verification would have, for free; (tested, accepted) as `Acceptance.observe`
+        counts them (greedy and coupled requests, where acceptance is token equality). The compared part is
+        dropped; a mismatch drops the stream (the worker re-bases on the Sync, one epoch on)."""
+        n = len(ids)
+        end = min(n, self.base + len(self.tokens))
+        for j, pos in enumerate(range(self.base, end)):
+            if self.tokens[pos - self.base] != ids[pos]:
+                self.invalidate()
+                return j + 1, j
+        matched = max(0, end - self.base)
+        if matched:
+            self.tokens, self.probs = self.tokens[matched:], self.probs[matched:]
+            self.base = end
+        return matched, matched
+
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers.
         Where the last committed token is a correction the worker pre-drafted a branch for, the branch
@@ -301,6 +318,10 @@ class DraftLink:
             return
         while self._pump(w, 0.0):
             pass
+        if not self.sampled:  # what a probe drafted, checked against what the target decoded alone
+            tested, accepted = self.buf.shadow(ids)
+            if tested:
+                self.gate.observe_shadow(tested, accepted)
         if not self.sup.check(w):
             self._leave(w)
 

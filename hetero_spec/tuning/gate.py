@@ -10,7 +10,11 @@ proposal transfer time, and the target's verification time. States:
   overlapped, a round costs about max(verify, draft block) and yields E tokens, against E target steps of
   at least step_ratio verifications each. Before any round is seen, E counts as 2 (worth one verification).
 * PROBING: every `probe_interval_s` the worker drafts again in the background while the target keeps
-  decoding alone (probing costs the target nothing); the first fresh timings decide ON or OFF.
+  decoding alone (probing costs the target nothing); the first fresh timings decide ON or OFF. For greedy and
+  coupled requests the probe also measures acceptance for free: the target compares the worker's tokens with
+  the ones it decoded alone (`observe_shadow`), and the probe decides once `probe_tested` of them are compared
+  (or at the end of the interval). Without that, an acceptance estimated low early on (a few cold rounds)
+  could keep speculation off for good: a probe refreshed only the draft's timings.
 
 With a cost model (`tuning`: the engine's learned verification line and acceptance, tuning/gamma.py), the
 decision is by predicted goodput instead: speculation is off when no gamma beats the target alone for the
@@ -67,14 +71,22 @@ class CostGate:
     step_ratio: float = 0.5
     """Lower bound of one target step over a verification of a block (a verify of gamma + 1 tokens costs
     more than one step, but on bandwidth-bound hardware less than twice as much)."""
+    probe_tested: int = 8
+    """Draft tokens a probe compares with the target's own (shadow acceptance) before it decides, when the
+    request allows the comparison (`begin_request(shadow=True)`)."""
+    shadow_tested: int = 0
+    expect_shadow: bool = False
+    _probe_shadow0: int = 0
     clock: Callable[[], float] = time.monotonic  # a seam for tests
     tuning: Any = None  # tuning.gamma.Tuning: the goodput decision (None: the cost rule above)
 
     def __post_init__(self) -> None:
         self._since = self.clock()
 
-    def begin_request(self) -> None:
-        """A new request: fresh accounting (on/off time, switches, misses); measurements and state are kept."""
+    def begin_request(self, shadow: bool = False) -> None:
+        """A new request: fresh accounting (on/off time, switches, misses); measurements and state are kept.
+        shadow: its acceptance is token equality (greedy, coupled), so probes measure it (observe_shadow)."""
+        self.expect_shadow = shadow
         self.time_on_s = self.time_off_s = 0.0
         self.switches = []
         self.misses = 0
@@ -89,12 +101,29 @@ class CostGate:
         model = CostModel(base.verify_fixed_s, base.verify_per_token_s, d, self.transfer_s.value or 0.0)
         return model.best_gamma(self.tuning.global_acceptance(), "two_process")[0] > 0
 
+    def _model_note(self) -> str:
+        """What the cost model decided from, for a switch's reason."""
+        base = self.tuning.model() if self.tuning is not None else None
+        if base is None or self.draft_tok_s.value is None:
+            return ""
+        return (f" (acceptance {self.tuning.global_acceptance():.2f}, draft {self.draft_tok_s.value * 1e3:.2f} "
+                f"ms/token, verify {base.verify_fixed_s * 1e3:.2f} + {base.verify_per_token_s * 1e3:.2f} "
+                f"ms/token)")
+
     def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
         if n_tokens > 0:
             self.draft_tok_s.add(draft_s / n_tokens)
             self.n_draft_samples += 1
         if transfer_s is not None:
             self.transfer_s.add(max(0.0, transfer_s))
+
+    def observe_shadow(self, tested: int, accepted: int) -> None:
+        """Draft tokens compared with the tokens the target decoded alone (tested as `Acceptance.observe`
+        counts them: up to and including the first mismatch): they join the engine's acceptance estimate."""
+        if tested > 0:
+            self.shadow_tested += tested
+            if self.tuning is not None:
+                self.tuning.acceptance.observe(tested, accepted)
 
     def observe_verify(self, seconds: float) -> None:
         self.verify_s.add(seconds)
@@ -172,18 +201,22 @@ class CostGate:
             too_slow = cost is not None and verify is not None and cost > worth * verify
         if self.on:
             if too_slow and self.n_draft_samples >= self.min_samples and self.n_rounds >= self.min_rounds:
-                self._switch(False, "cost model: no gamma beats the target alone" if pays is not None else
+                self._switch(False, "cost model: no gamma beats the target alone" + self._model_note()
+                             if pays is not None else
                              f"draft+transfer {cost * 1e3:.2f} ms > {worth:.2f} x verify "
                              f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif self.misses >= self.max_misses:
                 self._switch(False, f"no draft tokens within the wait budget for {self.misses} rounds")
         elif self.probing:
-            if self.n_draft_samples > self._probe_samples0:
+            fresh = self.n_draft_samples > self._probe_samples0
+            compared = not self.expect_shadow or self.shadow_tested - self._probe_shadow0 >= self.probe_tested
+            if fresh and (compared or now - self._probe_t0 >= self.probe_interval_s):
                 self.probing = False
                 if too_slow:
                     self._off_at = now
                 else:
-                    self._switch(True, "probe: the cost model says speculation pays" if pays is not None else
+                    self._switch(True, "probe: the cost model says speculation pays" + self._model_note()
+                                 if pays is not None else
                                  f"probe: draft+transfer {cost * 1e3:.2f} ms <= {worth:.2f} x verify "
                                  f"{verify * 1e3:.2f} ms for gamma={gamma}")
             elif now - self._probe_t0 >= self.probe_interval_s:
@@ -193,6 +226,7 @@ class CostGate:
             self.probing = True
             self._probe_t0 = now
             self._probe_samples0 = self.n_draft_samples
+            self._probe_shadow0 = self.shadow_tested
             self.draft_tok_s = Ema(self.alpha)  # measure afresh: the draft may be fast again
         return self.on
 
