@@ -65,9 +65,11 @@ class CostGate:
     max_misses: int = 2
     tokens_per_round: Ema = field(default_factory=Ema)
     n_rounds: int = 0
-    min_rounds: int = 4
-    """Speculating rounds seen before the draft's cost may turn speculation off: the first rounds of a
-    request measure a cold draft (one round once turned a whole demo request off)."""
+    min_rounds: int = 16
+    """Speculating rounds seen (by this gate, across requests) before the cost model may turn speculation off:
+    the first rounds measure a cold draft (one round once turned a whole demo request off), and the verify line
+    fitted to a few rounds is rough (after 4 rounds of the int8 pair: 1.71 + 0.78 ms a token, against about
+    2.7 + 0.85 later, which made the target alone look faster than it is and turned a request off)."""
     step_ratio: float = 0.5
     """Lower bound of one target step over a verification of a block (a verify of gamma + 1 tokens costs
     more than one step, but on bandwidth-bound hardware less than twice as much)."""
