@@ -196,6 +196,43 @@ def test_worker_batches_sends_and_offers_branches(worker):
     assert (first.epoch, first.base, first.start, first.branch) == (1, msg.pos + 1, msg.pos + 1, True)
 
 
+def test_a_branch_outlives_a_sync_that_confirms_the_stream(worker):
+    """The target keeps a branch until its stream changes, so the worker must too: a Sync that only confirms
+    tokens before the branch's position keeps it, and the correction that follows is adopted."""
+    w, ch = worker
+    prompt = [5, 17, 33, 2, 99]
+    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=4, max_ahead=9),
+             [np.asarray(prompt, np.int32)])
+    _run_until_idle(w)
+    n = len(prompt)
+    w.handle(Sync(req_id=1, pos=n, epoch=0), [np.asarray(w.drafter.ids[n:n + 1], np.int32)])
+    _run_until_idle(w)
+    later = [(m, a) for m, a in ch.take(Branch) if m.pos > n + 1]
+    assert later, "no branch past the next position to test with"
+    msg, arrays = later[0]
+    confirm = w.drafter.ids[n + 1:msg.pos]  # everything up to the branch's position, as drafted
+    w.handle(Sync(req_id=1, pos=n + 1, epoch=0), [np.asarray(confirm, np.int32)])
+    assert (msg.pos, msg.token) in w.branches and w.req.epoch == 0
+    w.handle(Sync(req_id=1, pos=msg.pos, epoch=1), [np.asarray([msg.token], np.int32)])
+    assert w.branch_hits == 1 and w.drafter.ids[msg.pos + 1:msg.pos + 1 + len(arrays[0])] == arrays[0].tolist()
+
+
+def test_after_a_correction_the_first_token_goes_out_alone(worker):
+    """The target waits for the first token of a rebased stream: the worker sends it at once, not with its block."""
+    w, ch = worker
+    prompt = [40, 41, 42, 43]
+    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=4, max_ahead=9),
+             [np.asarray(prompt, np.int32)])
+    _run_until_idle(w)
+    ch.take(Proposal)
+    n = len(prompt)
+    wrong = (w.drafter.ids[n] + 1) % w.drafter.vocab_width  # the target corrects the first drafted token
+    w.handle(Sync(req_id=1, pos=n, epoch=1), [np.asarray([wrong], np.int32)])
+    _run_until_idle(w)
+    sizes = [(m.epoch, m.start, len(a[0])) for m, a in ch.take(Proposal)]
+    assert sizes[0] == (1, n + 1, 1) and sizes[1] == (1, n + 2, 3), sizes  # then the rest of the block
+
+
 def test_worker_restarts_its_stream_when_the_target_dropped_it(worker):
     w, ch = worker
     prompt = [40, 41, 42, 43]

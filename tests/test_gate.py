@@ -288,3 +288,45 @@ def test_a_worker_still_reading_the_prompt_makes_no_misses():
     for _ in range(gate.max_misses):
         assert link.gather(ids, 3, True, first_wait_s=0.01).ids == []
     assert gate.misses == gate.max_misses
+
+
+def test_after_a_correction_the_target_verifies_the_new_streams_first_token_without_waiting_for_a_block():
+    """A correction drops the worker's stream; the worker drafts a new one and sends its first token alone. The
+    target verifies as soon as that token is here (the tokens drafted meanwhile make the next block) instead of
+    waiting out the budget for a whole block."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from hetero_spec.runtime.pipelined import DraftLink
+    from hetero_spec.sampling import SamplingParams
+    from hetero_spec.scheduler import Request
+    from hetero_spec.transport.protocol import Proposal
+
+    clk = Clock()
+    ch = _Chan(clk)
+    w = SimpleNamespace(channel=ch, links={})
+    sup = SimpleNamespace(current=lambda: w, check=lambda w: True, heard=lambda w, m: None, fail=lambda w, r: None)
+    gate = CostGate(clock=clk)
+    gate.observe_verify(0.010)
+    prompt = [5, 6, 7]
+    link = DraftLink(sup, Request(prompt, 16, SamplingParams(), 4), gate, 9, None, 100, clock=clk)
+    link.begin(prompt)
+
+    def proposal(epoch, start, toks):
+        return (Proposal(req_id=link.req_id, epoch=epoch, base=start, start=start, draft_s=0.001 * len(toks),
+                         draft_t0=0.0, sent=clk.t, timed=len(toks)), [np.asarray(toks, np.int32)])
+
+    ch.inbox.append(proposal(0, 3, [1, 2, 3, 4]))
+    ids = list(prompt)
+    assert link.gather(ids, 4, True, first_wait_s=0.01).ids == [1, 2, 3, 4]
+    ids += [1, 9]  # the target accepted 1 and corrected 2 -> 9
+    link.sync(ids)
+    t = clk.t
+    ch.inbox.append(proposal(1, 5, [11]))  # the new stream's first token, sent alone
+    assert link.gather(ids, 4, True, first_wait_s=0.01).ids == [11]
+    assert clk.t == t  # not one empty wait: a whole block would have waited out the budget
+    ch.inbox.append(proposal(1, 6, [12, 13, 14, 15]))
+    ids += [11, 12]  # the next round: back to whole blocks
+    t = clk.t
+    assert link.gather(ids, 4, True, first_wait_s=0.01).ids == [13, 14, 15]
+    assert clk.t > t  # waited (in vain) for a 4th token

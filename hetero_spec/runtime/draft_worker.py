@@ -62,6 +62,8 @@ class _Request:
     # the target's first Sync has come: until then it is reading the prompt, on this worker's core too when
     # target.prefill_threads spans it, so the worker pre-drafts no branch before (see Worker.can_branch)
     synced: bool = False
+    # the stream was rebased on a correction: its first token goes out alone, at once (the target waits for it)
+    rush: bool = False
 
 
 @dataclass
@@ -218,6 +220,10 @@ class Worker:
             ids.append(tok)
         req.committed = max(req.committed, pos + len(tokens))
         req.synced = True
+        if not diverged and epoch <= req.epoch:
+            # branches past what is now decided still stand (the target keeps them too, until its stream
+            # changes): a branch taken by the target after a Sync that confirmed the stream is adopted here
+            self.branches = {key: b for key, b in branches.items() if key[0] >= req.committed}
         for p in [p for p in self.drafter.alts if p < req.committed]:
             del self.drafter.alts[p]
         if diverged or epoch > req.epoch:
@@ -225,6 +231,7 @@ class Worker:
                 self.drafter.truncate(req.committed)
             req.epoch = max(req.epoch + 1, epoch) if diverged else epoch
             req.base = req.sent = req.committed
+            req.rush = True
             self._reset_unsent()
 
     def _learn(self, pos: int, tokens: list[int]) -> None:
@@ -322,6 +329,7 @@ class Worker:
             arrays.append(np.stack(self.unsent_probs))
         start = req.sent
         req.sent = len(self.drafter.ids)
+        req.rush = False
         now = self.clock()
         self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
                               draft_s=self.unsent_s, timed=self.unsent_timed,
@@ -336,7 +344,7 @@ class Worker:
         req = self.req
         if req is None or req.sent >= len(self.drafter.ids):
             return False
-        if req.sent < req.committed + req.gamma <= len(self.drafter.ids) or not n:
+        if req.rush or req.sent < req.committed + req.gamma <= len(self.drafter.ids) or not n:
             return True
         return self.unsent_t0 is not None and self.clock() - self.unsent_t0 >= FLUSH_S
 

@@ -59,6 +59,9 @@ class StreamBuffer:
     stale: int = 0
     branch_hits: int = 0
     sampled: bool = False  # then every token must come with its draft distribution
+    # a correction dropped the stream, or a new one has started since the target last verified: the worker
+    # drafts it afresh while the target waits (DraftLink.gather then waits only for its first token)
+    redrafting: bool = False
 
     def add(self, p: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
         if self.sampled and (probs is None or len(probs) != len(ids)):
@@ -72,6 +75,7 @@ class StreamBuffer:
                 self.stale += 1
                 return
             self.epoch, self.base, self.tokens, self.probs, self.branches = p.epoch, p.base, [], [], {}
+            self.redrafting = True
         end = self.base + len(self.tokens)
         if p.start > end:  # a gap: something in between was lost
             self.stale += 1
@@ -103,6 +107,7 @@ class StreamBuffer:
     def invalidate(self) -> None:
         self.min_epoch = self.epoch + 1
         self.tokens, self.probs, self.branches = [], [], {}
+        self.redrafting = True
 
     def shadow(self, ids: list[int]) -> tuple[int, int]:
         """While the target decodes alone (gate off, probing): compare the stream's tokens with the committed
@@ -284,11 +289,15 @@ class DraftLink:
             return Draft(ids=[])
         while self._pump(w, 0.0):  # drain what is queued
             pass
-        deadline = self.clock() + self.gate.wait_budget(k, default=first_wait_s)
+        toks, probs = self.buf.usable(ids)
+        # after a correction the worker drafts the stream afresh while the target waits: verify as soon as its
+        # first token is here (the worker sends it alone, at once: Worker.should_flush), not after a whole block
+        # (README, "Corrections"); the tokens drafted meanwhile make the next block
+        want = 1 if self.buf.redrafting else k
+        deadline = self.clock() + self.gate.wait_budget(want, default=first_wait_s)
         while True:
-            toks, probs = self.buf.usable(ids)
             now = self.clock()
-            if len(toks) >= k:
+            if len(toks) >= want:
                 break
             if now >= deadline:
                 if self.heard:  # a worker still reading the prompt is not slow at drafting
@@ -298,6 +307,8 @@ class DraftLink:
                 self._leave(w)
                 return Draft(ids=[])
             self._pump(w, min(deadline - now, 0.05))
+            toks, probs = self.buf.usable(ids)
+        self.buf.redrafting = False
         if not self.sampled:
             return Draft(ids=list(toks[:k]))
         k = min(k, len(toks), len(probs))  # a sampled draft token is usable only with its distribution
