@@ -151,6 +151,13 @@ def _run_until_idle(w: Worker, limit: int = 500) -> None:
     raise AssertionError("worker never went idle")
 
 
+def _begin(w: Worker, prompt: list[int], gamma: int, max_ahead: int) -> None:
+    """A greedy request begun on the worker, drafted until it is idle."""
+    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=gamma, max_ahead=max_ahead),
+             [np.asarray(prompt, np.int32)])
+    _run_until_idle(w)
+
+
 @pytest.fixture()
 def worker(llama_target, llama_copy_onnx):
     ch = FakeChannel()
@@ -201,9 +208,7 @@ def test_a_branch_outlives_a_sync_that_confirms_the_stream(worker):
     tokens before the branch's position keeps it, and the correction that follows is adopted."""
     w, ch = worker
     prompt = [5, 17, 33, 2, 99]
-    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=4, max_ahead=9),
-             [np.asarray(prompt, np.int32)])
-    _run_until_idle(w)
+    _begin(w, prompt, 4, 9)
     n = len(prompt)
     w.handle(Sync(req_id=1, pos=n, epoch=0), [np.asarray(w.drafter.ids[n:n + 1], np.int32)])
     _run_until_idle(w)
@@ -221,9 +226,7 @@ def test_after_a_correction_the_first_token_goes_out_alone(worker):
     """The target waits for the first token of a rebased stream: the worker sends it at once, not with its block."""
     w, ch = worker
     prompt = [40, 41, 42, 43]
-    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=4, max_ahead=9),
-             [np.asarray(prompt, np.int32)])
-    _run_until_idle(w)
+    _begin(w, prompt, 4, 9)
     ch.take(Proposal)
     n = len(prompt)
     wrong = (w.drafter.ids[n] + 1) % w.drafter.vocab_width  # the target corrects the first drafted token
@@ -236,9 +239,7 @@ def test_after_a_correction_the_first_token_goes_out_alone(worker):
 def test_worker_restarts_its_stream_when_the_target_dropped_it(worker):
     w, ch = worker
     prompt = [40, 41, 42, 43]
-    w.handle(Begin(req_id=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, gamma=3, max_ahead=7),
-             [np.asarray(prompt, np.int32)])
-    _run_until_idle(w)
+    _begin(w, prompt, 3, 7)
     ch.sent.clear()
     accepted = w.drafter.ids[len(prompt):len(prompt) + 2]
     # no divergence, but the target asks for epoch 3: the worker re-drafts from the committed length
