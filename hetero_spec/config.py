@@ -116,9 +116,8 @@ class DraftConfig(_Section):
     the model first drafts. A small draft gains little from far context, and its prompt prefill is not free: on the
     demo pair a 170-token prompt costs the int8 draft 46 ms, about 40 draft tokens. null: the whole prompt.
     `auto`: 32 in process when draft.candidates has the n-gram lookup next to the model (the model then
-    drafts only some rounds, so its prefill is paid for fewer tokens; draft/select.py), and in two_process when
-    the target's prefill uses the worker's core too (target.prefill_threads), else the whole prompt. Proposals
-    never change the output, only its speed."""
+    drafts only some rounds, so its prefill is paid for fewer tokens; draft/select.py), else the whole
+    prompt. Proposals never change the output, only its speed."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)

@@ -218,9 +218,7 @@ class Engine:
 
             self._check_draft(config)
             self.runtime = self._parts["runtime"] = PipelinedRuntime(
-                config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning,
-                # the target reads prompts on the worker's core too (target.prefill_threads): see prompt_window
-                prefill_shared=getattr(getattr(self.target, "decoder", None), "prefill_threads", None) is not None)
+                config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
         else:
             self.proposer = self._parts["proposer"] = self._make_proposer(config)
             if hasattr(self.proposer, "enable_batching"):  # the batch's drafters: slots of one buffer

@@ -223,15 +223,12 @@ def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_target, 
         OnnxDrafter(llama_copy_onnx, prompt_window=0)
 
 
-def test_prompt_window_auto_per_layout():
+def test_prompt_window_auto_is_a_window_only_for_a_model_next_to_a_lookup_in_process():
     from hetero_spec.draft.select import PROMPT_WINDOW, prompt_window
 
     assert prompt_window("auto", ["onnx", "ngram"], "in_process") == PROMPT_WINDOW == 32
     assert prompt_window("auto", ["ngram", "onnx"], "in_process") == PROMPT_WINDOW
-    assert prompt_window("auto", ["onnx", "ngram"], "two_process") is None  # the worker's core is its own
-    # ... unless the target's prefill uses the worker's core too (target.prefill_threads)
-    assert prompt_window("auto", [], "two_process", prefill_shared=True) == PROMPT_WINDOW
-    assert prompt_window(None, [], "two_process", prefill_shared=True) is None
+    assert prompt_window("auto", ["onnx", "ngram"], "two_process") is None  # the worker drafts every round
     assert prompt_window("auto", [], "in_process") is None  # the model alone
     assert prompt_window("auto", ["onnx"], "in_process") is None
     assert prompt_window(None, ["onnx", "ngram"], "in_process") is None  # null: the whole prompt

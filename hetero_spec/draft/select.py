@@ -42,19 +42,14 @@ CATCHUP_SKIP = 4
 PROMPT_WINDOW = 32
 
 
-def prompt_window(setting: int | str | None, candidates: list[str], layout: str,
-                  prefill_shared: bool = False) -> int | None:
+def prompt_window(setting: int | str | None, candidates: list[str], layout: str) -> int | None:
     """The model draft's prompt window (OnnxDrafter.prompt_window) for draft.prompt_window = setting: an int
-    or None as given; `auto` is PROMPT_WINDOW in process when a lookup drafts next to a model, and in two
-    processes when the target's prefill runs on the worker's core too (prefill_shared: target.prefill_threads),
-    where the worker's own prefill delays the target's; else None (two processes with the worker's core to
-    itself: its prefill runs beside the target's and ends well before it)."""
+    or None as given; `auto` is PROMPT_WINDOW in process when a lookup drafts next to a model, else None (two
+    processes: the worker drafts every round on its own core, its prefill beside the target's)."""
     if setting != "auto":
         return setting
     lookup = any(c in LOOKUPS for c in candidates) and any(c not in LOOKUPS for c in candidates)
-    if layout == "two_process":
-        return PROMPT_WINDOW if prefill_shared else None
-    return PROMPT_WINDOW if lookup else None
+    return PROMPT_WINDOW if lookup and layout == "in_process" else None
 
 
 @dataclass

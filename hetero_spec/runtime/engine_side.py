@@ -120,7 +120,7 @@ class PipelinedRuntime:
     are seams for tests (an in-memory worker, a fake clock, a gate held in one state)."""
 
     def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, launcher=None,
-                 clock=time.monotonic, tuning: Tuning | None = None, prefill_shared: bool = False):
+                 clock=time.monotonic, tuning: Tuning | None = None):
         r, d = config.runtime, config.draft
         self.config = config
         self.tuning = tuning or Tuning()
@@ -137,7 +137,7 @@ class PipelinedRuntime:
             transport=r.transport, host=r.host, port=r.port, curve=r.curve, curve_keys=r.curve_keys,
             cpus=self.draft_cpus, ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
             restart_backoff_s=r.restart_backoff_s, delay_ms=r.test_draft_delay_ms,
-            prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process", prefill_shared),
+            prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"),
             max_msg_bytes=max_msg_bytes(vocab_width, context_len, cap)), launcher=launcher, clock=clock)
         if self.draft_cpus and hasattr(os, "sched_setaffinity"):
             pin_threads(self.sup.thread_ids, self.draft_cpus)
