@@ -121,10 +121,15 @@ class StreamBuffer:
                 self.invalidate()
                 return j + 1, j
         matched = max(0, end - self.base)
-        if matched:
-            self.tokens, self.probs = self.tokens[matched:], self.probs[matched:]
-            self.base = end
+        self._drop_through(end)
         return matched, matched
+
+    def _drop_through(self, end: int) -> None:
+        """Drop the stream's tokens before position `end` (verified, or compared with the committed ones)."""
+        if end > self.base:
+            cut = end - self.base
+            self.tokens, self.probs = self.tokens[cut:], self.probs[cut:]
+            self.base = end
 
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers.
@@ -143,10 +148,7 @@ class StreamBuffer:
                 self.base, self.tokens, self.probs, self.branches = n, list(branch), [], {}
                 self.branch_hits += 1
                 return self.tokens, self.probs
-        if end > self.base:  # drop the verified part
-            cut = end - self.base
-            self.tokens, self.probs = self.tokens[cut:], self.probs[cut:]
-            self.base = end
+        self._drop_through(end)  # the verified part
         if self.base < n:  # the stream has not reached the committed length yet
             return [], []
         return self.tokens, self.probs
