@@ -141,9 +141,12 @@ def main(argv=None):
     P, G = args.prompt_tokens, args.gen_tokens
     onnx = {}
     for name in ("fp32", "int4"):
-        p = md / f"draft-onnx-{name}"
-        if (p / "model.onnx").exists():
-            onnx[name] = OnnxDraft(p)
+        p = md / f"draft-onnx-{name}"  # an export beside the checkpoint, else its cached export
+        if not (p / "model.onnx").exists():
+            from hetero_spec.target.export_cache import cached_export
+
+            p = cached_export(md / "draft", name, role="draft")
+        onnx[name] = OnnxDraft(p)
     hits = dict(torch=0, **{f"onnx_{k}": 0 for k in onnx})
     hits_tok = 0
     total = 0

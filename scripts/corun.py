@@ -1,7 +1,7 @@
 """What two decoders on two cores cost each other (issue 12): the target's step and the draft's token, each alone
 on its own core, and both at once (the two-process layout's situation), in interleaved repeats.
 
-Usage: python scripts/corun.py [--target-precision int8] [--draft models/draft-onnx-int8] [--seconds 3]
+Usage: python scripts/corun.py [--target-precision int8] [--draft models/draft] [--draft-precision int8] [--seconds 3]
        [--repeats 4] [--target-block K]
 Needs 2 cores. Prints a Markdown table of median ms per step after a 128-token prompt: the draft steps one
 token at a time, the target K tokens at a time (1: decoding; 4: verifying 3 drafts; 128: a prefill).
@@ -55,7 +55,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="models/target", help="target checkpoint (exported and cached as needed)")
     p.add_argument("--target-precision", default="int8")
-    p.add_argument("--draft", default="models/draft-onnx-int8", help="exported ONNX draft directory")
+    p.add_argument("--draft", default="models/draft", help="draft checkpoint (exported and cached as needed), or "
+                   "an exported ONNX draft directory")
+    p.add_argument("--draft-precision", default="int8")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--target-block", type=int, default=1, help="tokens per target step (1, 4, 128, ...)")
@@ -65,8 +67,10 @@ def main() -> None:
     from hetero_spec.target.export_cache import cached_export
 
     target = str(cached_export(Path(args.target), args.target_precision))
+    draft = Path(args.draft)
+    draft = str(draft if (draft / "model.onnx").is_file() else cached_export(draft, args.draft_precision, role="draft"))
     cores = sorted(os.sched_getaffinity(0))[:2]
-    t_arm, d_arm = (target, "target", cores[0], args.target_block), (args.draft, "draft", cores[1], 1)
+    t_arm, d_arm = (target, "target", cores[0], args.target_block), (draft, "draft", cores[1], 1)
     res: dict[str, list[float]] = {k: [] for k in ("target alone", "draft alone", "target, both", "draft, both")}
     for rep in range(args.repeats):
         plans = [("alone", [t_arm]), ("alone", [d_arm]), ("both", [t_arm, d_arm])]

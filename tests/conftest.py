@@ -33,6 +33,17 @@ def export_cache(tmp_path_factory):
         os.environ["HETERO_SPEC_CACHE"] = old
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def demo_draft_int4(models_dir) -> Path:
+    """The demo draft (models/draft) exported at int4 with block 128, as configs/gpu-target.yaml's draft and
+    scripts/gpu_wheels.sh build it (exports are not tracked: they are rebuilt from the checkpoint)."""
+    return export_draft(ROOT / "models" / "draft", models_dir / "demo-draft-int4", "int4", quiet=True,
+                        block_size=128)
+
+
 @pytest.fixture(scope="session")
 def llama_target(models_dir) -> Path:
     return build_model("llama_gqa", models_dir / "llama", seed=1)

@@ -52,16 +52,24 @@ def test_cli_errors_name_the_option(capsys):
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_demo_drafts_are_the_shipped_exports():
+def test_demo_drafts_are_exports_of_the_shipped_checkpoint(tmp_path):
+    """No export is tracked: each precision is the Hugging Face draft exported on first use, and the config's
+    own (models/draft at int8) is the shipped one. An export beside the checkpoint is still preferred."""
     from hetero_spec.config import load_config
 
     config = load_config(DEMO)
     drafts = pb.draft_sources(config, Path(DEMO), None, pb.PRECISIONS)
-    root = Path(DEMO).resolve().parents[1] / "models"
-    assert drafts["fp32"] == pb.DraftSource((root / "draft-onnx-fp32").resolve())
-    assert drafts["int4"] == pb.DraftSource((root / "draft-onnx-int4").resolve())
-    assert drafts["int8"] == pb.DraftSource((root / "draft-onnx-int8").resolve())  # shipped since this bench
+    hf = (Path(DEMO).resolve().parents[1] / "models" / "draft").resolve()
+    assert {p: drafts[p] for p in pb.PRECISIONS} == {p: pb.DraftSource(hf, p) for p in pb.PRECISIONS}
     assert pb.shipped_draft_of(config, drafts) == "int8"
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    (tmp_path / "draft-onnx-int4").mkdir()
+    (tmp_path / "draft-onnx-int4" / "model.onnx").write_bytes(b"")
+    found = pb.draft_sources(config, Path(DEMO), tmp_path / "draft", ["int4", "int8"])
+    assert found == {"int4": pb.DraftSource((tmp_path / "draft-onnx-int4").resolve()),
+                     "int8": pb.DraftSource((tmp_path / "draft").resolve(), "int8")}
+    assert pb.shipped_draft_of(config, found) is None
 
 
 def test_memory_figures(tmp_path):

@@ -137,19 +137,19 @@ def test_mem_coupled_sampling_equals_target_only_with_the_same_seed(monkeypatch,
                 assert out.stats["drafted"] > 0
 
 
-def test_demo_pair_takes_branches_deterministically(monkeypatch):
+def test_demo_pair_takes_branches_deterministically(monkeypatch, demo_draft_int4):
     """The shipped pair accepts most tokens but not all. The worker pre-drafts correction branches when
     idle; a busy worker ("lazy": it runs only while the target waits) has not answered the target's
     Sync when the target looks again, so the target takes the branch itself, and the worker adopts the
     same one. The output is the target's own, and every count repeats exactly."""
     cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
-           "draft": {"kind": "onnx", "model": str(ROOT / "models/draft-onnx-int4")},
+           "draft": {"kind": "onnx", "model": str(demo_draft_int4)},
            "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(ROOT / "models/target/tokenizer.json")).encode(
         "def read_config(path):\n    with open(path) as f:\n").ids
-    eng, launcher = mem_engine(monkeypatch, cfg, ROOT / "models/draft-onnx-int4", schedule="lazy")
+    eng, launcher = mem_engine(monkeypatch, cfg, demo_draft_int4, schedule="lazy")
     with eng:
         a = eng.generate(ids, max_new_tokens=64, gamma=8)
         worker_hits = launcher.workers[-1].worker.branch_hits
@@ -200,15 +200,15 @@ def test_worker_death_in_every_state(monkeypatch, llama_target, llama_random_onn
         assert eng.runtime.sup.current() is w and launcher.workers[-1].alive
 
 
-def test_worker_death_during_a_branch(monkeypatch):
+def test_worker_death_during_a_branch(monkeypatch, demo_draft_int4):
     """The worker dies right after offering a correction branch (demo pair: branches are drafted)."""
     cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
-           "draft": {"kind": "onnx", "model": str(ROOT / "models/draft-onnx-int4")},
+           "draft": {"kind": "onnx", "model": str(demo_draft_int4)},
            "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6, "restart_backoff_s": 0.01}}
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(ROOT / "models/target/tokenizer.json")).encode("import os\nimport sys\n").ids
-    eng, launcher = mem_engine(monkeypatch, cfg, ROOT / "models/draft-onnx-int4")
+    eng, launcher = mem_engine(monkeypatch, cfg, demo_draft_int4)
     with eng:
         launcher.kill_when(lambda d, m: isinstance(m, Branch))
         out = eng.generate(ids, max_new_tokens=48, gamma=8)

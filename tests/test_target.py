@@ -90,6 +90,26 @@ def test_cuda_staging_orders_the_reused_buffers(monkeypatch):
     assert st.copies == 2
 
 
+def test_prefill_ends_when_the_device_is_done(target, monkeypatch):
+    """A timed prefill must not leave its GPU work to the first verify: on CUDA the staging syncs the device
+    after the prefill's pass (here the CUDA path is faked: cuda on, synchronize recorded)."""
+    log: list[str] = []
+    st = Staging(torch.device("cpu"))
+    monkeypatch.setattr(target, "staging", st)
+    real_forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: (log.append("forward"), real_forward(*a, **k))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("synchronize"))
+    st.sync()
+    assert log == []  # a CPU staging has nothing to wait for
+    st.cuda = True
+    st.tokens = lambda ids: torch.tensor([ids], dtype=torch.long)
+    state = target.new_state()
+    target.prefill(state, SEQ[:5])
+    assert log == ["forward", "synchronize"] and state.n_cached == 4
+    target.prefill(target.new_state(), SEQ[:1])  # a one-token prompt queues nothing: no wait
+    assert log == ["forward", "synchronize"]
+
+
 def test_cuda_on_a_cpu_build_is_a_clear_error(llama_target):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -564,9 +564,9 @@ def shipped_draft_of(config, drafts: dict[str, DraftSource]) -> str | None:
     """The precision label whose source is the config's own draft (the shipped one), if any."""
     if config.draft.kind != "onnx" or config.draft.model is None:
         return None
-    own = Path(config.draft.model).resolve()
+    own, precision = Path(config.draft.model).resolve(), config.draft.precision
     return next((d for d, src in drafts.items()
-                 if src.model is not None and src.precision is None and src.model.resolve() == own), None)
+                 if src.model is not None and src.precision == precision and src.model.resolve() == own), None)
 
 
 def run_precision(s: PrecisionSettings, make_runner=None, say: Say = say_stderr) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_paths, load_config
+from ..precision import resolve_draft
 from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings, RunOutput
 from .prompts import heldout_prompt_ids, prompts_from_file
 from .report import build_report, write_outputs
@@ -181,6 +182,7 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     sampling = {"speculation.sampling": settings.sampling} if settings.sampling else {}
     config = load_config(settings.config, overrides={**settings.overrides, **sampling, **CPU_FP32})
     check_paths(config)
+    config = resolve_draft(config)  # a Hugging Face draft with draft.precision: its cached export (peers read it)
     names = _resolve_systems(settings.systems, settings.temperature)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,12 @@ class Staging:
             self._tok_dev = torch.empty(max_tokens, dtype=torch.long, device=device)
             self._copied = torch.cuda.Event()  # the last host -> device copy (unrecorded: no wait)
 
+    def sync(self) -> None:
+        """Wait until the device has done the work queued so far (CUDA launches return at once): a stage timed on
+        the host, such as the prefill, whose logits nobody reads, ends here and not inside the next one."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     @property
     def pinned(self) -> bool:
         return self.cuda and self._tok_host.is_pinned()

@@ -156,6 +156,7 @@ class TargetModel:
         """Cache every prompt token but the last (the invariant the decode loop relies on)."""
         if len(prompt_ids) > 1:
             self.forward(state, prompt_ids[:-1], last_only=True)
+            self.staging.sync()  # its time is the prefill's, not the first verify's (nothing reads its logits)
         # Only now: the prompt is never rolled back, and recording during the prefill would keep every
         # prompt state in every sliding layer until the first crop.
         state.cache.activate_past_recording()

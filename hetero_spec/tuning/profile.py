@@ -310,13 +310,14 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 
     from ..bench.prompts import heldout_prompt_ids, prompts_from_file
     from ..config import load_config
+    from ..precision import resolve_draft
     from ..engine import Engine
 
     say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     # every cost is measured on its own, in process; layouts are measured afterwards (placement)
     over = {**(overrides or {}), "runtime.mode": "in_process", "runtime.cpus": None}
-    config = load_config(config_path, overrides=over)
+    config = resolve_draft(load_config(config_path, overrides=over))  # draft.model: the export it measures
     if config.draft.kind != "onnx":
         raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
                           "profile measures a model draft: use draft.kind: onnx")
