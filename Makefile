@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= def read_lines(filename):
 
-.PHONY: demo test bench bench-quick clean-venv
+.PHONY: demo test bench bench-quick gpu-wheels gpu-rehearse clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ bench: $(VENV)/.installed
 
 bench-quick: $(VENV)/.installed
 	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --quick
+
+# the GPU check (docs/gpu-check.md): prepare what a lent device needs, and rehearse it on this CPU
+gpu-wheels: $(VENV)/.installed
+	scripts/gpu_wheels.sh
+
+gpu-rehearse: $(VENV)/.installed
+	scripts/gpu_check.sh --rehearse
 
 clean-venv:
 	rm -rf $(VENV)
