@@ -310,6 +310,9 @@ def _cmd_export(args) -> int:
                        block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
           f"builder log: {out / LOG_NAME}")
+    from .draft.weights import weight_report
+
+    print(weight_report(out).line())
     return 0
 
 

@@ -79,6 +79,10 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
              "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     if execution_provider != "cpu":
         stamp["execution_provider"] = execution_provider
+    from ..draft.export import quant_options
+
+    if quant_options(precision):  # a recipe change re-exports (the keys of the other precisions predate it)
+        stamp["quant_options"] = quant_options(precision)
     return stamp
 
 
