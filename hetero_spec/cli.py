@@ -63,7 +63,9 @@ def _add_export(sub) -> None:
                                    "cache using onnxruntime-genai's model builder, optionally quantized. "
                                    "Prints one progress line per stage on stderr; the builder's full output "
                                    "goes to OUT/export.log.")
-    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory (config.json, weights, tokenizer.json), or a GGUF file "
+                        "(converted once to a Hugging Face checkpoint in the cache first)")
     p.add_argument("--out", required=True, help="output directory for model.onnx and genai_config.json")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
     p.add_argument("--execution-provider", default="cpu", choices=PROVIDERS,
@@ -229,6 +231,19 @@ def _cmd_soak(args) -> int:
     return 0
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _log_level_everywhere(sub) -> None:
+    """`hetero-spec generate --log-level INFO` as well as `hetero-spec --log-level INFO generate`: each command
+    takes the flag too, defaulting to nothing so that the one given before the command stands."""
+    for parser in sub.choices.values():
+        if "--log-level" in parser._option_string_actions:  # an alias (export-draft) shares its parser
+            continue
+        parser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                            help="logging level (INFO logs the resolved config)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-spec",
@@ -236,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "verifies them on the backend fastest for its device (PyTorch on CUDA, ONNX Runtime on a "
                     "CPU). Output is identical to the target alone (greedy).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging level (INFO logs the resolved config)")
+    parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
+                        help="logging level (INFO logs the resolved config); also accepted after COMMAND")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_export(sub)
@@ -249,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
+    _log_level_everywhere(sub)
     return parser
 
 
@@ -297,17 +313,22 @@ def _cmd_generate(args) -> int:
             print()
             stats_d = stats.to_dict()
     print(f"[{stats_d['new_tokens']} tokens, {stats_d['tokens_per_s']:.1f} tok/s, "
-          f"acceptance {stats_d['acceptance_rate']:.2f}, {stats_d['rounds']} rounds, "
+          f"acceptance {_rate(stats_d['acceptance_rate'])}, {stats_d['rounds']} rounds, "
           f"draft={stats_d['proposer']} gamma={stats_d['gamma']}, finish={stats_d['finish_reason']}]",
           file=sys.stderr)
     return 0
 
 
+def _rate(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def _cmd_export(args) -> int:
     from .draft.export import LOG_NAME, export_draft
+    from .gguf_source import cached_hf, is_gguf
 
-    out = export_draft(args.model, args.out, args.precision, args.execution_provider,
-                       block_size=args.block_size)
+    model = cached_hf(args.model, "hetero-spec export", "--model", onnx=True) if is_gguf(args.model) else args.model
+    out = export_draft(model, args.out, args.precision, args.execution_provider, block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
           f"builder log: {out / LOG_NAME}")
     from .draft.weights import weight_report

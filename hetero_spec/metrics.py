@@ -34,8 +34,9 @@ class Stats:
         self.accept_hist[accepted] += 1
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted; None when nothing was drafted (0.0 would read as a draft that never agrees)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,7 +51,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(acceptance_rate=round(self.acceptance_rate, 4), tokens_per_s=round(self.tokens_per_s, 2),
+        d.update(acceptance_rate=None if self.acceptance_rate is None else round(self.acceptance_rate, 4), tokens_per_s=round(self.tokens_per_s, 2),
                  time_idle_s=self.time_idle_s,
                  tokens_per_round=round((self.new_tokens / self.rounds) if self.rounds else 0.0, 3))
         return d

@@ -68,8 +68,16 @@ def target_precision(cfg: Config, cuda: bool) -> str:
 
 
 def check_target(cfg: Config, backend: str, cuda: bool) -> str:
-    """The precision, checked against what the backend can run here; ConfigError names the key and says why."""
-    p = target_precision(cfg, cuda)
+    """The precision, checked against what the backend can run here; ConfigError names the key and says why.
+    What the backend cannot run is reported before a dtype that contradicts the precision: fixing the dtype first
+    would only lead to the real reason (e.g. fp16 on the CPU export, which computes in fp32)."""
+    t = cfg.target
+    p = t.precision or target_precision(cfg, cuda)
+    _check_backend(cfg, backend, cuda, p)
+    return target_precision(cfg, cuda)
+
+
+def _check_backend(cfg: Config, backend: str, cuda: bool, p: str) -> None:
     t = cfg.target
     if backend == "onnx" and t.kv_cache_dtype != "auto":
         raise ConfigError(cfg.blame("target.kv_cache_dtype"), "target.kv_cache_dtype", t.kv_cache_dtype,
@@ -91,13 +99,12 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
             raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
                               f"the ONNX model builder exports fp32, fp16, int8 or int4 for {first}: choose one "
                               "of them (bf16: the torch backend on CUDA)")
-        return p
+        return
     if p == "int4" or (p == "int8" and cuda):
         raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
                           f"the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); {p}"
                           f"{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the onnx "
                           "backend (int8, int4 on a CPU) or fp16/bf16")
-    return p
 
 
 def resolve_draft(cfg: Config) -> Config:

@@ -70,3 +70,29 @@ def test_help_explains_every_subcommand():
                           capture_output=True, text=True)
     for opt in ("--config", "--prompt", "--max-new-tokens", "--temperature", "--seed", "--set", "--json"):
         assert opt in proc.stdout
+
+
+def test_log_level_is_accepted_before_and_after_the_command():
+    from hetero_spec.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "--config", "x.yaml", "--log-level", "INFO"]).log_level == "INFO"
+    assert parse(["--log-level", "DEBUG", "generate", "--config", "x.yaml"]).log_level == "DEBUG"
+    assert parse(["generate", "--config", "x.yaml"]).log_level == "WARNING"
+    for command in (["serve", "--config", "x.yaml"], ["export", "--model", "m", "--out", "o"],
+                    ["bench", "--config", "x.yaml"]):
+        assert parse([*command, "--log-level", "ERROR"]).log_level == "ERROR", command
+    with pytest.raises(SystemExit):
+        parse(["generate", "--config", "x.yaml", "--log-level", "LOUD"])
+
+
+def test_acceptance_is_null_when_nothing_was_drafted(tmp_path, llama_target, capsys):
+    from hetero_spec.metrics import Stats
+
+    assert Stats().to_dict()["acceptance_rate"] is None
+    path = tmp_path / "alone.yaml"
+    path.write_text(f"target: {{model: {llama_target}, device: cpu, dtype: float32}}\ndraft: {{kind: none}}\n")
+    assert main(["generate", "--config", str(path), "--prompt", "def f(", "--json", "--max-new-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["acceptance_rate"] is None
+    assert main(["generate", "--config", str(path), "--prompt", "def f(", "--max-new-tokens", "4"]) == 0
+    assert "acceptance n/a" in capsys.readouterr().err

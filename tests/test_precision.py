@@ -98,6 +98,12 @@ def test_precision_errors_name_the_key_and_say_why(llama_target, llama_copy_onnx
         Engine.from_config(_cfg(llama_target, "onnx", "int8", dtype="float16"))
     with pytest.raises(ConfigError, match=r"target\.precision.*fp16.*CPU export computes in fp32"):
         Engine.from_config(_cfg(llama_target, "onnx", "fp16"))
+    # the real reason first: with dtype float32 beside it, fp16 on the CPU export is still the CPU export's fault
+    with pytest.raises(ConfigError, match=r"target\.precision.*fp16.*CPU export computes in fp32"):
+        Engine.from_config(_cfg(llama_target, "onnx", "fp16", dtype="float32"))
+    with pytest.raises(ConfigError, match=r"target\.precision.*contradicts target\.dtype: float32"):
+        Engine.from_config(_cfg(llama_target, "onnx", "fp16", dtype="float32",
+                                providers=["CUDAExecutionProvider"]))  # a provider that could: the dtype's fault
     with pytest.raises(ConfigError, match=r"target\.precision.*int4.*torchao"):
         Engine.from_config(_cfg(llama_target, "torch", "int4"))
     with pytest.raises(ConfigError, match=r"draft\.precision.*already an ONNX export"):

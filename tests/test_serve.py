@@ -280,6 +280,42 @@ def test_chat_completions_render_the_template(chat_target):
         srv.close()
 
 
+def test_the_chat_template_is_read_from_chat_template_jinja(llama_target, tmp_path):
+    """transformers 5 writes the template to chat_template.jinja (the converted Qwen Instruct checkpoint has no
+    chat_template key in tokenizer_config.json): the server must find it there."""
+    from hetero_spec.serve.schema import chat_template
+
+    out = tmp_path / "llama-jinja"
+    shutil.copytree(llama_target, out)
+    assert chat_template(out) is None
+    tpl = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (out / "chat_template.jinja").write_text(tpl)
+    assert chat_template(out)[0] == tpl
+    eng = Engine.from_config(_cfg(out))
+    srv = Server(create_app(eng, MODEL))
+    try:
+        out_msg = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f("}],
+                                                     max_tokens=8, temperature=0)
+        assert out_msg.choices[0].message.content == eng.generate("[user] def f(\n", max_new_tokens=8,
+                                                                  temperature=0.0).text
+    finally:
+        srv.close()
+
+
+def test_serve_prints_where_it_listens_not_a_warning(llama_target, monkeypatch, capsys, caplog):
+    import uvicorn
+
+    from hetero_spec.serve import app as app_mod
+
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    with caplog.at_level("WARNING"):
+        assert app_mod.serve(_cfg(llama_target), host="127.0.0.1", port=8123, model_name="m") == 0
+    assert ran and ran[0]["port"] == 8123
+    assert "serving model 'm' on http://127.0.0.1:8123/v1" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "serving" in r.getMessage()]
+
+
 # -- health with a real worker -------------------------------------------------------------------------
 def test_health_fails_when_the_worker_is_killed_or_hung(llama_target, llama_copy_onnx):
     eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx, mode="two_process", pin_cpus=False,

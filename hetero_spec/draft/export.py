@@ -80,7 +80,8 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
         raise ExportError(f"onnxruntime-genai builder failed for {str(model_dir)!r} (architecture {arch[0]}, "
                           f"precision {precision}, exit code {rc}); full log: {log_path}; its end:\n"
                           f"{_tail(log_path)}")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the drafter checks the vocabulary with it
+    # the drafter checks the vocabulary with the tokenizer; the server renders chats with the template
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
     return out_dir

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -215,7 +216,8 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model)
         if template is None:
-            raise ApiError(400, f"model {model_name!r} has no chat template (tokenizer_config.json chat_template); "
+            raise ApiError(400, f"model {model_name!r} has no chat template (tokenizer_config.json chat_template or "
+                                f"chat_template.jinja); "
                                 "use /v1/completions", param="messages", code="no_chat_template")
         try:
             prompt = render_chat(template, req.messages)
@@ -261,6 +263,8 @@ def serve(config, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     engine = Engine.from_config(config, overrides=overrides)
     name = model_name or engine.config.target.model.name
     app = create_app(engine, name)
-    log.warning("serving model %r on http://%s:%d/v1 (OpenAI-compatible)", name, host, port)
+    # a plain line, whatever the log level: where to reach the server is not a warning, and not hidden either
+    print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 (OpenAI-compatible)", file=sys.stderr,
+          flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
     return 0

@@ -139,18 +139,23 @@ class StopMatcher:
 
 
 def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:
-    """(jinja template, special tokens) from tokenizer_config.json's chat_template, or None without one."""
+    """(jinja template, special tokens) from tokenizer_config.json's chat_template, else from chat_template.jinja
+    beside it (where transformers 5 writes it), or None without either."""
     if model_dir is None:
         return None
-    path = Path(model_dir) / "tokenizer_config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
-        return None
+        cfg = {}
     tpl = cfg.get("chat_template")
     if isinstance(tpl, list):  # named templates: take the default
         tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
     if not isinstance(tpl, str) or not tpl:
+        try:
+            tpl = (Path(model_dir) / "chat_template.jinja").read_text(encoding="utf-8")
+        except OSError:
+            return None
+    if not tpl.strip():
         return None
 
     def tok(v: Any) -> str:
