@@ -215,6 +215,7 @@ class RequestScheduler:
     def _end_stream(self, st: Stream, eng: Engine) -> None:
         self._streams.remove(st)
         st.rounds.close()  # ends the request's draft state (worker End) now
+        eng.observe_request(st.ticket.stats, batched=st.ticket.batched_rounds > 0)
         self._between_requests(eng)
         if st.ticket.batched_rounds:
             st.ticket.stats.extra["batch"] = {"rounds_taking_turns": st.ticket.batched_rounds,
@@ -339,6 +340,7 @@ class RequestScheduler:
         self._rows = [rt for rt in self._rows if rt[0] is not row]
         self._close(row)
         if eng is not None:
+            eng.observe_request(ticket.stats, batched=ticket.batched_rounds > 0)
             self._between_requests(eng)
         if ticket.batched_rounds:
             ticket.stats.extra["batch"] = {"rounds_batched": ticket.batched_rounds,

@@ -26,7 +26,10 @@ class _Section(BaseModel):
 class TargetConfig(_Section):
     model: Path | None = None
     """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or,
-    for the onnx backend, a directory exported by `hetero-spec export` (model.onnx + genai_config.json)."""
+    for the onnx backend, a directory exported by `hetero-spec export` (model.onnx + genai_config.json), or a
+    GGUF file (`.gguf`, e.g. llama.cpp's Q4_K_M): converted once to a Hugging Face checkpoint in
+    $HETERO_SPEC_CACHE (fp32, dequantized; every EOS id and the chat template kept), then used as one
+    (gguf_source.py; needs the `gguf` extra)."""
     backend: Literal["torch", "onnx", "auto"] = "torch"
     """`torch`: transformers on `device` (the CUDA path). `onnx`: ONNX Runtime with `providers`, about 3x
     faster than eager PyTorch on a CPU, never imports torch; a Hugging Face `model` is exported once on first
@@ -102,7 +105,9 @@ class DraftConfig(_Section):
     `kind` nor `model` the draft is `ngram`."""
     model: Path | None = None
     """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export`; or, with
-    `precision`, a Hugging Face checkpoint exported at that precision on first use (cached)."""
+    `precision`, a Hugging Face checkpoint exported at that precision on first use (cached); or a GGUF file
+    (`.gguf`): converted once to a Hugging Face checkpoint in the cache, then exported at `precision` (int4 when
+    unset). A GGUF implies `kind: onnx`."""
     precision: Literal["fp32", "int8", "int4"] | None = None
     """With a Hugging Face `model` directory: the precision of the draft's export, made once on first use into
     $HETERO_SPEC_CACHE. With an exported `model`: must be unset (the export has its precision)."""
@@ -346,8 +351,9 @@ def _infer_draft_kind(raw: dict, where: str) -> None:
     draft = raw.get("draft")
     if not isinstance(draft, dict) or "kind" in draft or not isinstance(draft.get("model"), str | PathLike):
         return
-    if (Path(draft["model"]) / "model.onnx").is_file() or draft.get("precision") is not None:
-        draft["kind"] = "onnx"  # an export, or a checkpoint to export at draft.precision
+    if ((Path(draft["model"]) / "model.onnx").is_file() or draft.get("precision") is not None
+            or Path(draft["model"]).suffix.lower() == ".gguf"):
+        draft["kind"] = "onnx"  # an export, or a checkpoint (or GGUF) to export at draft.precision
         return
     found = "has no model.onnx" if Path(draft["model"]).is_dir() else "does not exist"
     raise ConfigError(where, "draft.kind", None,
@@ -425,7 +431,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
 
 
 def check_paths(cfg: Config) -> None:
-    """Model directories must exist (and the modes fit together) before anything heavy loads."""
+    """Model directories (or GGUF files: their metadata) must exist (and the modes fit together) before anything
+    heavy loads."""
     if cfg.runtime.mode == "two_process" and cfg.draft.kind != "onnx":
         raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
                           f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
@@ -443,6 +450,25 @@ def check_paths(cfg: Config) -> None:
                           "each strategy may appear once")
     if cfg.target.model is None:
         raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
+    from .gguf_source import check as check_gguf, is_gguf
+
+    if is_gguf(cfg.target.model):  # converted to a Hugging Face directory by gguf_source.resolve
+        check_gguf(cfg.target.model, cfg.blame("target.model"), "target.model", onnx=cfg.target.backend == "onnx")
+    else:
+        _check_target_dir(cfg)
+    if cfg.draft.kind == "onnx":
+        if cfg.draft.model is None:
+            raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
+                              "draft.kind is onnx, so a draft model is required")
+        if is_gguf(cfg.draft.model):
+            check_gguf(cfg.draft.model, cfg.blame("draft.model"), "draft.model", onnx=True)
+        elif not (cfg.draft.model / "model.onnx").is_file() and cfg.draft.precision is None:
+            raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
+                              "no model.onnx in this directory (make one with `hetero-spec export`)")
+
+
+def _check_target_dir(cfg: Config) -> None:
+    """target.model as a directory: a Hugging Face checkpoint, or an export the backend can run."""
     is_export = (cfg.target.model / "model.onnx").is_file()
     if cfg.target.backend == "torch" and is_export:
         raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
@@ -459,10 +485,3 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
                               f"target.backend onnx needs an ONNX export of the target, but {why}; use "
                               "target.backend: torch (or auto)")
-    if cfg.draft.kind == "onnx":
-        if cfg.draft.model is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
-                              "draft.kind is onnx, so a draft model is required")
-        if not (cfg.draft.model / "model.onnx").is_file() and cfg.draft.precision is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
-                              "no model.onnx in this directory (make one with `hetero-spec export`)")

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import secrets
+import statistics
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Config, check_paths, load_config
 from .errors import ConfigError, EngineClosedError, VocabMismatchError
+from .gguf_source import resolve as resolve_gguf
 from .metrics import Stats
 from .sampling import SamplingParams
 from .scheduler import Request, check_request, decode
@@ -136,7 +138,8 @@ class Engine:
     def __init__(self, config: Config):
         self._draft_checked: Config | None = None
         self._check_draft(config)  # preflight: fail on paths, host, providers, vocabulary before loading
-        check_paths(config)
+        config = resolve_gguf(config)  # a GGUF target.model / draft.model: its Hugging Face conversion (cached)
+        self._check_draft(config)  # the converted directories (the vocabulary); a no-op when nothing changed
         choice = choose_backend(config.target, config.blame("target.model"))
         if choice.backend != config.target.backend:
             config = config.model_copy(deep=True)
@@ -155,6 +158,7 @@ class Engine:
         self.placement: dict[str, Any] = {}
         self._auto_config = config if config.runtime.mode == "auto" or config.runtime.cpus == "auto" else None
         self._tested_at_switch = 0.0
+        self._observed: dict[Any, list[float]] = {}  # Layout -> decoding goodputs of its last requests
         self._progress_at = time.monotonic()  # the request loop's last sign of life (health while busy)
         if self._auto_config is not None:
             from .tuning.placement import resolve
@@ -227,6 +231,23 @@ class Engine:
     #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
     REPLACE_MIN_TESTED = 16
     REPLACE_GAIN = 1.10
+    #: a request decoded alone, with at least this many new tokens, tells the placement the layout's real goodput
+    OBSERVE_MIN_TOKENS = 16
+    OBSERVE_LAST = 3  # a layout's observed goodput: the median of its last few requests
+
+    def observe_request(self, stats: Stats, batched: bool) -> None:
+        """A finished request's decoding goodput (new tokens over the time after its prefill), kept per layout for
+        the re-placement (tuning/placement.replacement). Requests that shared rounds say little about one layout."""
+        if self._auto_config is None or batched or stats.new_tokens < self.OBSERVE_MIN_TOKENS:
+            return
+        seconds = stats.time_total_s - stats.time_prefill_s
+        if seconds <= 0 or "chosen" not in self.placement:
+            return
+        from .tuning.placement import Layout
+
+        runs = self._observed.setdefault(Layout(**self.placement["chosen"]), [])
+        runs.append(stats.new_tokens / seconds)
+        del runs[:-self.OBSERVE_LAST]
 
     def _maybe_replace(self) -> None:
         """Placement by measurement, continued: the first choice assumed an acceptance (the profile's, or the
@@ -250,20 +271,19 @@ class Engine:
         # tested; waiting for REPLACE_MIN_TESTED of them would keep the target on its share of cores for good)
         idle_worker = now.mode == "two_process" and g_now == 0
         if (self.tuning.acceptance.tested - self._tested_at_switch < self.REPLACE_MIN_TESTED and not gate_off
-                and not idle_worker):
+                and not idle_worker and now not in self._observed):
             return
         layouts = [lay for lay in pl.candidates(self._auto_config, pl.allowed_cpus())
                    if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s]
         if not layouts:
             return
-        best, rows = pl.choose(costs, layouts, a)
-        rate_best = pl.predict(costs, best, a)[1]
-        if gate_off:  # what runs now is the target alone
-            rate_now = 1.0 / costs.model(now).verify(0)
-        if best == now or rate_best < self.REPLACE_GAIN * rate_now:
+        observed = {lay: statistics.median(r) for lay, r in self._observed.items() if r}
+        best, why, stale = pl.replacement(costs, layouts, now, a, observed, self.REPLACE_GAIN, gate_off)
+        if stale:
+            self._drop_stale_costs(now, observed[now], pl.predict(costs, now, a)[1])
+        if best is None:
             return
-        why = (f"measured acceptance {a:.3f}{' and the gate off' if gate_off else ''}: {best.label()} predicts "
-               f"{rate_best:.1f} tok/s against {rate_now:.1f} for {now.label()}")
+        _, rows = pl.choose(costs, layouts, a)
         log.info("placement: switching layout; %s", why)
         old = self.config
         self._teardown()
@@ -281,6 +301,16 @@ class Engine:
                                            "why": why})
         self.placement.update(chosen=dataclasses.asdict(best), candidates=rows)
         self._seed_tuning()
+
+    def _drop_stale_costs(self, now, observed: float, predicted: float) -> None:
+        """The layout decodes far below its prediction: the cached measurement was made under other conditions
+        (another job on the machine, say). Drop it, so the next Engine measures again instead of keeping it."""
+        path = self.placement.get("cache_file")
+        if path and Path(path).is_file():
+            Path(path).unlink(missing_ok=True)
+            log.info("placement: %s decodes at %.1f tok/s against %.1f predicted; dropped the cached "
+                     "measurement %s", now.label(), observed, predicted, path)
+            self.placement["cache_dropped"] = path
 
     def _seed_tuning(self) -> None:
         """The placement measured the chosen layout's costs: gamma auto starts from them (no exploration)."""

@@ -85,7 +85,8 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
             Costs.from_dict(rep["costs"]).model(lay).verify_fixed_s, rel=1e-6)
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
     cached = list((tmp_path / "cache" / "placement").glob("*.json"))
-    assert len(cached) == 1 and set(json.loads(cached[0].read_text())) == {"verify", "draft_token_s", "transfer_s"}
+    assert len(cached) == 1 and set(json.loads(cached[0].read_text())) == {"verify", "draft_token_s", "transfer_s",
+                                                                                   "corun"}
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again despite the cache")
@@ -217,3 +218,62 @@ def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkey
         assert len(sw) == 1 and sw[0]["to"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
         assert eng.runtime is not None
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+
+
+def test_side_by_side_slowdowns_keep_a_layout_slower_than_the_target_alone_from_being_chosen():
+    """One core per model looked faster from solo costs; beside each other on one memory bus the target runs
+    1.5x and the draft 1.4x slower, and then the target alone on both cores wins (what the real pair showed:
+    two processes at 0.86x the target alone)."""
+    lays = [Layout("in_process", 2, 1), Layout("two_process", 1, 1)]
+    # a bandwidth-bound target: one thread nearly as fast as two alone; a draft a third of a step
+    solo = Costs(verify={1: (0.034, 0.006), 2: (0.030, 0.006)}, draft_token_s={1: 0.015}, transfer_s=0.0002)
+    assert choose(solo, lays, acceptance=0.75)[0] == Layout("two_process", 1, 1)
+    beside = Costs(**{**solo.__dict__, "corun": {"1,1": (1.5, 1.4)}})
+    best, rows = choose(beside, lays, acceptance=0.75)
+    alone_all_cores = 1.0 / beside.model(Layout("in_process", 2, 1)).verify(0)
+    assert best == Layout("in_process", 2, 1) and rows[1]["predicted_tok_s"] < alone_all_cores
+    assert Costs.from_dict(beside.to_dict()) == beside
+    assert Costs.from_dict(solo.to_dict()).corun == {}  # a cache or profile from before: no slowdown known
+
+
+def test_observed_goodput_replaces_a_prediction_and_marks_stale_costs():
+    lays = [Layout("in_process", 2, 1), Layout("two_process", 1, 1)]
+    costs = Costs(verify={1: (0.034, 0.006), 2: (0.030, 0.006)}, draft_token_s={1: 0.015}, transfer_s=0.0002)
+    two, inp = lays[1], lays[0]
+    predicted_two = placement.predict(costs, two, 0.75)[1]
+    # nothing observed yet: the predictions say two processes are where to stay
+    assert placement.replacement(costs, lays, two, 0.75, {}, 1.1)[0] is None
+    # one request shows two processes below the target alone on both cores: leave at once, and the costs are stale
+    best, why, stale = placement.replacement(costs, lays, two, 0.75, {two: 0.5 * predicted_two}, 1.1)
+    assert best == inp and stale and "(observed)" in why and "(predicted)" in why
+    # in process now; its own observed rate beats the two-process one that was observed: no move back, although
+    # two processes are still predicted faster
+    inp_rate = placement.predict(costs, inp, 0.75)[1]
+    assert predicted_two > 1.1 * inp_rate
+    assert placement.replacement(costs, lays, inp, 0.75, {two: 0.5 * predicted_two, inp: inp_rate}, 1.1)[0] is None
+
+
+def test_the_engine_leaves_a_layout_it_observes_to_be_slow_and_drops_the_cached_costs(monkeypatch, llama_target,
+                                                                                     llama_copy_onnx):
+    """Observed goodput, injected (conftest keeps wall-clock observations out of every other test)."""
+    from hetero_spec.metrics import Stats
+
+    monkeypatch.setattr(placement, "allowed_cpus", lambda: 2)
+    monkeypatch.setattr(Engine, "OBSERVE_MIN_TOKENS", 16)
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+           "draft": {"kind": "onnx", "model": str(llama_copy_onnx)}, "speculation": {"gamma": 4},
+           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
+    with Engine.from_config(cfg) as eng:
+        cache = eng.placement["cache_file"]
+        first = Layout(**eng.placement["chosen"])
+        assert cache and json.loads(open(cache).read())["corun"]  # two processes were measured side by side
+        eng.observe_request(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=True)
+        eng.observe_request(Stats(new_tokens=8, time_total_s=20.0, time_prefill_s=4.0), batched=False)
+        assert eng._observed == {}  # batched, or too short: no observation
+        eng.observe_request(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=False)  # 2 tok/s
+        eng._maybe_replace()
+        sw = eng.placement["switches"]
+        assert len(sw) == 1 and Layout(**sw[0]["from"]) == first and Layout(**sw[0]["to"]) != first
+        assert "against 2.0 (observed)" in sw[0]["why"]
+        assert eng.placement["cache_dropped"] == cache and not __import__("os").path.exists(cache)
+        assert eng.generate(PROMPTS[0], max_new_tokens=8).token_ids  # the new layout decodes

@@ -15,7 +15,11 @@ models, the backend and this machine, or taken from `speculation.profile` when t
 - the target's verification time for blocks of 0, 4 and 8 drafts, at each candidate thread count, fitted as a
   line (tuning/cost_model.py);
 - the draft's time per token at each candidate thread count;
-- the transfer time of one message (ZeroMQ over IPC).
+- the transfer time of one message (ZeroMQ over IPC);
+- for each two-process split, how much slower each side runs while the other runs beside it (`corun`): both
+  read weights over one memory bus, so a target bound by bandwidth loses speed to a draft on the next core
+  (measured here: 1.5B int4 target on one core, 23 tok/s alone; a layout predicted from solo costs ran at 0.86x
+  the target alone on both cores). A layout predicted from solo costs would be picked where it loses.
 
 Each candidate's goodput is the cost model's, at its best gamma, with the acceptance the engine knows (the
 profile's, or the default prior before it has seen a request). The choice, the predictions and the measured
@@ -29,12 +33,16 @@ import json
 import logging
 import os
 import platform
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .cost_model import CostModel, fit_line
 from .profile import _verify_points, decoder_token_s
+
+#: the cache entries' format: 2 added the side-by-side slowdowns (an entry without them is measured again)
+CACHE_VERSION = 2
 
 log = logging.getLogger("hetero_spec.placement")
 
@@ -58,22 +66,31 @@ class Costs:
     verify: dict[int, tuple[float, float]]  # threads -> (verify_fixed_s, verify_per_token_s)
     draft_token_s: dict[int, float]  # threads -> seconds per draft token
     transfer_s: float = 0.0
+    #: "T,D" (a two-process split) -> (target slowdown, draft slowdown) while both run: time beside / time alone
+    corun: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"verify": {str(t): [round(c0, 7), round(c1, 7)] for t, (c0, c1) in self.verify.items()},
                 "draft_token_s": {str(t): round(s, 7) for t, s in self.draft_token_s.items()},
-                "transfer_s": round(self.transfer_s, 7)}
+                "transfer_s": round(self.transfer_s, 7),
+                "corun": {k: [round(a, 4), round(b, 4)] for k, (a, b) in self.corun.items()}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         return cls(verify={int(t): (float(v[0]), float(v[1])) for t, v in d["verify"].items()},
                    draft_token_s={int(t): float(s) for t, s in d["draft_token_s"].items()},
-                   transfer_s=float(d.get("transfer_s", 0.0)))
+                   transfer_s=float(d.get("transfer_s", 0.0)),
+                   corun={k: (float(v[0]), float(v[1])) for k, v in (d.get("corun") or {}).items()})
 
     def model(self, layout: Layout) -> CostModel:
+        """The layout's cost model: in two processes each side's solo cost times its measured slowdown beside
+        the other (1.0 where none was measured: a profile from before corun, or a machine with cores to spare)."""
         c0, c1 = self.verify[layout.target_threads]
-        transfer = self.transfer_s if layout.mode == "two_process" else 0.0
-        return CostModel(c0, c1, self.draft_token_s[layout.draft_threads], transfer)
+        draft = self.draft_token_s[layout.draft_threads]
+        if layout.mode != "two_process":
+            return CostModel(c0, c1, draft, 0.0)
+        slow_t, slow_d = self.corun.get(f"{layout.target_threads},{layout.draft_threads}", (1.0, 1.0))
+        return CostModel(c0 * slow_t, c1 * slow_t, draft * slow_d, self.transfer_s)
 
 
 def allowed_cpus() -> int:
@@ -142,6 +159,50 @@ def measure_draft(model_dir: Path, providers: list[str], threads: int, vocab: in
     return decoder_token_s(dec, _probe_prompt(dec.model_vocab), reps)
 
 
+def _beside(background, measure_fn):
+    """measure_fn() while background() runs in a loop in a thread (ONNX Runtime and torch release the GIL while
+    they compute, so the two run on separate cores as the worker and the target do)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            background()
+
+    th = threading.Thread(target=loop, name="hetero-spec-corun", daemon=True)
+    th.start()
+    try:
+        return measure_fn()
+    finally:
+        stop.set()
+        th.join()
+
+
+def measure_corun(config, layout: Layout, vocab: int, reps: int = 7) -> tuple[float, float]:
+    """(target slowdown, draft slowdown) of a two-process split: each side timed alone, then beside the other."""
+    from ..onnx_decoder import OnnxDecoder
+    from ..target.backends import load_target
+
+    target = load_target(config.target, layout.target_threads, spin=False)
+    dec = OnnxDecoder(config.draft.model, providers=config.draft.providers, threads=layout.draft_threads,
+                      vocab_width=vocab, spin=False)
+    prompt = _probe_prompt(vocab)
+    t_alone, d_alone = measure_verify(target, reps), decoder_token_s(dec, _probe_prompt(dec.model_vocab), reps)
+    t_beside = _beside(lambda: decoder_token_s(dec, _probe_prompt(dec.model_vocab), 1),
+                       lambda: measure_verify(target, reps))
+    state = target.new_state()
+    target.prefill(state, prompt)
+    base = state.n_cached
+
+    def verify_once():
+        target.verify(state, prompt[-1], prompt[:VERIFY_KS[-1]], True)
+        target.rollback(state, base)
+
+    d_beside = _beside(verify_once, lambda: decoder_token_s(dec, _probe_prompt(dec.model_vocab), reps))
+    target.release_state(state)
+    cost = lambda line: line[0] + VERIFY_KS[-1] * line[1]  # noqa: E731 - a block of 8 drafts
+    return max(1.0, cost(t_beside) / max(cost(t_alone), 1e-9)), max(1.0, d_beside / max(d_alone, 1e-9))
+
+
 def measure(config, layouts: list[Layout], say=None) -> Costs:
     """Measure what the candidate layouts need (see the module docstring)."""
     from ..target.backends import load_target
@@ -166,7 +227,12 @@ def measure(config, layouts: list[Layout], say=None) -> Costs:
             transfer = _transfer_points([64], 20)[0][1]
     else:
         draft = {lay.draft_threads: 0.0 for lay in layouts}
-    return Costs(verify=verify, draft_token_s=draft, transfer_s=transfer)
+    corun = {}
+    for lay in layouts:
+        if lay.mode == "two_process" and config.draft.kind == "onnx":
+            say(f"target and draft side by side, {lay.target_threads} + {lay.draft_threads} thread(s)")
+            corun[f"{lay.target_threads},{lay.draft_threads}"] = measure_corun(config, lay, vocab)
+    return Costs(verify=verify, draft_token_s=draft, transfer_s=transfer, corun=corun)
 
 
 # -- caching and resolving --------------------------------------------------------------------------------
@@ -193,15 +259,19 @@ def cache_key(config, layouts: list[Layout]) -> str:
     key = {"target": _stamp(t.model), "backend": t.backend, "providers": t.providers, "device": t.device,
            "dtype": t.dtype, "precision": t.precision, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
            "draft_providers": d.providers, "host": platform.node(), "cpu": _cpu_model(), "cpus": allowed_cpus(),
-           "threads": sorted({(lay.target_threads, lay.draft_threads) for lay in layouts})}
+           "threads": sorted({(lay.target_threads, lay.draft_threads) for lay in layouts}), "version": CACHE_VERSION}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_path(config, layouts: list[Layout]) -> Path:
+    from ..target.export_cache import cache_root
+
+    return cache_root() / "placement" / f"{cache_key(config, layouts)}.json"
 
 
 def cached_costs(config, layouts: list[Layout], say=None) -> tuple[Costs, str]:
     """Costs from the cache, or measured now and cached; (costs, where they came from)."""
-    from ..target.export_cache import cache_root
-
-    path = cache_root() / "placement" / f"{cache_key(config, layouts)}.json"
+    path = cache_path(config, layouts)
     if path.is_file():
         try:
             return Costs.from_dict(json.loads(path.read_text())), f"cached measurement {path}"
@@ -250,7 +320,7 @@ def resolve(config, acceptance: float, say=None) -> tuple[Any, dict[str, Any]]:
         layouts = [Layout("in_process", config.target.threads if config.runtime.cpus != "auto" and
                           config.target.threads else allowed_cpus(), config.draft.threads)]
     costs = None
-    source = ""
+    source, cache_file = "", None
     if len(layouts) > 1:
         costs = profile_costs(config.speculation.profile)
         if costs is not None and all(lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s
@@ -258,12 +328,46 @@ def resolve(config, acceptance: float, say=None) -> tuple[Any, dict[str, Any]]:
             source = f"profile {config.speculation.profile}"
         else:
             costs, source = cached_costs(config, layouts, say)
+            cache_file = str(cache_path(config, layouts))
         best, rows = choose(costs, layouts, acceptance)
     else:
         best, rows = layouts[0], [asdict(layouts[0])]
         source = "the only layout this config and machine allow"
     report = {"chosen": asdict(best), "why": f"best predicted goodput at acceptance {acceptance:.3f} ({source})"
               if costs is not None else source, "candidates": rows,
-              "costs": costs.to_dict() if costs is not None else None}
+              "costs": costs.to_dict() if costs is not None else None, "cache_file": cache_file}
     log.info("placement: %s; %s", best.label(), report["why"])
     return apply(config, best), report
+
+
+# -- re-placing from what the engine observes ---------------------------------------------------------------------
+#: a layout observed below this share of its prediction had its costs measured under other conditions (a busy
+#: machine, say): its cached measurement is dropped, so the next Engine measures again
+STALE_SHARE = 0.7
+
+
+def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: float,
+                observed: dict[Layout, float], gain: float, gate_off: bool = False
+                ) -> tuple[Layout | None, str, bool]:
+    """(the layout to move to or None, why, whether the costs look stale) between requests.
+
+    Each layout's rate is its observed decoding goodput where the engine has run it (observed), else the cost
+    model's prediction at the measured acceptance. So a layout that was picked from a prediction but decodes
+    slower than the target alone on every core is left as soon as one request shows it, and a layout left for
+    its observed rate is not taken back on a prediction."""
+    def rate(lay: Layout) -> tuple[float, str]:
+        if lay in observed:
+            return observed[lay], "observed"
+        return predict(costs, lay, acceptance)[1], "predicted"
+
+    rate_now, how_now = rate(now)
+    if gate_off and now not in observed:  # what runs now is the target alone
+        rate_now, how_now = 1.0 / costs.model(now).verify(0), "predicted, gate off"
+    best = max(layouts, key=lambda lay: rate(lay)[0])
+    rate_best, how_best = rate(best)
+    stale = now in observed and observed[now] < STALE_SHARE * predict(costs, now, acceptance)[1]
+    if best == now or rate_best < gain * rate_now:
+        return None, "", stale
+    why = (f"measured acceptance {acceptance:.3f}{' and the gate off' if gate_off else ''}: {best.label()} "
+           f"{rate_best:.1f} tok/s ({how_best}) against {rate_now:.1f} ({how_now}) for {now.label()}")
+    return best, why, stale

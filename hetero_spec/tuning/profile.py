@@ -310,6 +310,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 
     from ..bench.prompts import heldout_prompt_ids, prompts_from_file
     from ..config import load_config
+    from ..gguf_source import resolve as resolve_gguf
     from ..precision import resolve_draft
     from ..engine import Engine
 
@@ -317,7 +318,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     t_start = time.perf_counter()
     # every cost is measured on its own, in process; layouts are measured afterwards (placement)
     over = {**(overrides or {}), "runtime.mode": "in_process", "runtime.cpus": None}
-    config = resolve_draft(load_config(config_path, overrides=over))  # draft.model: the export it measures
+    # a GGUF converted, a checkpoint with draft.precision exported: draft.model is then the export it measures
+    config = resolve_draft(resolve_gguf(load_config(config_path, overrides=over)))
     if config.draft.kind != "onnx":
         raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
                           "profile measures a model draft: use draft.kind: onnx")
