@@ -11,12 +11,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,gguf,bench]'
 	touch $@
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/hetero-spec generate --config configs/cpu-demo-pipelined.yaml --prompt "$(PROMPT)" --max-new-tokens 96
-	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec,hetero_spec_onnx_pipelined,ort_genai_spec
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec,hetero_spec_onnx_pipelined,ort_genai_spec,ort_genai_spec_all_cores
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

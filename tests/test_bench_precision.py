@@ -86,6 +86,27 @@ def test_memory_figures(tmp_path):
     assert kv["mb_at"] == {"1024": 8.389, "8192": 67.109}
 
 
+def test_peers_run_the_pass_draft(tmp_path):
+    """A pass of int4 drafts only: ORT GenAI's speculative peers draft with that int4 draft, not the config's."""
+    int4 = tmp_path / "draft-int4"
+    only_int4 = {"int4": pb.DraftSource(int4)}
+    engines, _ = pb.pass_engines("int8", only_int4, ("auto",), tuple(pb.PEERS), 2, shipped=None)
+    for name, system in pb.PEERS.items():
+        spec = engines[name]
+        assert spec[pb.SYSTEM] == system
+        if system == "ort_genai_target_only_all_cores":
+            assert "draft.model" not in spec  # the target alone
+        else:
+            assert spec["draft.model"] == str(int4) and spec["draft.kind"] == "onnx", name
+    # with the shipped draft in the pass, the peers use it; an unavailable draft is never chosen
+    both = {"int8": pb.DraftSource(tmp_path / "hf", "int8"), "int4": pb.DraftSource(int4),
+            "fp32": pb.DraftSource(None, reason="none here")}
+    assert pb.peer_draft(both, "int8") == "int8" and pb.peer_draft(both, None) == "int8"
+    assert pb.peer_draft(both, "fp32") == "int8" and pb.peer_draft({"fp32": both["fp32"]}, None) is None
+    engines, _ = pb.pass_engines("int8", both, ("auto",), ("ort_genai_spec 1 core",), 2, shipped="int8")
+    assert engines["ort_genai_spec 1 core"]["draft.precision"] == "int8"
+
+
 # -- a real matrix on the tiny pair ---------------------------------------------------------------------
 @pytest.fixture()
 def copy_config(tmp_path, llama_target, llama_copy_onnx):
@@ -139,6 +160,7 @@ def test_matrix_on_the_tiny_pair(tmp_path, copy_config, llama_copy_onnx):
                                                                    ("int8", "ort_genai_spec 1 core")]
     assert all(x["status"] == "ok" for x in peers), [x["reason"] for x in peers]
     assert peers[0]["identical"] == "2/2" and peers[0]["threads"] == 1 and peers[0]["gamma"] == 3
+    assert peers[0]["draft_precision"] == "fp32"  # the pass's draft (here also the config's)
     assert (out / "ort_models" / "target-int8" / "model.onnx").is_file()  # the peer ran the int8 export
 
     h = report["headline"]

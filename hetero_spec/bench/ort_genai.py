@@ -103,6 +103,10 @@ def ort_spec_overlay(target_dir: Path, draft_dir: Path, gamma: int, draft_thread
 class _OrtGenai(System):
     """Greedy decoding with `og.Generator`, one token per `generate_next_token` call."""
 
+    peer_reference = "ort_genai_target_only"
+    #: speculative options of every generator (max_draft_tokens); empty: the loaded config's
+    speculative: dict[str, Any] = {}
+
     def _load(self, folder: Path, overlay: dict[str, Any]) -> None:
         og = _og()
         cfg = og.Config(str(folder))
@@ -115,6 +119,8 @@ class _OrtGenai(System):
         og = _og()
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=len(prompt_ids) + max_new, do_sample=False)
+        if self.speculative:
+            params.set_speculative_options(**self.speculative)
         gen = og.Generator(self.model, params)
         gen.append_tokens(prompt_ids)
         n0 = len(prompt_ids)
@@ -134,6 +140,11 @@ class _OrtGenai(System):
 
     def close(self) -> None:
         self.model = None
+
+
+def _per_generator_k() -> bool:
+    """Whether max_draft_tokens can be set per generator (GeneratorParams.set_speculative_options)."""
+    return hasattr(_og().GeneratorParams, "set_speculative_options")
 
 
 def _threads_overlay(threads: int) -> dict[str, Any]:
@@ -183,23 +194,34 @@ class OrtGenaiSpec(OrtGenaiTargetOnly):
         overlay = ort_spec_overlay(target, ctx.config.draft.model, k, self.threads)
         overlay["model"].update(_threads_overlay(self.threads)["model"])
         self._load(target, overlay)
-        self.gamma = k
+        self.gamma, self.speculative = k, {}
+
+    def _set_k(self, ctx: BenchContext, k: int) -> None:
+        """max_draft_tokens = k for the next runs. GeneratorParams.set_speculative_options changes it per
+        generator, on the model already loaded (onnxruntime-genai 0.18: any k, above the loaded one too); an
+        older onnxruntime-genai without it reloads the model with k in its config."""
+        if _per_generator_k():
+            self.gamma, self.speculative = k, {"max_draft_tokens": k}
+        else:
+            self._load_k(ctx, k)
 
     def setup(self, ctx: BenchContext) -> None:
         self.calibration = None
+        self._load_k(ctx, ctx.gamma)
         if not ctx.gammas:
-            self._load_k(ctx, ctx.gamma)
             return
+        self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm the sessions before timing
+        reloads = not _per_generator_k()
 
         def run_k(k: int, prompt: list[int], max_new: int) -> None:
             if self.gamma != k:
-                self._load_k(ctx, k)
-                self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm the new sessions
+                self._set_k(ctx, k)
+                if reloads:
+                    self.run(ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))  # warm the new sessions
             self.run(prompt, max_new)
 
-        self.gamma = None
         best, self.calibration = calibrate(run_k, ctx.gammas, ctx.calibration_prompts, ctx.max_new)
-        self._load_k(ctx, best)
+        self._set_k(ctx, best)
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
         return {**super().describe(ctx), "layout": "in_process (draft and verify in turn)",

@@ -249,7 +249,10 @@ class PrecisionRunner(EngineRunner):
         from .systems import SYSTEMS, cores
 
         try:
-            cfg = load_config(config, overrides={k: v for k, v in overrides.items() if k != SYSTEM})
+            from ..precision import resolve_draft
+
+            # the pass's draft (draft.model, draft.precision): an HF checkpoint becomes its cached export here
+            cfg = resolve_draft(load_config(config, overrides={k: v for k, v in overrides.items() if k != SYSTEM}))
             ctx = BenchContext(config=cfg, overrides={}, out=self._out, draft_hf=None,
                                prompts=[list(p) for p in warmup], max_new=self.max_new, torch_threads=cores(),
                                gammas=self._gammas)
@@ -318,10 +321,19 @@ def _target_dir(c) -> str | None:
     return str(onnx_model_dir(c.target))
 
 
+def peer_draft(drafts: dict[str, DraftSource], shipped: str | None) -> str | None:
+    """The draft the ORT GenAI peers of a pass run: the shipped one when the pass measures it, else the pass's
+    first available draft (a pass of int4 drafts only: the int4 draft, not the config's)."""
+    ok = [d for d, src in drafts.items() if src.model is not None]
+    return shipped if shipped in ok else (ok[0] if ok else None)
+
+
 def pass_engines(target_precision: str, drafts: dict[str, DraftSource], layouts: Sequence[str],
-                 peers: Sequence[str], n_cores: int) -> tuple[dict[str, dict[str, Any]], list[Arm]]:
+                 peers: Sequence[str], n_cores: int, shipped: str | None = None
+                 ) -> tuple[dict[str, dict[str, Any]], list[Arm]]:
     """One target precision's engines: the target alone on every core, every available draft in every layout
-    (gamma auto), and the ORT GenAI peers. target.precision itself comes with the pass's base overrides."""
+    (gamma auto), and the ORT GenAI peers with the pass's draft (peer_draft). target.precision itself comes
+    with the pass's base overrides."""
     engines: dict[str, dict[str, Any]] = {
         TARGET_ONLY: {**target_only_overrides(), "runtime.cpus": None, "target.threads": n_cores}}
     for d, src in drafts.items():
@@ -330,8 +342,11 @@ def pass_engines(target_precision: str, drafts: dict[str, DraftSource], layouts:
         for layout in layouts:
             engines[arm_name(d, layout)] = {**src.overrides(), **layout_overrides(layout, n_cores),
                                             "speculation.gamma": "auto"}
+    own = peer_draft(drafts, shipped)
     for peer in peers:
-        engines[peer] = {SYSTEM: PEERS[peer]}
+        draft = drafts[own].overrides() if own is not None and PEERS[peer] != "ort_genai_target_only_all_cores" \
+            else {}
+        engines[peer] = {SYSTEM: PEERS[peer], **draft}
     return engines, [Arm(name, name) for name in engines]
 
 
@@ -431,7 +446,7 @@ class Matrix:
 def run_target_pass(m: Matrix, precision: str, n_cores: int) -> dict[str, Any]:
     """One target precision: its engines side by side, then its rows and peers."""
     s = m.settings
-    engines, arms = pass_engines(precision, m.drafts, s.layouts, s.peers, n_cores)
+    engines, arms = pass_engines(precision, m.drafts, s.layouts, s.peers, n_cores, m.shipped_draft)
     sc = Scenario(settings=s, make_runner=lambda eng, warm: m.make_runner(precision, eng, warm), say=m.say,
                   clock=m.clock)
     summary, result = sc.run_pass(f"target {precision}", engines, arms, s.n_repeats, m.prompts)
@@ -444,7 +459,8 @@ def run_target_pass(m: Matrix, precision: str, n_cores: int) -> dict[str, Any]:
         for layout in s.layouts:
             rows.append(_row(precision, d, src, layout, arm_name(d, layout), summary, result, target,
                              shipped=d == m.shipped_draft and layout == "auto"))
-    peers = [_peer(precision, name, summary, result) for name in s.peers]
+    own = peer_draft(m.drafts, m.shipped_draft)
+    peers = [_peer(precision, name, summary, result, own) for name in s.peers]
     return {"precision": precision, "target": target, "pass": summary, "rows": rows, "peers": peers,
             "_result": result}
 
@@ -488,10 +504,12 @@ def _row(precision: str, draft: str, src: DraftSource, layout: str, name: str, s
     return row
 
 
-def _peer(precision: str, name: str, summary: dict[str, Any], result) -> dict[str, Any]:
+def _peer(precision: str, name: str, summary: dict[str, Any], result, draft: str | None) -> dict[str, Any]:
     e, v = _vs(summary, name)
     desc = summary["engines"].get(name) or {}
+    spec = PEERS[name] != "ort_genai_target_only_all_cores"
     out: dict[str, Any] = {"target_precision": precision, "name": name, "system": PEERS[name],
+                           "draft_precision": draft if spec else None,
                            "status": e["status"], "reason": e.get("reason"),
                            "threads": desc.get("target_threads"), "gamma": desc.get("gamma")}
     if v is not None:
@@ -677,13 +695,16 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _peer_table(peers: list[dict[str, Any]]) -> list[str]:
-    out = ["| target | peer | threads | gamma | acceptance | speedup vs our target alone (range, won) | identical |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| target | peer | draft | threads | gamma | acceptance | speedup vs our target alone (range, won) | "
+           "identical |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
     for x in peers:
+        draft = x.get("draft_precision") or "-"
         if x["status"] != "ok":
-            out.append(f"| {x['target_precision']} | {x['name']} | - | - | - | {x['status']}: {x['reason']} | - |")
+            out.append(f"| {x['target_precision']} | {x['name']} | {draft} | - | - | - | {x['status']}: {x['reason']} "
+                       "| - |")
             continue
-        out.append(f"| {x['target_precision']} | {x['name']} | {x['threads'] or '-'} | {x['gamma'] or '-'} | "
+        out.append(f"| {x['target_precision']} | {x['name']} | {draft} | {x['threads'] or '-'} | {x['gamma'] or '-'} | "
                    f"{_x(x.get('acceptance'))} | {x['speedup']:.3f}x ({x['speedup_min']:.2f}-{x['speedup_max']:.2f}, "
                    f"{x['won']}) | {x['identical']} |")
     return out
@@ -830,6 +851,11 @@ def precision_settings(args) -> PrecisionSettings:
         if given:
             raise BenchError(f"{opt} does not apply with --precision-matrix: every arm decodes greedily, and the "
                              "ORT GenAI target is the export at each target precision")
+    if getattr(args, "llama_cpp", None):
+        raise BenchError("--llama-cpp applies to the system comparison, not to --precision-matrix")
+    if isinstance(args.prompts, str):
+        raise BenchError(f"--prompts {args.prompts} applies to the system comparison; with --precision-matrix "
+                         "give the prompts with --prompts-file")
     for opt, val in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
                      ("--repeats", args.repeats), ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:

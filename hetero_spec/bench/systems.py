@@ -1,4 +1,5 @@
-"""The system registry and the transformers / hetero_spec systems."""
+"""The system registry, the reference (target_only: the configured target alone), and the transformers and
+hetero_spec systems."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ class System:
     name = "?"
     #: (accepted, drafted) keys of the system's per-run stats, for a per-token acceptance rate; None: n/a
     acceptance_keys: tuple[str, str] | None = None
+    #: runs only when named in --systems (the transformers fp32 systems: a whole fp32 copy of the target each)
+    opt_in = False
+    #: a second reference of this system's outputs, e.g. a peer's own target alone (identical_to_<name>)
+    peer_reference: str | None = None
 
     @staticmethod
     def unavailable(ctx: BenchContext) -> str | None:
@@ -49,13 +54,18 @@ def cores() -> int:
 def calibrate(run_k, candidates: tuple[int, ...], prompts: list[list[int]], max_new: int
               ) -> tuple[int, dict[int, float]]:
     """Give a speculative system its best gamma before it is compared: time each candidate on the
-    calibration prompts (untimed for the report) and keep the fastest. run_k(k, prompt, max_new)."""
+    calibration prompts (untimed for the report) and keep the fastest. run_k(k, prompt, max_new); where it
+    returns a RunOutput that timed itself (own_wall_s, e.g. llama.cpp's clock without its process start),
+    that time counts instead of the wall clock."""
     times: dict[int, float] = {}
     for k in candidates:
-        t = time.perf_counter()
+        times[k] = 0.0
         for p in prompts:
-            run_k(k, p, max_new)
-        times[k] = time.perf_counter() - t
+            t = time.perf_counter()
+            out = run_k(k, p, max_new)
+            elapsed = time.perf_counter() - t
+            own = out.own_wall_s if isinstance(out, RunOutput) else None
+            times[k] += own if own is not None else elapsed
     return min(times, key=times.get), times
 
 
@@ -83,68 +93,6 @@ def _hf_generate(model, prompt_ids: list[int], max_new: int, **kwargs) -> list[i
     return out[0, len(prompt_ids):].tolist()
 
 
-@register
-class TargetOnly(System):
-    """transformers `generate(do_sample=False)` on the target alone, fp32 on CPU: the reference."""
-
-    name = "target_only"
-
-    def setup(self, ctx: BenchContext) -> None:
-        self.model = ctx.hf_model(ctx.config.target.model)
-
-    def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
-        return RunOutput(_hf_generate(self.model, prompt_ids, max_new))
-
-
-@register
-class HfAssisted(System):
-    """transformers assisted generation, the draft's PyTorch checkpoint as assistant, default schedule."""
-
-    name = "hf_assisted"
-
-    @staticmethod
-    def unavailable(ctx: BenchContext) -> str | None:
-        if ctx.draft_hf is None or not (ctx.draft_hf / "config.json").is_file():
-            return (f"no PyTorch draft checkpoint at {ctx.draft_hf} (pass --draft-hf DIR, a Hugging Face "
-                    "directory of the draft model)")
-        return None
-
-    def setup(self, ctx: BenchContext) -> None:
-        self.target = ctx.hf_model(ctx.config.target.model)
-        self.assistant = load_hf(ctx.draft_hf)  # its own copy: best_const edits its generation_config
-
-    def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
-        return RunOutput(_hf_generate(self.target, prompt_ids, max_new, assistant_model=self.assistant))
-
-
-@register
-class HfAssistedBestConst(HfAssisted):
-    """Assisted generation with the best constant number of assistant tokens (calibrated on prompt 0)."""
-
-    name = "hf_assisted_best_const"
-
-    def setup(self, ctx: BenchContext) -> None:
-        super().setup(ctx)
-        gc = self.assistant.generation_config
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = 0.0  # a pure constant: no early stop on low draft confidence
-        self.calibration: dict[int, float] = {}
-        prompt = ctx.prompts[0]
-        self.run(prompt, min(WARMUP_TOKENS, ctx.max_new))  # untimed: this assistant copy is still cold
-        for k in CALIBRATION_K:
-            gc.num_assistant_tokens = k
-            t = time.perf_counter()
-            self.run(prompt, ctx.max_new)
-            self.calibration[k] = time.perf_counter() - t
-        self.best_k = min(self.calibration, key=self.calibration.get)
-        gc.num_assistant_tokens = self.best_k
-
-    def extra(self) -> dict[str, Any]:
-        return {"num_assistant_tokens": self.best_k,
-                "calibration_s": {str(k): round(v, 4) for k, v in self.calibration.items()}}
-
-
-@register
 class HeteroSpec(System):
     """This project's engine with the config as given: `Engine.generate(prompt_ids, gamma=best,
     temperature=--temperature, seed=0)`; gamma is calibrated over --gammas first (the config's otherwise)."""
@@ -195,6 +143,96 @@ class HeteroSpec(System):
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+
+
+@register
+class TargetOnly(HeteroSpec):
+    """The reference: the configured target alone, at its own backend, precision and threads (the engine with
+    draft.kind none, in process), greedy even when --temperature samples the hetero_spec systems. Every
+    speedup_vs_target_only and identical_to_target_only is against it; with --systems, only when named."""
+
+    name = "target_only"
+    acceptance_keys = None
+    runtime_overrides = {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process",
+                         "runtime.cpus": None}
+
+    def setup(self, ctx: BenchContext) -> None:
+        super().setup(ctx)
+        self.temperature = 0.0
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        from ..target.backends import precision_of
+
+        return {**super().describe(ctx), "precision": precision_of(self.engine.config.target)}
+
+
+@register
+class HfTargetOnly(System):
+    """transformers `generate(do_sample=False)` on the target's checkpoint alone, fp32 on CPU. Only when named in
+    --systems: it loads a whole fp32 copy of the target (7 GB for a 1.5B model), and for a quantized target it
+    is a different model than the reference."""
+
+    name = "hf_target_only"
+    opt_in = True
+
+    def setup(self, ctx: BenchContext) -> None:
+        self.model = ctx.hf_model(ctx.config.target.model)
+
+    def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
+        return RunOutput(_hf_generate(self.model, prompt_ids, max_new))
+
+
+@register
+class HfAssisted(System):
+    """transformers assisted generation, the draft's PyTorch checkpoint as assistant, default schedule; fp32
+    like hf_target_only, and like it only when named in --systems."""
+
+    name = "hf_assisted"
+    opt_in = True
+
+    @staticmethod
+    def unavailable(ctx: BenchContext) -> str | None:
+        if ctx.draft_hf is None or not (ctx.draft_hf / "config.json").is_file():
+            return (f"no PyTorch draft checkpoint at {ctx.draft_hf} (pass --draft-hf DIR, a Hugging Face "
+                    "directory of the draft model)")
+        return None
+
+    def setup(self, ctx: BenchContext) -> None:
+        self.target = ctx.hf_model(ctx.config.target.model)
+        self.assistant = load_hf(ctx.draft_hf)  # its own copy: best_const edits its generation_config
+
+    def run(self, prompt_ids: list[int], max_new: int) -> RunOutput:
+        return RunOutput(_hf_generate(self.target, prompt_ids, max_new, assistant_model=self.assistant))
+
+
+@register
+class HfAssistedBestConst(HfAssisted):
+    """Assisted generation with the best constant number of assistant tokens (calibrated on prompt 0)."""
+
+    name = "hf_assisted_best_const"
+
+    def setup(self, ctx: BenchContext) -> None:
+        super().setup(ctx)
+        gc = self.assistant.generation_config
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.0  # a pure constant: no early stop on low draft confidence
+        self.calibration: dict[int, float] = {}
+        prompt = ctx.prompts[0]
+        self.run(prompt, min(WARMUP_TOKENS, ctx.max_new))  # untimed: this assistant copy is still cold
+        for k in CALIBRATION_K:
+            gc.num_assistant_tokens = k
+            t = time.perf_counter()
+            self.run(prompt, ctx.max_new)
+            self.calibration[k] = time.perf_counter() - t
+        self.best_k = min(self.calibration, key=self.calibration.get)
+        gc.num_assistant_tokens = self.best_k
+
+    def extra(self) -> dict[str, Any]:
+        return {"num_assistant_tokens": self.best_k,
+                "calibration_s": {str(k): round(v, 4) for k, v in self.calibration.items()}}
+
+
+register(HeteroSpec)
 
 
 @register

@@ -849,6 +849,11 @@ def scenario_settings(args) -> ScenarioSettings:
         if given:
             raise BenchError(f"{opt} does not apply with --scenario: the scenarios decode greedily with their "
                              "own arms (output identity with target-only is checked)")
+    if getattr(args, "llama_cpp", None):
+        raise BenchError("--llama-cpp applies to the system comparison, not to --scenario")
+    if isinstance(args.prompts, str):
+        raise BenchError(f"--prompts {args.prompts} applies to the system comparison; with --scenario "
+                         "give the prompts with --prompts-file")
     for opt, val in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
                      ("--repeats", args.repeats), ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:
