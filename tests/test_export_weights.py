@@ -56,8 +56,9 @@ def test_int4_quantizes_the_embedding_table_by_the_expected_bytes(tmp_path, monk
     a, b = weight_report(old), weight_report(new)
     table = "model.embed_tokens.weight"
     v, h = a.gathered[table][1], a.gathered[table][0] // (4 * a.gathered[table][1])
-    # fp32 [V, H] -> int4 [V, H] packed two per byte, plus an fp32 scale per block of 32 values
-    assert a.total_bytes - b.total_bytes == v * h * 4 - (v * h // 2 + v * (h // 32) * 4)
+    # fp32 [V, H] -> int4 [V, H] packed two per byte, plus an fp32 scale per block (128: the demo's 384 allows it)
+    assert h % export_mod.INT4_BLOCK == 0
+    assert a.total_bytes - b.total_bytes == v * h * 4 - (v * h // 2 + v * (h // export_mod.INT4_BLOCK) * 4)
     assert set(b.gathered) == {f"{table}_Q4", f"{table}_scales"} and table not in b.gathered
     assert a.per_token_bytes == a.total_bytes - v * h * 4 + h * 4  # one fp32 row of the table per token
     assert b.per_token_bytes < a.per_token_bytes
@@ -76,6 +77,14 @@ def test_int8_quantizes_the_lm_head_and_reports_the_float_table(llama_target, tm
     assert "model.embed_tokens.weight" in rep.gathered  # GatherBlockQuantized is int4 only: fp32 at int8
     line = rep.line()
     assert line.startswith("weights ") and "a generated token reads about" in line
+
+
+def test_int4_blocks_are_128_where_the_hidden_size_allows():
+    assert export_mod.quant_options("int4", {"hidden_size": 1536}) == ["op_types_to_quantize=MatMul/Gather",
+                                                                        "block_size=128"]
+    assert export_mod.quant_options("int4", {"hidden_size": 64}) == ["op_types_to_quantize=MatMul/Gather"]
+    assert export_mod.quant_options("int4", {"hidden_size": 1536}, 32)[-1] == "block_size=32"  # --block-size
+    assert export_mod.quant_options("int8", {"hidden_size": 1536}) == []
 
 
 def test_the_recipe_is_part_of_the_cache_key(llama_target, monkeypatch):

@@ -45,7 +45,8 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
                  progress: Callable[[str], None] | None = None) -> Path:
     """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx.
 
-    block_size: quantization block of int4/int8 weights (16/32/64/128/256; the builder's default is 32).
+    block_size: quantization block of int4/int8 weights (16/32/64/128/256; default: INT4_BLOCK for int4 where
+    the hidden size is a multiple of it, else the builder's 32).
     The builder's full output is written to out_dir/export.log (LOG_NAME). progress receives one short
     line per stage; by default they are printed on stderr with the elapsed time, or not at all if quiet.
     """
@@ -70,9 +71,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
         src, extra = _sliding_window_source(model_dir, Path(cache))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
                "-o", str(out_dir), "-p", precision, "-e", execution_provider, "-c", cache]
-        if block_size is not None:
-            extra.append(f"block_size={block_size}")
-        extra += quant_options(precision)
+        extra += quant_options(precision, json.loads((model_dir / "config.json").read_text()), block_size)
         if extra:
             cmd += ["--extra_options", *extra]
         rc = _run_builder(cmd, log_path, say)
@@ -93,10 +92,22 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
 #: with the embedding at int4; only an untied embedding stayed fp32 (0.93 GB of a 1.5B's 1.8 GB int4 export). A
 #: decode step reads one row of it, so this shrinks the export and its memory, not the bytes a token reads.
 QUANT_OPTIONS = {"int4": ["op_types_to_quantize=MatMul/Gather"]}
+#: int4's quantization block where the hidden size allows it (the builder's default is 32). On the real 1.5B
+#: target: 0.96 GB instead of 1.13 (an fp32 scale per 128 weights, not per 32), a decode step 1.28x faster
+#: (20.8 against 16.2 tok/s, 2 threads, interleaved), and a mean KL from the dequantized GGUF of 0.014 nats
+#: instead of 0.006 (top-1 agreement 187 against 188 of 192 tokens). `--block-size` still sets any block.
+INT4_BLOCK = 128
 
 
-def quant_options(precision: str) -> list[str]:
-    return list(QUANT_OPTIONS.get(precision, []))
+def quant_options(precision: str, config: dict | None = None, block_size: int | None = None) -> list[str]:
+    """The builder's extra options this recipe adds for a precision and a checkpoint's config.json."""
+    opts = list(QUANT_OPTIONS.get(precision, []))
+    if block_size is None and precision == "int4" and config:
+        hidden = int(config.get("hidden_size") or 0)
+        block_size = INT4_BLOCK if hidden and hidden % INT4_BLOCK == 0 else None  # narrower models: 32
+    if block_size is not None:
+        opts.append(f"block_size={block_size}")
+    return opts
 
 
 def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[str]]:

@@ -81,8 +81,8 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
         stamp["execution_provider"] = execution_provider
     from ..draft.export import quant_options
 
-    if quant_options(precision):  # a recipe change re-exports (the keys of the other precisions predate it)
-        stamp["quant_options"] = quant_options(precision)
+    if quant_options(precision, stamp["config"]):  # a recipe change re-exports (other keys predate it)
+        stamp["quant_options"] = quant_options(precision, stamp["config"])
     return stamp
 
 
