@@ -9,6 +9,7 @@ the directory of the YAML file that names them, and against the current director
 from __future__ import annotations
 
 import copy
+import os
 from os import PathLike
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -341,7 +342,8 @@ def _resolve_paths(raw: dict, base: Path) -> None:
     for name, key in _PATH_KEYS:
         section = raw.get(name)
         if isinstance(section, dict) and isinstance(section.get(key), str | PathLike):
-            path = Path(section[key])
+            path = Path(os.path.expandvars(str(section[key]))).expanduser()  # ~ and $VARS, as a shell would
+            section[key] = str(path)
             if not path.is_absolute():
                 section[key] = str((base / path).resolve())
 

@@ -17,13 +17,10 @@ accelerate); metadata is read with gguf's GGUFReader before anything heavy loads
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, ModelLoadError
-from .target.export_cache import EXPORTABLE, _stderr, cache_root
+from .target.export_cache import EXPORTABLE, _stderr, build_once, cache_root
 
 if TYPE_CHECKING:
     from .config import Config
@@ -214,25 +211,16 @@ def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", o
     if _complete(entry):
         log.info("%s: using the cached conversion %s of %s", key, entry, path)
         return entry
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
-        if _complete(entry):
-            return entry
+
+    def convert(scratch: Path) -> None:
         say = progress or _stderr(entry)
         say(f"converting {path.name} to a Hugging Face checkpoint once, into the cache {entry} "
             "(set HETERO_SPEC_CACHE to move it)")
-        scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
-        shutil.rmtree(scratch, ignore_errors=True)
         start = time.monotonic()
-        try:
-            _convert(path, scratch, read_info(path), say, f"{source}: {key} = {str(path)!r}")
-            shutil.rmtree(entry, ignore_errors=True)
-            scratch.rename(entry)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        _convert(path, scratch, read_info(path), say, f"{source}: {key} = {str(path)!r}")
         say(f"converted in {time.monotonic() - start:.1f} s")
-    return entry
+
+    return build_once(entry, _complete, convert)
 
 
 def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], where: str) -> None:

@@ -407,3 +407,14 @@ def test_demo_gives_ort_genai_its_best_thread_setting():
     assert c["median_speedup"] == 1.5 and "the faster of ort_genai_spec and ort_genai_spec_all_cores" in c["peer"]
     del entries["ort_genai_spec_all_cores"]
     assert best_peer_comparisons(entries) == []  # one setting only: the plain pairing covers it
+
+
+def test_a_quantized_target_may_change_between_repeats_an_fp32_one_may_not():
+    from hetero_spec.bench.run import quantized_target
+    from hetero_spec.config import build_config
+
+    def cfg(precision):
+        return build_config({"target": {"model": "m", "precision": precision}, "draft": {"kind": "none"}})
+
+    assert quantized_target(cfg("int4")) and quantized_target(cfg("int8"))
+    assert not quantized_target(cfg("fp32")) and not quantized_target(cfg(None))

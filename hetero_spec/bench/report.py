@@ -372,6 +372,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         ident = {True: "yes", False: "**no**", None: "-"}[e["identical_to_target_only"]]
         status = e["status"] if e["status"] == "ok" else f"{e['status']}: {e['reason']}"
         x = e["extra"]
+        if x.get("changed_between_repeats"):  # a quantized target: near-ties round differently per block shape
+            status += f" (output changed between repeats on {x['changed_between_repeats']} prompt(s): int8/int4 target)"
         threads = "-" if x.get("target_threads") is None else str(x["target_threads"])
         if x.get("draft_threads") is not None:
             threads += f" + {x['draft_threads']}"

@@ -21,7 +21,7 @@ from .memory import ChildPeaks
 from .memory import report as memory_report
 from .prompts import heldout_prompt_ids, humaneval_path, humaneval_prompt_ids, prompts_from_file
 from .report import build_report, write_outputs
-from .systems import SYSTEMS, System
+from .systems import SYSTEMS, HeteroSpec, System
 
 log = logging.getLogger("hetero_spec.bench")
 
@@ -107,7 +107,9 @@ def _start_systems(ctx: BenchContext, names: list[str], baseline: ProcState
             continue
         system = cls()
         try:
-            calib = f", calibrating gamma over {list(ctx.gammas)}" if ctx.gammas and cls.acceptance_keys else ""
+            own_auto = issubclass(cls, HeteroSpec) and ctx.config.speculation.gamma == "auto"  # keeps auto
+            calib = (", gamma auto" if own_auto else f", calibrating gamma over {list(ctx.gammas)}") \
+                if ctx.gammas and cls.acceptance_keys else ""
             print(f"bench: setting up {name} ({i}/{len(names)}{calib})", file=sys.stderr, flush=True)
             baseline.apply()
             t = time.perf_counter()
@@ -165,9 +167,12 @@ def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
                     if out is not None:
                         if name in outs and outs[name].token_ids != out.token_ids:
                             res = results[name]
-                            res.status, res.reason = "failed", f"prompt {i}: output changed between repeats"
-                            _close(live.pop(name)[0])
-                            continue
+                            if quantized_target(ctx.config):  # rounding differs with the block's shape
+                                res.extra["changed_between_repeats"] = res.extra.get("changed_between_repeats", 0) + 1
+                            else:
+                                res.status, res.reason = "failed", f"prompt {i}: output changed between repeats"
+                                _close(live.pop(name)[0])
+                                continue
                         outs.setdefault(name, out)
                     bar.update(1)
             for name, out in outs.items():
@@ -176,6 +181,13 @@ def _interleave(ctx: BenchContext, live: dict[str, tuple[System, ProcState]],
                                                "stats": out.stats, "repeats_s": walls[name]})
     finally:
         bar.close()
+
+
+def quantized_target(config: Config) -> bool:
+    """An int8/int4 target rounds a verified block differently from a one-token step (precision.py): speculative
+    output then equals the target's own only up to near-ties, and may change from run to run as gamma does. That
+    is reported, not failed; its bound is the teacher-forced log-probability gap the tests assert."""
+    return config.target.precision in ("int8", "int4")
 
 
 def _timed_run(ctx: BenchContext, live: dict[str, tuple[System, ProcState]], results: dict[str, SystemResult],

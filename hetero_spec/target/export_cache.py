@@ -109,20 +109,30 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
     if _complete(entry):
         log.info("%s: using the cached ONNX export %s", role, entry)
         return entry
+
+    def export(scratch: Path) -> None:
+        say = progress or _stderr(entry)
+        say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache "
+            f"{entry} (set HETERO_SPEC_CACHE to move it)")
+        export_draft(model_dir, scratch, precision, execution_provider, progress=say)
+        (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
+                                                      indent=2))
+
+    return build_once(entry, _complete, export)
+
+
+def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+    """Make a cache entry once: under a file lock (another process may be making the same one), in a scratch
+    folder renamed into place when build(scratch) returns, so a killed build leaves nothing half-written."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be exporting the same checkpoint
-        if _complete(entry):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if complete(entry):
             return entry
-        say = progress or _stderr(entry)
-        say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache {entry} "
-            "(set HETERO_SPEC_CACHE to move it)")
         scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            export_draft(model_dir, scratch, precision, execution_provider, progress=say)
-            (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
-                                                          indent=2))
+            build(scratch)
             shutil.rmtree(entry, ignore_errors=True)
             scratch.rename(entry)
         finally:
