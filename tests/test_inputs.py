@@ -242,8 +242,10 @@ def test_export_shows_stages_and_keeps_the_builder_log(tmp_path, llama_target, c
     out = tmp_path / "draft-onnx"
     assert main(["export", "--model", str(llama_target), "--out", str(out), "--precision", "int4"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.strip().endswith(f"builder log: {out / 'export.log'}")
-    assert len(captured.out.splitlines()) == 1  # nothing of the builder's own output on stdout
+    lines = captured.out.splitlines()
+    assert len(lines) == 2  # nothing of the builder's own output on stdout: where it went, and what it reads
+    assert lines[0].endswith(f"builder log: {out / 'export.log'}")
+    assert lines[1].startswith("weights ") and "a generated token reads about" in lines[1]
     stages = [line for line in captured.err.splitlines() if line.startswith("export [")]
     assert len(stages) >= 4 and stages[-1].endswith("done") and "quantizing" in captured.err
     assert "Reading layer 0" not in captured.err
