@@ -21,6 +21,7 @@ import pytest
 from hetero_spec.bench import BenchSettings, run_bench
 from hetero_spec.bench import llama_cpp as lc
 from hetero_spec.bench.systems import cores
+from tests.test_bench import copy_config  # noqa: F401 - the same tiny copy-draft config (a fixture)
 
 PROMPTS = [[5, 17, 33, 40, 41, 99, 100, 7], [200, 201, 202, 5, 6, 7, 8, 9, 10, 11]]
 GENERATED = "for i in range(10):\n    print(i * i)\n" * 4  # text the tiny tokenizer knows: many tokens
@@ -101,13 +102,6 @@ def calls(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
 
-@pytest.fixture()
-def copy_config(tmp_path, llama_target, llama_copy_onnx):
-    path = tmp_path / "copy.yaml"
-    path.write_text(f"target: {{model: {llama_target}, threads: 1}}\n"
-                    f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
-                    "speculation: {gamma: 3}\n")
-    return path
 
 
 @pytest.fixture()
