@@ -62,7 +62,8 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
                           "(save a PreTrainedTokenizerFast with save_pretrained into the directory)")
     if block_size is not None and block_size not in (16, 32, 64, 128, 256):
         raise ExportError(f"--block-size {block_size}: choose one of 16, 32, 64, 128, 256")
-    arch = json.loads((model_dir / "config.json").read_text()).get("architectures", ["?"])
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    arch = hf_config.get("architectures", ["?"])
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / LOG_NAME
     before = _mtime(out_dir / "model.onnx")  # a model left by an earlier export must not pass for this one
@@ -71,7 +72,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
         src, extra = _sliding_window_source(model_dir, Path(cache))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
                "-o", str(out_dir), "-p", precision, "-e", execution_provider, "-c", cache]
-        extra += quant_options(precision, json.loads((model_dir / "config.json").read_text()), block_size)
+        extra += quant_options(precision, hf_config, block_size)
         if extra:
             cmd += ["--extra_options", *extra]
         rc = _run_builder(cmd, log_path, say)
