@@ -105,7 +105,7 @@ def _add_profile(sub) -> None:
 
 def _cmd_profile(args) -> int:
     from .config import parse_override
-    from .tuning.profile import run_profile
+    from .profile_cmd import run_profile
 
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_load(sub)
     _add_soak(sub)
-    from .bench_cli import add_bench_parser
+    from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     _log_level_everywhere(sub)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load": _cmd_load, "soak": _cmd_soak}
     try:
         if args.command == "bench":
-            from .bench_cli import cmd_bench
+            from .bench.cli import cmd_bench
 
             return cmd_bench(args)
         return handlers[args.command](args)

@@ -143,9 +143,9 @@ class DraftConfig(_Section):
 class SpeculationConfig(_Section):
     gamma: int | Literal["auto"] = 4
     """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass.
-    `auto`: each round (in process; each request, two_process) takes the gamma with the highest predicted
-    goodput from the cost model (`profile`, or costs learned as the engine runs) and the acceptance
-    estimated online (tuning/gamma.py)."""
+    `auto`: each round takes the gamma with the highest predicted goodput from the cost model (`profile`, or
+    costs learned as the engine runs) and the acceptance estimated online, 0 (the target alone) when nothing
+    beats it (tuning/controller.py)."""
     profile: Path | None = None
     """A profile written by `hetero-spec profile` (its fitted cost model seeds `gamma: auto`)."""
     early_stop: bool = False
@@ -183,14 +183,6 @@ class GenerationConfig(_Section):
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
 
 
-class GateConfig(_Section):
-    enabled: bool = True
-    """Turn speculation off while drafting + transfer costs more than verification (two_process)."""
-    probe_interval_s: float = Field(default=0.5, gt=0)
-    """While off, let the worker draft in the background this often to measure it again (the target
-    does not wait for it while probing, so a probe costs the target nothing)."""
-
-
 class RuntimeConfig(_Section):
     mode: Literal["in_process", "two_process", "auto"] = "in_process"
     """`in_process`: draft and target in one process, in turn. `two_process`: the ONNX draft runs in its
@@ -222,12 +214,8 @@ class RuntimeConfig(_Section):
     """Pin the target and the worker to disjoint cores (the worker gets the last `draft.threads` cores)."""
     restart_backoff_s: float = Field(default=0.5, gt=0)
     """First delay before restarting a crashed worker; doubles per failure up to 30 s."""
-    gate: GateConfig = Field(default_factory=GateConfig)
-    """The cost gate."""
     trace: bool = False
     """Record per-round draft and verify intervals in stats.extra.timeline (for overlap analysis)."""
-    test_draft_delay_ms: float = Field(default=0.0, ge=0)
-    """Test only: the worker sleeps this long per drafted token (an artificially slow draft)."""
 
 
 class ServingConfig(_Section):
@@ -235,19 +223,16 @@ class ServingConfig(_Section):
     """Most requests decoded together (continuous batching: they join and leave between rounds; more wait in
     order). Their one-token steps, and on the torch backend their draft blocks, share one target pass. 1: one
     request at a time. `auto`: the profile's recommended_max_batch (speculation.profile; `hetero-spec profile`
-    measures a shared pass against batch size), else 8. In the two_process layout: the most requests taking
-    turns (see two_process)."""
+    measures a shared pass against batch size), else 8. In the two_process layout the worker drafts for all
+    of them (a stream each)."""
     mode: Literal["throughput", "latency"] = "throughput"
     """The scheduler's objective for a batch. `throughput`: the most committed tokens per second over the
     batch (speculation per row only when the cost model predicts it beats one shared pass). `latency`: each
     running request's own time per token; a request waits rather than join a batch that would slow the
     running ones by more than 1.5x (predicted)."""
-    two_process: Literal["auto", "turns", "shared"] = "auto"
-    """How several requests at once run in the two_process layout. `turns`: they take turns, a round each, and
-    the draft worker drafts for all of them (a stream each). `shared`: they run as target-only rows in shared
-    passes (a lone request still gets the worker). `auto`: whichever the cost model predicts commits more tokens
-    per second for everything running and waiting (tuning/batching.streams_or_rows); requests that join as rows
-    share one pass per round while those taking turns keep them."""
+    max_waiting: int = Field(default=256, ge=0)
+    """Most requests waiting for a place in the batch. One more is refused at once (the server answers 429
+    with Retry-After; the Python API raises QueueFullError) instead of waiting without bound. 0: no queue."""
 
 
 class Config(_Section):

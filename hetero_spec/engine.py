@@ -29,13 +29,13 @@ from .errors import ConfigError, EngineClosedError, VocabMismatchError
 from .gguf_source import resolve as resolve_gguf
 from .metrics import Stats
 from .sampling import SamplingParams
-from .scheduler import Request, check_request, decode
+from .scheduler import Request, check_request
 from .target.backends import choose_backend, load_target
 from .tuning.profile import load_tuning
 from .validation import check_stop_ids, prompt_token_ids, request_args
 
 if TYPE_CHECKING:
-    from .batch import Ticket
+    from .scheduler import Ticket
 
 log = logging.getLogger("hetero_spec")
 
@@ -99,10 +99,8 @@ def _release(parts: dict[str, Any]) -> None:
     (it is the Engine's weakref finalizer), from close(), garbage collection, or interpreter exit."""
     if parts.get("scheduler") is not None:
         parts["scheduler"].stop()
-    if parts.get("proposer") is not None:
-        parts["proposer"].close()
-    if parts.get("runtime") is not None:
-        parts["runtime"].close()
+    if parts.get("source") is not None:
+        parts["source"].close()
     if parts.get("cpu_plan") is not None:
         parts["cpu_plan"].restore()
     parts.clear()
@@ -135,7 +133,10 @@ class Engine:
     a time. `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, controller=None):
+        """controller: a factory of the speculation controller, called as tuning/controller.Controller is
+        (tests hold it in one state); None: the Controller."""
+        self._make_controller = controller
         self._draft_checked: Config | None = None
         self._check_draft(config)  # preflight: fail on paths, host, providers, vocabulary before loading
         config = resolve_gguf(config)  # a GGUF target.model / draft.model: its Hugging Face conversion (cached)
@@ -159,6 +160,7 @@ class Engine:
         self._auto_config = config if config.runtime.mode == "auto" or config.runtime.cpus == "auto" else None
         self._tested_at_switch = 0.0
         self._observed: dict[Any, list[float]] = {}  # Layout -> decoding goodputs of its last requests
+        self._last_drafted: int | None = None  # draft tokens of the last finished request (re-placement)
         self._progress_at = time.monotonic()  # the request loop's last sign of life (health while busy)
         if self._auto_config is not None:
             from .tuning.placement import resolve
@@ -166,10 +168,9 @@ class Engine:
             config, self.placement = resolve(config, self.tuning.prior_acceptance)
             self._seed_tuning()
             self.placement["switches"] = []
-        # Held by the request scheduler's loop for each round (and a two_process request's whole run): health
-        # probes the models only when it can take it
-        self._lock = threading.Lock()
-        self._closed = False
+        # Held by the scheduler's loop for each round: health probes the models only when it can take it
+        self.lock = threading.Lock()
+        self.closed = False
         # What close() releases; also released when the Engine is garbage-collected or at exit.
         self._parts: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _release, self._parts)
@@ -178,9 +179,9 @@ class Engine:
         except BaseException:
             self._finalizer()
             raise
-        from .batch import RequestScheduler
+        from .scheduler import Scheduler
 
-        self._scheduler = self._parts["scheduler"] = RequestScheduler(self)
+        self._scheduler = self._parts["scheduler"] = Scheduler(self)
 
     def _resolve_precision(self, config: Config, backend: str) -> Config:
         """target.precision (or its alias dtype) checked for the backend and made explicit (auto: see
@@ -196,37 +197,33 @@ class Engine:
         return resolve_draft(config)
 
     def _build(self, config: Config) -> None:
-        """Load the target and start the draft (in process, or the worker) for a resolved config."""
+        """Load the target and start the draft source (in process, or the worker) for a resolved config."""
         self.config = config
         log.info("resolved config (%s): %s", config.source, config.model_dump_json())
-        self.runtime = None
-        self.proposer = None
-        self._cpu_plan = None
+        self.source = None
+        self.loop_cpus: list[int] | None = None  # the loop thread's cores (two_process: the target's)
         threads = config.target.threads
+        cpu_plan = None
         if config.runtime.mode == "two_process":
-            from .runtime.engine_side import CpuPlan
+            from .runtime.cpus import CpuPlan
 
-            self._cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
-            threads = self._cpu_plan.threads
+            cpu_plan = self._parts["cpu_plan"] = CpuPlan(config)
+            threads = cpu_plan.threads
         # ONNX Runtime's pool threads do not spin after a run unless target.spin: on a busy machine spinning
-        # measured much slower (10.6 against 9.4 ms a step at 2 threads; 0.62x decoding alone with one of 2
-        # cores busy), on an idle one faster (1.07-1.25x alone)
+        # measured much slower, on an idle one faster (docs/configuration.md, target.spin)
         prefill = config.target.prefill_threads
         if prefill == "auto":
-            prefill = self._cpu_plan.prefill_threads if self._cpu_plan is not None else None
+            prefill = cpu_plan.prefill_threads if cpu_plan is not None else None
         self.target = load_target(config.target, threads, spin=config.target.spin, prefill_threads=prefill)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
-        if config.runtime.mode == "two_process":
-            from .runtime.engine_side import PipelinedRuntime
+        from .tuning.controller import Controller
 
-            self._check_draft(config)
-            self.runtime = self._parts["runtime"] = PipelinedRuntime(
-                config, self.target.vocab_width, context_len=self.target.context_len, tuning=self.tuning)
-        else:
-            self.proposer = self._parts["proposer"] = self._make_proposer(config)
-            if hasattr(self.proposer, "enable_batching"):  # the batch's drafters: slots of one buffer
-                self.proposer.enable_batching(config.serving.max_batch)
+        self.controller = (self._make_controller or Controller)(self.tuning, "two_process" if config.runtime.mode == "two_process"
+                                     else "in_process", self.target.batch_blocks, config.serving.mode)
+        self.source = self._parts["source"] = self._make_source(config)
+        if self.source is not None and self.source.layout == "two_process":
+            self.loop_cpus = self.source.target_cpus
 
     #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
     REPLACE_MIN_TESTED = 16
@@ -235,9 +232,34 @@ class Engine:
     OBSERVE_MIN_TOKENS = 16
     OBSERVE_LAST = 3  # a layout's observed goodput: the median of its last few requests
 
-    def observe_request(self, stats: Stats, batched: bool) -> None:
+    # -- what the scheduler's loop calls ------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        """The loop is alive (health reads it while a request runs)."""
+        self._progress_at = time.monotonic()
+
+    def release(self) -> None:
+        """Release everything now (the loop calls it when close() did not wait for the last requests)."""
+        self._finalizer()
+
+    def between_requests(self) -> None:
+        """No request runs or waits: the placement may move now (tuning/placement.py), after the last callers
+        heard they are done. A re-placement that fails is logged; the Engine keeps the layout that ran."""
+        if self.closed:
+            return
+        try:
+            with self.lock:
+                self._maybe_replace()
+        except Exception:  # noqa: BLE001 - no request is waiting on this; the next one hears if the Engine broke
+            log.exception("placement: re-placement failed")
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no request runs or waits and any re-placement between requests is done."""
+        return self._scheduler.wait_idle(timeout_s)
+
+    def request_done(self, stats: Stats, batched: bool) -> None:
         """A finished request's decoding goodput (new tokens over the time after its prefill), kept per layout for
         the re-placement (tuning/placement.replacement). Requests that shared rounds say little about one layout."""
+        self._last_drafted = stats.drafted
         if self._auto_config is None or batched or stats.new_tokens < self.OBSERVE_MIN_TOKENS:
             return
         seconds = stats.time_total_s - stats.time_prefill_s
@@ -256,9 +278,8 @@ class Engine:
         The learned verify line belongs to the old thread count, so it starts afresh; acceptance is kept."""
         if self._auto_config is None or self.placement.get("costs") is None:
             return
-        gate = getattr(self.runtime, "_gate", None)
-        # two processes with the gate off after a whole request: the target is decoding alone, on fewer cores
-        gate_off = gate is not None and not gate.on and not gate.probing
+        # two processes, and the last request drafted nothing: the target is decoding alone, on fewer cores
+        gate_off = self.config.runtime.mode == "two_process" and self._last_drafted == 0
         from .tuning import placement as pl
 
         costs = pl.Costs.from_dict(self.placement["costs"])
@@ -286,7 +307,7 @@ class Engine:
         _, rows = pl.choose(costs, layouts, a)
         log.info("placement: switching layout; %s", why)
         old = self.config
-        self._teardown()
+        self._teardown()  # the old target goes first: never two targets in memory
         self.tuning.reset_costs()
         try:
             self._build(pl.apply(self._auto_config, best))
@@ -324,8 +345,8 @@ class Engine:
             self.tuning.seed_costs(costs.model(lay))
 
     def _teardown(self) -> None:
-        """Release the draft, the worker and the CPU plan (the Engine stays open)."""
-        for key in ("proposer", "runtime", "cpu_plan"):
+        """Release the draft source (and its worker), the CPU plan and the target (the Engine stays open)."""
+        for key in ("source", "cpu_plan"):
             part = self._parts.pop(key, None)
             if part is None:
                 continue
@@ -333,58 +354,71 @@ class Engine:
                 part.restore()
             else:
                 part.close()
+        self.source = self.target = None
+        import gc
+
+        gc.collect()  # the target's weights go now, before the next target loads
 
     @classmethod
     def from_config(cls, config: str | Path | Config | dict,
-                    overrides: dict[str, Any] | None = None) -> Engine:
+                    overrides: dict[str, Any] | None = None, controller=None) -> Engine:
         """Build from a YAML path, a Config, or a raw dict; overrides are dotted keys ("speculation.gamma")."""
         if isinstance(config, Config):
             if overrides:
                 from .config import build_config
 
                 config = build_config(config.model_dump(mode="json"), source=config.source, overrides=overrides)
-            return cls(config)
+            return cls(config, controller)
         if isinstance(config, dict):
             from .config import build_config
 
-            return cls(build_config(config, overrides=overrides))
-        return cls(load_config(config, overrides=overrides))
+            return cls(build_config(config, overrides=overrides), controller)
+        return cls(load_config(config, overrides=overrides), controller)
 
-    def _row_proposer(self):
-        """A proposer for one request of the batch: the configured one's kind, on its loaded model."""
-        return self.proposer.spawn() if self.proposer is not None else None
+    def _make_source(self, config: Config):
+        """The draft source of a built config: the worker (two_process), a selection among candidates
+        (draft.candidates), one local proposer kind, or None (draft.kind none)."""
+        d, slots = config.draft, config.serving.max_batch
+        if d.kind == "ngram" and d.ngram.min_n > d.ngram.max_n:
+            raise ConfigError(config.source, "draft.ngram.min_n", d.ngram.min_n,
+                              f"must be <= draft.ngram.max_n ({d.ngram.max_n})")
+        if config.runtime.mode == "two_process":
+            from .runtime.worker_source import WorkerSource
 
-    def _make_proposer(self, config: Config):
-        d = config.draft
-        if d.candidates:
-            return self._make_selector(config)
-        return self._make_one(config, d.kind)
+            self._check_draft(config)
+            worker = WorkerSource(config, self.target.vocab_width, context_len=self.target.context_len,
+                                  max_streams=slots)
+            cands = {"onnx": worker, **({"ngram": self._local(config, "ngram", slots)}
+                                        if "ngram" in d.candidates else {})}
+        elif d.candidates:
+            cands = {kind: self._local(config, kind, slots) for kind in d.candidates}
+        else:
+            return self._local(config, d.kind, slots)
+        if not d.candidates:
+            return cands["onnx"]
+        from .draft.source import SelectingSource
 
-    def _make_selector(self, config: Config):
-        from .draft.select import SelectingProposer
+        return SelectingSource({k: c for k, c in cands.items() if c is not None}, self.tuning.model,
+                               prior_acceptance=self.tuning.prior_acceptance)
 
-        d = config.draft  # check_paths has checked the candidates
-        cands = {kind: self._make_one(config, kind) for kind in d.candidates}
-        return SelectingProposer(cands, self.tuning.model, prior_acceptance=self.tuning.prior_acceptance)
-
-    def _make_one(self, config: Config, kind: str):
-        d = config.draft
+    def _local(self, config: Config, kind: str, slots: int):
         if kind == "none":
             return None
+        from .draft.source import LocalSource
+
         if kind == "ngram":
             from .draft.ngram import NgramProposer
 
-            if d.ngram.min_n > d.ngram.max_n:
-                raise ConfigError(config.source, "draft.ngram.min_n", d.ngram.min_n,
-                                  f"must be <= draft.ngram.max_n ({d.ngram.max_n})")
-            return NgramProposer(max_n=d.ngram.max_n, min_n=d.ngram.min_n)
+            return LocalSource(NgramProposer(max_n=config.draft.ngram.max_n, min_n=config.draft.ngram.min_n))
         from .draft.onnx_drafter import OnnxDrafter
-
-        self._check_draft(config)
         from .draft.select import prompt_window
 
-        return OnnxDrafter(d.model, providers=d.providers, threads=d.threads, vocab_width=self.target.vocab_width,
-                           spin=False, prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process"))
+        d = config.draft
+        self._check_draft(config)
+        return LocalSource(OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
+                                       vocab_width=self.target.vocab_width, spin=False,
+                                       prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process")),
+                           slots=slots)
 
     def _check_draft(self, config: Config) -> None:
         """Preflight, before anything heavy loads (the target takes seconds to minutes): model paths, the
@@ -417,21 +451,21 @@ class Engine:
         self._draft_checked = config
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
 
     def _submit(self, req: Request, stats: Stats, cancel: threading.Event | None, sink) -> Ticket:
-        from .batch import Ticket
+        from .scheduler import Ticket
 
         self._check_open()
         ticket = Ticket(req, stats, sink, cancel if cancel is not None else threading.Event())
-        self._scheduler.submit(ticket)
+        self._scheduler.submit(ticket, self.config.serving.max_batch, self.config.serving.max_waiting)
         return ticket
 
     def _decode(self, req: Request, stats: Stats, cancel: threading.Event | None = None) -> Iterator[list[int]]:
         """Submit the request to the scheduler and yield its rounds' tokens. `cancel` set (a client gone), or
         the iterator closed early: the request leaves the batch before its next round, freeing its state."""
-        from .batch import is_last
+        from .scheduler import is_last
 
         items: queue.Queue = queue.Queue()
         ticket = self._submit(req, stats, cancel, items.put)
@@ -450,13 +484,13 @@ class Engine:
         `draft_restarts`/`draft_failures` are running totals over the Engine's life. The worker must answer
         within timeout_s (default: runtime.heartbeat_s), else it is reported unresponsive."""
         self._check_open()
-        locked = self._lock.acquire(blocking=False)
+        locked = self.lock.acquire(blocking=False)
         if not locked or self._scheduler.running:
             # a round is on, or requests run between rounds (two_process: their proposals share the worker's
             # channel, which a ping would read): the request loop reports each round, and silent longer than the
             # heartbeat means stuck
             if locked:
-                self._lock.release()
+                self.lock.release()
             stalled = time.monotonic() - self._progress_at
             limit = timeout_s or self.config.runtime.heartbeat_s
             return {"target": "ok" if stalled <= max(limit, 1.0) else "stalled", "busy": True,
@@ -471,15 +505,12 @@ class Engine:
             return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
                     **self._draft_health(probe=True, timeout_s=timeout_s)}
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def _draft_health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        if self.runtime is None:
-            return {"draft": "in_process" if self.proposer is not None else "none"}
-        sup = self.runtime.sup
-        d = sup.health(timeout_s or sup.spec.heartbeat_s) if probe else sup.status()
-        d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
-        return d
+        if self.source is None:
+            return {"draft": "none"}
+        return self.source.health(probe, timeout_s)
 
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, prompt: str | list[int], max_new_tokens: int | None, temperature: float | None,
@@ -509,7 +540,7 @@ class Engine:
         check_request(req, self.target.context_len)  # an over-long prompt fails here, before anything streams
         return req
 
-    def _decode_text(self, ids: list[int]) -> str:
+    def decode_text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -524,7 +555,7 @@ class Engine:
         ids: list[int] = []
         for chunk in self._decode(req, stats):
             ids.extend(chunk)
-        return GenerationOutput(text=self._decode_text(ids), token_ids=ids, stats=stats.to_dict(),
+        return GenerationOutput(text=self.decode_text(ids), token_ids=ids, stats=stats.to_dict(),
                                 finish_reason=stats.finish_reason)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int | None = None,
@@ -539,7 +570,7 @@ class Engine:
                                     gamma, stats)
 
         def pieces() -> Iterator[str]:
-            detok = Detokenizer(self._decode_text)
+            detok = Detokenizer(self.decode_text)
             for chunk in chunks:
                 piece = detok.add(chunk, final=bool(stats.finish_reason))
                 if piece:
@@ -562,8 +593,8 @@ class Engine:
                cancel: threading.Event | None = None, **kwargs) -> Ticket:
         """The request scheduler's own interface: validate a request (keyword arguments as generate's) and queue
         it; `sink(item)` is then called from the scheduler's thread with each round's token ids, and last with
-        `batch.DONE` or the exception that ended it. Keep sink short (it runs between rounds); it may raise
-        RuntimeError to say nobody listens any more (the request is then cancelled)."""
+        `scheduler.DONE` or the exception that ended it. Keep sink short (it runs between rounds); if it raises,
+        nobody listens any more: the request is cancelled (the others go on)."""
         req = self._request(prompt, kwargs.pop("max_new_tokens", None), kwargs.pop("temperature", None),
                             kwargs.pop("top_k", None), kwargs.pop("top_p", None), kwargs.pop("seed", None),
                             kwargs.pop("stop_token_ids", None), kwargs.pop("gamma", None))
@@ -579,7 +610,7 @@ class Engine:
                              stats: Stats | None = None, cancel: threading.Event | None = None):
         """An async iterator of each round's committed token ids, validated at once (like stream_tokens).
         Leaving the iteration early (a client gone) cancels the request before its next round."""
-        from .batch import is_last
+        from .scheduler import is_last
 
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
@@ -604,7 +635,7 @@ class Engine:
         chunks = await self.astream_tokens(prompt, stats=stats, **kwargs)
 
         async def pieces():
-            detok = Detokenizer(self._decode_text)
+            detok = Detokenizer(self.decode_text)
             async for chunk in chunks:
                 piece = detok.add(chunk, final=bool(stats.finish_reason))
                 if piece:
@@ -618,7 +649,7 @@ class Engine:
         ids: list[int] = []
         async for chunk in await self.astream_tokens(prompt, stats=stats, **kwargs):
             ids.extend(chunk)
-        return GenerationOutput(text=self._decode_text(ids), token_ids=ids, stats=stats.to_dict(),
+        return GenerationOutput(text=self.decode_text(ids), token_ids=ids, stats=stats.to_dict(),
                                 finish_reason=stats.finish_reason)
 
     def batch_sizes(self) -> list[int]:
@@ -638,7 +669,7 @@ class Engine:
         """Release the draft; in two_process mode shut the worker down cleanly (no orphans). Running requests
         finish first (up to wait_s; otherwise the scheduler releases everything when they end); waiting ones
         fail with EngineClosedError, as do later calls. Safe to call twice."""
-        self._closed = True
+        self.closed = True
         if self._scheduler.stop(wait_s):
             self._finalizer()
 

@@ -36,3 +36,11 @@ class RequestError(HeteroSpecError):
 
 class EngineClosedError(HeteroSpecError):
     """A request reached an Engine after close()."""
+
+
+class QueueFullError(HeteroSpecError):
+    """serving.max_waiting requests already wait for a place in the batch: try again later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -14,6 +14,7 @@ class Stats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    tested: int = 0  # draft tokens the target judged: accepted, plus the first rejected (tuning/cost_model.Acceptance)
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = rounds that accepted n tokens
     time_prefill_s: float = 0.0
     time_draft_s: float = 0.0
@@ -23,12 +24,14 @@ class Stats:
     finish_reason: str = ""
     proposer: str = "none"
     gamma: int | str = 0  # the configured gamma, or "auto" (the choices are in extra.gamma_auto)
-    extra: dict = field(default_factory=dict)  # runtime-specific: gate, stale proposals, restarts
+    extra: dict = field(default_factory=dict)  # gamma choices, the worker's stale proposals and restarts, ...
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        if drafted > 0:
+            self.tested += accepted + (1 if accepted < drafted else 0)
         if len(self.accept_hist) <= accepted:
             self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
         self.accept_hist[accepted] += 1

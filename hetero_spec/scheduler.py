@@ -1,28 +1,56 @@
-"""The decode loop: propose, verify, commit, stop checks, adapt. One linear loop per request.
+"""The decode loop and the request queue in front of it.
 
-Invariants between rounds (see target/verifier.py):
-* ``ids`` = prompt + generated tokens; the target cache holds ``ids[:-1]``;
-* the proposer has been told every committed token (through ``begin`` and ``commit``).
+Every request of an Engine runs in one loop thread, which decodes up to `serving.max_batch` sequences together
+(continuous batching: they join and leave between rounds). A round, for every running sequence:
+
+  1) plan     the speculation controller (tuning/controller.py) gives each sequence its draft length k
+              (0: none), and decides whether the rows share one target pass without drafts
+  2) propose  the draft source (draft/base.py: local, selecting, or the worker process) drafts up to k tokens
+  3) verify   ONE `target.verify_batch` call for every row (the backend shares passes as far as it can)
+  4) accept   per sequence: accept from the target's output, commit token by token with the stop checks
+              (a stop token, max_new_tokens or the context inside a block), stream the tokens to the caller,
+              tell the source what was committed
+  5) observe  the controller learns acceptance and costs
+
+A sequence that finishes, fails or is cancelled leaves at once, freeing its target state (a KV slot) and its
+draft state; a waiting request takes its place. One sequence's failure is its own: the others go on.
+
+Invariants between rounds (see target/verifier.py): `seq.ids` = prompt + generated tokens; the target's state
+caches `ids[:-1]`; the draft source has seen every committed token (it reads them from seq.ids).
+
+Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
+for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .draft.base import Draft, Proposer
-from .errors import PromptTooLongError, RequestError
+from .draft.base import Draft
+from .errors import EngineClosedError, PromptTooLongError, QueueFullError, RequestError
 from .metrics import Stats
+from .runtime.cpus import pinned_thread
 from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
-from .tuning.gamma import PROBE_WINDOW, GammaPolicy, Tuning
+from .tuning.controller import StreamControl
 
-if TYPE_CHECKING:  # the onnx target backend never imports torch
+if TYPE_CHECKING:
+    from .engine import Engine
     from .target.base import Verifier
+
+log = logging.getLogger("hetero_spec.scheduler")
+
+DONE = object()  # the last item of a ticket's sink when the request ended normally (stats.finish_reason says how)
 
 
 @dataclass
@@ -32,7 +60,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     params: SamplingParams
-    gamma: int | str  # an int, or "auto" (tuning/gamma.py)
+    gamma: int | str  # an int, or "auto" (tuning/controller.py)
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -47,16 +75,9 @@ def check_request(req: Request, context_len: int) -> None:
             f"(target.max_context or the model's max_position_embeddings), leaving no room for a new token")
 
 
-def verify_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int],
-                 draft: Draft) -> tuple[int, int]:
-    """3) verify one block in one target forward pass; returns (n_accepted, next_token)."""
-    out = target.verify(state, ids[-1], draft.ids, params.greedy)
-    return decide_block(target, state, params, ids, draft, out)
-
-
 def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int], draft: Draft,
                  out: Any) -> tuple[int, int]:
-    """3b) accept from the target's output for [ids[-1], *draft.ids] (argmax ids, or logits [k + 1, vocab]) and roll
+    """4) accept from the target's output for [ids[-1], *draft.ids] (argmax ids, or logits [k + 1, vocab]) and roll
     the target's cache back to what was accepted; returns (n_accepted, next_token).
 
     Uniform draws and noise are keyed by the absolute position of the token they decide, so seeded output
@@ -100,147 +121,290 @@ def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: in
     return emitted, generated
 
 
-def _break_even(tuning: Tuning, policy: GammaPolicy, g: int) -> float | None:
-    """P(accept) a drafted token needs to pay for itself: (draft + verify per token) x goodput (None: no model)."""
-    model = tuning.model()
-    if model is None:
-        return None
-    a = policy.estimate()
-    return (model.draft_token_s + model.verify_per_token_s) * model.goodput(g, a, "in_process")
+def is_last(item: Any) -> bool:
+    """A sink item that ends its request: DONE (True), or the exception that ended it (raised here)."""
+    if isinstance(item, BaseException):
+        raise item
+    return item is DONE
 
 
-def _draft_token_s(proposer: Proposer | None, draft_s: float, k: int) -> float | None:
-    """The draft's time per token this round, without feeding it the prompt or the committed backlog (the
-    first step of such a round both catches up and drafts a token: it is left out with its token)."""
-    catchup = getattr(proposer, "last_catchup_s", 0.0) if proposer is not None else 0.0
-    if k <= 0 or (catchup and k == 1):
-        return None
-    return (draft_s - catchup) / (k - 1) if catchup else draft_s / k
+@dataclass
+class Ticket:
+    """One submitted request: what it asks, where its stats and tokens go, and how to cancel it."""
+
+    req: Request
+    stats: Stats
+    sink: Callable[[Any], None]  # receives token-id lists, then DONE or an exception
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def put(self, item: Any) -> None:
+        try:
+            self.sink(item)
+        except Exception:  # noqa: BLE001 - the caller's sink is broken or gone: nobody reads this request any more
+            log.debug("a request's sink raised; the request is cancelled", exc_info=True)
+            self.cancel.set()
 
 
-class Row:
-    """One request in the decode loop: its target state, proposer, committed ids, gamma policy and stats.
+class Seq:
+    """One running request in the loop: its target state, committed ids and the controller's part of it."""
 
-    `decode` runs one Row alone; the request scheduler (batch.py) runs many, verifying their blocks together.
-    A round is: k = plan(); draft = propose(k); the target verifies [ids[-1], *draft.ids] (alone or in a batch);
-    finish(draft, out, verify_s) commits and returns the round's tokens. `done` once a finish reason is set.
-    """
-
-    def __init__(self, target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
-                 tuning: Tuning | None = None, early_stop: bool = False):
-        check_request(req, target.context_len)
-        self.t_start = time.perf_counter()
-        self.target, self.proposer, self.req, self.stats = target, proposer, req, stats
-        self.tuning = tuning = tuning or Tuning()
-        self.policy = GammaPolicy(tuning, "in_process", fixed=req.gamma if isinstance(req.gamma, int) else None)
-        self.stop = tuning.early_stop if early_stop and hasattr(proposer, "_confidence") else None
-        self.stopped_early = 0
-        stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
-        stats.proposer = proposer.name if proposer is not None else "none"
-        self.state: Any = None
+    def __init__(self, seq_id: int, ticket: Ticket, control: StreamControl):
+        req = ticket.req
+        self.id, self.ticket, self.req, self.stats, self.control = seq_id, ticket, req, ticket.stats, control
+        self.params, self.prompt_ids = req.params, req.prompt_ids
         self.ids = list(req.prompt_ids)
         self.generated = 0
+        self.state: Any = None
+        self.gamma = 0
+        self.gamma_auto = control.fixed is None
+        self.probing = False
+        self.min_confidence: float | None = None
+        self.t_start = time.perf_counter()
+        self.batched_rounds, self.largest_batch = 0, 1
+        self.trace: list[tuple[float, float, int, int]] = []
+
+    def room(self, context_len: int) -> int:
+        """Tokens this sequence may still commit (max_new_tokens, the context)."""
+        return min(self.req.max_new_tokens - self.generated, context_len - len(self.ids))
+
+
+class Scheduler:
+    """Owns the loop thread. Holds the Engine weakly, so a dropped Engine is still collected (and its finalizer
+    stops this loop)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = weakref.ref(engine)
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._seqs: list[Seq] = []
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._idle = threading.Event()
+        self.batch_sizes: deque[int] = deque(maxlen=4096)  # rounds' batch sizes, drained by the server's metrics
+        self._thread = threading.Thread(target=self._run, name="hetero-spec-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- callers' side ---------------------------------------------------------------------------------
+    def submit(self, ticket: Ticket, max_batch: int, max_waiting: int) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
+            if len(self._waiting) + len(self._seqs) >= max_batch + max_waiting:
+                raise QueueFullError(f"{len(self._waiting)} requests already wait for a place in the batch "
+                                     f"(serving.max_waiting = {max_waiting}); try again later")
+            self._waiting.append(ticket)
+            self._idle.clear()
+            self._cv.notify()
 
     @property
-    def done(self) -> bool:
-        return bool(self.stats.finish_reason)
+    def running(self) -> int:
+        return len(self._seqs)
 
-    def start(self) -> None:
-        """Prefill the target and start the proposer on the prompt."""
-        self.state = self.target.new_state()
-        self.target.prefill(self.state, self.req.prompt_ids)
-        if self.proposer is not None:
-            self.proposer.begin(self.req.prompt_ids, self.req.params)
-        self.stats.time_prefill_s = time.perf_counter() - self.t_start
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
-    def plan(self) -> int:
-        """0) this round's gamma (before the room left: max_new_tokens, the context)."""
-        policy = self.policy
-        remaining = min(self.req.max_new_tokens - self.generated, self.target.context_len - len(self.ids))
-        if self.proposer is None:
-            return 0
-        if getattr(self.proposer, "chooses_gamma", False) and policy.fixed is None:
-            return min(policy.g_max, remaining - 1)  # draft selection picks each strategy's own gamma
-        return min(policy.choose(), remaining - 1)
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no request runs or waits and the Engine's between-requests work (a re-placement) is done."""
+        return self._idle.wait(timeout_s)
 
-    def arm_probe_window(self) -> None:
-        """A re-probe after rounds at gamma 0: the draft feeds at most PROBE_WINDOW of the tokens committed while
-        it rested (OnnxDrafter.catchup_window), so that a useless draft's probes stay cheap."""
-        if self.policy.probing and hasattr(self.proposer, "catchup_window"):
-            armed = self.proposer.catchup_window  # a prompt window not yet used (draft.prompt_window) stays
-            self.proposer.catchup_window = PROBE_WINDOW if armed is None else min(armed, PROBE_WINDOW)
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """No new requests; waiting ones fail with EngineClosedError, running ones finish. Returns whether the
+        loop ended within wait_s."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
 
-    def propose(self, k: int) -> Draft:
-        """1) propose (2) send is a no-op in process)."""
-        self.arm_probe_window()
-        t = time.perf_counter()
-        if k <= 0:
-            draft = Draft(ids=[])
-        elif self.stop is not None:
-            self.stop.break_even = _break_even(self.tuning, self.policy, k)
-            draft = self.proposer.propose(k, min_confidence=self.stop.threshold())
-            self.stopped_early += draft.stopped_early
-        else:
-            draft = self.proposer.propose(k)
-        self.drafted(time.perf_counter() - t)
-        return draft
+    # -- the loop --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._seqs or self._stopping):
+                    self._idle.set()
+                    self._cv.wait()
+                if self._stopping:
+                    while self._waiting:
+                        self._waiting.popleft().put(EngineClosedError("this Engine was closed before the "
+                                                                      "request started"))
+                    if not self._seqs:
+                        break
+            engine = self._engine()
+            if engine is None:  # collected: its finalizer released the models
+                self._fail_all(EngineClosedError("the Engine was garbage-collected"))
+                return
+            try:
+                self._round(engine)
+            except BaseException as exc:  # noqa: BLE001 - every running request hears of it; the loop goes on
+                log.exception("scheduler: a round failed")
+                self._fail_all(exc)
+            if not self._seqs and not self._waiting:
+                engine.between_requests()  # after the finished callers heard DONE: off their path
+            del engine
+        self._idle.set()
+        engine = self._engine()
+        if engine is not None and engine.closed:  # close() did not wait for the last requests: release now
+            engine.release()
 
-    def drafted(self, seconds: float) -> None:
-        """The time this round's draft took (its share, when several rows drafted together)."""
-        self._draft_s = seconds
-        self.stats.time_draft_s += seconds
+    def _round(self, eng: Engine) -> None:
+        with eng.lock, pinned_thread(eng.loop_cpus):
+            eng.heartbeat()
+            self._admit(eng)
+            for seq in [s for s in self._seqs if s.ticket.cancel.is_set()]:
+                seq.stats.finish_reason = seq.stats.finish_reason or "cancelled"
+                self._end(eng, seq)
+            if self._seqs:
+                self._step(eng)
 
-    def finish(self, draft: Draft, out: Any, verify_s: float | None) -> list[int]:
-        """3b) accept, 4) commit + stop checks, token by token inside the block, 5) adapt. verify_s: the pass's
-        time when it verified this row alone (None in a shared pass: it is not this row's verify cost)."""
-        stats, req = self.stats, self.req
-        n, nxt = decide_block(self.target, self.state, req.params, self.ids, draft, out)
-        stats.record_round(len(draft.ids), n)
-        self.policy.observe(len(draft.ids), n, verify_s,
-                            _draft_token_s(self.proposer, self._draft_s, len(draft.ids)))
-        if self.stop is not None and draft.conf:
-            self.stop.observe(draft.conf, n)
-        emitted, self.generated = commit_tokens(self.ids, [*draft.ids[:n], nxt], req, self.generated,
-                                                self.target.context_len, stats)
-        if not stats.finish_reason and self.proposer is not None:
-            self.proposer.commit(n, nxt)
-        stats.new_tokens = self.generated
-        stats.time_total_s = time.perf_counter() - self.t_start
-        return emitted
+    def _next_waiting(self) -> Ticket | None:
+        """The first waiting request that is still wanted (one cancelled while it waited ends here)."""
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return None
+                ticket = self._waiting.popleft()
+            if not ticket.cancel.is_set():
+                return ticket
+            ticket.stats.finish_reason = "cancelled"
+            ticket.put(DONE)
 
-    def close(self) -> None:
-        """Summaries into stats; free the target state (a batched buffer's slot)."""
-        stats = self.stats
-        stats.time_total_s = time.perf_counter() - self.t_start
-        if self.policy.fixed is None:
-            stats.extra["gamma_auto"] = self.policy.summary()
-        if self.stop is not None:
-            stats.extra["early_stop"] = {**self.stop.summary(), "rounds_stopped_early": self.stopped_early}
-        if hasattr(self.proposer, "summary"):  # draft selection: per-strategy acceptance and cost
-            stats.extra["draft_selection"] = self.proposer.summary()
-        if self.state is not None:
-            release = getattr(self.target, "release_state", None)
-            if release is not None:
-                release(self.state)
-            self.state = None
+    def _admit(self, eng: Engine) -> None:
+        """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit):
+        the source begins (a worker reads the prompt meanwhile), then the target reads the prompt."""
+        while len(self._seqs) < eng.config.serving.max_batch and eng.controller.may_join(len(self._seqs)):
+            ticket = self._next_waiting()
+            if ticket is None:
+                return
+            req, stats = ticket.req, ticket.stats
+            seq = Seq(next(self._ids), ticket,
+                      eng.controller.stream(req.gamma, early_stop=eng.config.speculation.early_stop))
+            stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
+            stats.proposer = eng.source.name if eng.source is not None else "none"
+            try:
+                check_request(req, eng.target.context_len)
+                seq.gamma = eng.controller.initial_gamma(seq.control)
+                if eng.source is not None:
+                    eng.source.begin(seq)
+                seq.state = eng.target.new_state()
+                eng.target.prefill(seq.state, req.prompt_ids)
+            except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
+                self._release(eng, seq)
+                ticket.put(exc)
+                continue
+            stats.time_prefill_s = time.perf_counter() - seq.t_start
+            self._seqs.append(seq)
 
-
-def decode(target: Verifier, proposer: Proposer | None, req: Request, stats: Stats,
-           tuning: Tuning | None = None, early_stop: bool = False) -> Iterator[list[int]]:
-    """Generate tokens for one request; yields each round's committed tokens. Fills stats as it goes.
-    tuning: what the engine learns across requests (gamma: auto, early stop); None: a fresh one.
-    early_stop: end blocks at low draft confidence (proposers that report it: the onnx drafter)."""
-    row = Row(target, proposer, req, stats, tuning, early_stop)
-    try:
-        row.start()
-        while not row.done:
-            k = row.plan()
-            draft = row.propose(k)
-            # 3) verify
+    def _step(self, eng: Engine) -> None:
+        """One round for every running sequence (phases in the module docstring)."""
+        target, source, ctl, seqs = eng.target, eng.source, eng.controller, list(self._seqs)
+        ctx = target.context_len
+        drafts = [Draft(ids=[]) for _ in seqs]
+        if source is not None:
+            # 1) plan
+            ks = ctl.plan([s.control for s in seqs], [s.room(ctx) for s in seqs], source.chooses_gamma)
+            for s, k in zip(seqs, ks):
+                s.gamma, s.probing = s.control.gamma, s.control.probing
+                s.min_confidence = ctl.min_confidence(s.control, k)
+            # 2) propose
+            budget = ctl.wait_budget(max(ks), max(0.001, max(s.stats.time_prefill_s for s in seqs)))
             t = time.perf_counter()
-            out = target.verify(row.state, row.ids[-1], draft.ids, req.params.greedy)
-            verify_s = time.perf_counter() - t
-            stats.time_verify_s += verify_s
-            yield row.finish(draft, out, verify_s)
-    finally:
-        row.close()
+            drafts = source.propose(seqs, ks, budget)
+            share = (time.perf_counter() - t) / len(seqs)
+            for s in seqs:
+                if source.layout == "in_process":
+                    s.stats.time_draft_s += share
+                else:
+                    s.stats.time_wait_s += share
+        # 3) verify
+        t0 = time.monotonic()
+        outs = target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
+                                   [s.params.greedy for s in seqs])
+        t1 = time.monotonic()
+        verify_s = t1 - t0
+        self.batch_sizes.append(len(seqs))
+        ctl.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
+                         not any(d.ids for d in drafts), verify_s)
+        for seq, draft, out in zip(seqs, drafts, outs):
+            try:  # 4) accept, commit + stop checks; 5) observe
+                self._finish_round(eng, seq, draft, out, verify_s, (t0, t1))
+            except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
+                log.exception("scheduler: request %d failed", seq.id)
+                self._end(eng, seq, exc)
+                continue
+            if seq.stats.finish_reason:
+                self._end(eng, seq)
+        if source is not None:
+            c = source.costs()
+            ctl.observe_costs(c.token_s, c.transfer_s)
+
+    def _finish_round(self, eng: Engine, seq: Seq, draft: Draft, out: Any, verify_s: float,
+                      span: tuple[float, float]) -> None:
+        stats, req, n_rows = seq.stats, seq.req, len(self._seqs)
+        stats.time_verify_s += verify_s
+        if eng.config.runtime.trace:
+            seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
+        n, nxt = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
+        stats.record_round(len(draft.ids), n)
+        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None, draft.conf)
+        if draft.shadow:
+            eng.controller.observe_shadow(*draft.shadow)
+        seq.control.stopped_early += draft.stopped_early
+        emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:n], nxt], req, seq.generated,
+                                               eng.target.context_len, stats)
+        if not stats.finish_reason and eng.source is not None:
+            eng.source.commit(seq, n, nxt)
+        stats.new_tokens = seq.generated
+        stats.time_total_s = time.perf_counter() - seq.t_start
+        if n_rows > 1:
+            seq.batched_rounds += 1
+            seq.largest_batch = max(seq.largest_batch, n_rows)
+        seq.ticket.put(emitted)
+
+    def _release(self, eng: Engine, seq: Seq) -> dict:
+        """Free the sequence's draft state and its target state (a KV slot); the source's summary of it."""
+        extra: dict = {}
+        try:
+            if eng.source is not None:
+                extra = eng.source.end(seq)
+        finally:
+            if seq.state is not None:
+                eng.target.release_state(seq.state)
+                seq.state = None
+        return extra
+
+    def _end(self, eng: Engine, seq: Seq, exc: BaseException | None = None) -> None:
+        """The sequence leaves: summaries into its stats, its states freed, DONE (or the error) to its caller."""
+        self._seqs = [s for s in self._seqs if s is not seq]
+        stats, ctl = seq.stats, eng.controller
+        stats.time_total_s = time.perf_counter() - seq.t_start
+        if seq.control.fixed is None and eng.source is not None:
+            stats.extra["gamma_auto"] = ctl.summary(seq.control)
+        if seq.control.early_stop:
+            stats.extra["early_stop"] = ctl.early_stop_summary(seq.control)
+        try:
+            extra = self._release(eng, seq)
+        except Exception as err:  # noqa: BLE001 - freeing what is left; the request's own outcome stands
+            log.exception("scheduler: releasing request %d", seq.id)
+            extra, exc = {}, exc or err
+        timeline = extra.pop("timeline", None)
+        stats.extra.update(extra)
+        if eng.config.runtime.trace:
+            stats.extra["timeline"] = {"verify": seq.trace, **(timeline or {})}
+        if seq.batched_rounds:
+            stats.extra["batch"] = {"rounds_batched": seq.batched_rounds, "largest_batch": seq.largest_batch,
+                                    "last_plan": ctl.last_plan}
+        seq.ticket.put(exc if exc is not None else DONE)
+        if exc is None:
+            eng.request_done(stats, batched=seq.batched_rounds > 0)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        eng = self._engine()
+        for seq in list(self._seqs):
+            if eng is None:
+                seq.ticket.put(exc)
+                continue
+            self._end(eng, seq, exc)
+        self._seqs = []

@@ -24,6 +24,20 @@ def no_observed_goodput(monkeypatch):
     monkeypatch.setattr(Engine, "OBSERVE_MIN_TOKENS", 10**9)
 
 
+@pytest.fixture
+def slow_draft(monkeypatch):
+    """slow_draft(ms): draft worker processes started from now on take ms longer per drafted token
+    (tests/fixtures/slowdraft/sitecustomize.py, on their PYTHONPATH)."""
+    here = Path(__file__).resolve().parent
+
+    def slow(ms: float) -> None:
+        monkeypatch.setenv("HETERO_SPEC_TEST_DRAFT_DELAY_MS", str(ms))
+        paths = [str(here / "fixtures" / "slowdraft"), str(here.parent), os.environ.get("PYTHONPATH", "")]
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+
+    return slow
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -1,4 +1,4 @@
-"""Continuous batching: requests decoded together (batch.py) give each exactly its solo output, with mixed
+"""Continuous batching: requests decoded together (scheduler.py) give each exactly its solo output, with mixed
 accepted lengths, joins, leaves and cancellations, on both target backends; batched verification itself
 (torch: one padded pass; onnx: one-token rows of a KvPool in one pass); the batch plan on constructed costs.
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from hetero_spec import Engine
-from hetero_spec.batch import DONE
+from hetero_spec.scheduler import DONE
 from hetero_spec.errors import EngineClosedError
-from hetero_spec.tuning.batching import SharedPassCost, may_join, plan_batch
+from hetero_spec.tuning.controller import Controller, SharedPassCost, Tuning
 from hetero_spec.tuning.profile import recommended_batch
 from hetero_spec.tuning.cost_model import CostModel
 
@@ -63,11 +63,11 @@ class Collect:
 @contextmanager
 def held(eng: Engine):
     """The scheduler waits at its next round until the block ends: what is submitted inside starts together."""
-    eng._lock.acquire()
+    eng.lock.acquire()
     try:
         yield
     finally:
-        eng._lock.release()
+        eng.lock.release()
 
 
 def _req(i: int) -> dict:
@@ -114,7 +114,7 @@ def test_batched_requests_equal_their_solo_runs(llama_target, llama_random_onnx,
         solo = {i: eng.generate(PROMPTS[i], **_req(i)).token_ids for i in range(5)}
         steps = []  # the draft model's runs shared by several requests
         if draft is not None:
-            dec = eng.proposer.decoder
+            dec = eng.source.proposer.decoder
             real = dec.append_batch
             dec.append_batch = lambda states, toks: steps.append(len(states)) or real(states, toks)
         sinks, stats = _run_batch(eng)
@@ -154,7 +154,7 @@ def test_stopping_fails_the_waiting_requests_and_finishes_the_running_one(llama_
     eng = Engine.from_config(_cfg(llama_target, None, "torch", max_batch=1))
     # the scheduler is told to stop (as close() does) after the first request's first round, while the
     # second waits for its place (max_batch 1)
-    first = Collect(on_chunk=lambda n: eng._scheduler.stop() if n == 1 else None)
+    first = Collect(on_chunk=lambda n: eng.close(wait_s=0) if n == 1 else None)
     second = Collect()
     with held(eng):
         eng.submit(PROMPTS[0], first, max_new_tokens=8)
@@ -164,7 +164,7 @@ def test_stopping_fails_the_waiting_requests_and_finishes_the_running_one(llama_
     with pytest.raises(EngineClosedError):
         eng.generate(PROMPTS[0], max_new_tokens=2)
     eng.close()
-    assert not eng._scheduler._thread.is_alive()
+    assert eng.wait_idle(60)
 
 
 def test_async_api_equals_generate(llama_target):
@@ -282,22 +282,26 @@ CPU = CostModel(verify_fixed_s=1e-3, verify_per_token_s=1e-4, draft_token_s=2e-4
 GPU = CostModel(verify_fixed_s=10e-3, verify_per_token_s=1e-5, draft_token_s=5e-4)  # bandwidth-bound verify
 
 
+def plan(model, ks, acc, batch_blocks, together=False, shared=None):
+    ctl = Controller(Tuning(profile=model, shared=shared or SharedPassCost()), "in_process", batch_blocks)
+    return ctl.plan_batch(ks, acc, together), ctl
+
+
 def test_plan_turns_speculation_off_for_a_compute_bound_batch_and_keeps_it_when_verify_is_flat():
-    shared = SharedPassCost()
-    plan = plan_batch([4] * 8, [0.8] * 8, CPU, shared, batch_blocks=False)
-    assert plan.gammas == [0] * 8 and plan.plain_rate > plan.spec_rate
-    plan = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True)
-    assert plan.gammas == [4] * 8 and plan.spec_rate > plan.plain_rate
+    ks, ctl = plan(CPU, [4] * 8, [0.8] * 8, batch_blocks=False)
+    assert ks == [0] * 8 and ctl.last_rates[1] > ctl.last_rates[0]
+    ks, ctl = plan(GPU, [4] * 8, [0.8] * 8, batch_blocks=True)
+    assert ks == [4] * 8 and ctl.last_rates[0] > ctl.last_rates[1]
     # drafting together makes speculation cheaper than drafting in turn
-    apart = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True)
-    together = plan_batch([4] * 8, [0.8] * 8, GPU, shared, batch_blocks=True, draft_together=True)
-    assert together.spec_rate > apart.spec_rate
+    apart = plan(GPU, [4] * 8, [0.8] * 8, True)[1].last_rates[0]
+    together = plan(GPU, [4] * 8, [0.8] * 8, True, together=True)[1].last_rates[0]
+    assert together > apart
     # acceptance 0: drafting never pays, even on the flat verify
-    assert plan_batch([4] * 8, [0.0] * 8, GPU, shared, batch_blocks=True).gammas == [0] * 8
+    assert plan(GPU, [4] * 8, [0.0] * 8, True)[0] == [0] * 8
     # one row, nothing measured, or no drafts: the rows' own choices
-    assert plan_batch([4], [0.8], CPU, shared, False).gammas == [4]
-    assert plan_batch([4, 2], [0.8, 0.8], None, shared, False).gammas == [4, 2]
-    assert plan_batch([0, 0], [0.8, 0.8], CPU, shared, False).gammas == [0, 0]
+    assert plan(CPU, [4], [0.8], False)[0] == [4]
+    assert plan(None, [4, 2], [0.8, 0.8], False)[0] == [4, 2]
+    assert plan(CPU, [0, 0], [0.8, 0.8], False)[0] == [0, 0]
 
 
 def test_plan_uses_the_measured_shared_pass_once_two_sizes_are_seen():
@@ -308,16 +312,31 @@ def test_plan_uses_the_measured_shared_pass_once_two_sizes_are_seen():
         shared.observe(8, 0.040)  # a machine where a shared pass costs 5 ms per row
     assert shared.cost(4, CPU) == pytest.approx(0.020)
     # now a shared pass is dear: speculating each row alone beats it
-    assert plan_batch([4] * 8, [0.8] * 8, CPU, shared, batch_blocks=False).gammas == [4] * 8
+    assert plan(CPU, [4] * 8, [0.8] * 8, False, shared=shared)[0] == [4] * 8
+
+
+def test_a_plain_plan_holds_for_an_unchanged_batch_then_is_asked_again():
+    from hetero_spec.tuning.controller import PLAIN_HOLD
+
+    ctl = Controller(Tuning(profile=CPU, prior_acceptance=0.8), "in_process", batch_blocks=False)
+    streams = [ctl.stream("auto") for _ in range(8)]
+    assert ctl.plan(streams, [100] * 8) == [0] * 8 and "one shared pass" in ctl.last_plan
+    for _ in range(PLAIN_HOLD):  # held: no row's gamma is searched
+        assert ctl.plan(streams, [100] * 8) == [0] * 8
+    rounds = streams[0]._round
+    ctl.plan(streams, [100] * 8)
+    assert streams[0]._round == rounds + 1  # asked again
 
 
 def test_latency_mode_holds_a_request_back_when_it_would_slow_the_batch():
-    shared = SharedPassCost()
-    assert may_join(7, "throughput", CPU, shared)
-    assert may_join(0, "latency", CPU, shared)
+    def may_join(n, mode):
+        return Controller(Tuning(profile=CPU), "in_process", False, mode).may_join(n)
+
+    assert may_join(7, "throughput")
+    assert may_join(0, "latency")
     # CPU: verify(0) = 1.1 ms alone; a shared pass of n rows ~ 1 + 0.1 n ms: joins until 1.5 x 1.1 ms
-    assert may_join(5, "latency", CPU, shared)
-    assert not may_join(6, "latency", CPU, shared)
+    assert may_join(5, "latency")
+    assert not may_join(6, "latency")
 
 
 def test_recommended_batch_is_where_throughput_stops_growing():
@@ -328,59 +347,22 @@ def test_recommended_batch_is_where_throughput_stops_growing():
     assert recommended_batch([(1, 1.0)]) == 1
 
 
-def test_two_process_requests_take_turns_drafted_by_one_worker(llama_target, llama_copy_onnx):
-    """two_process with a real worker process: requests started together take turns, a round each, while the
-    one worker drafts for all of them (a stream each); each output equals its own solo run. With
-    serving.two_process: shared (what auto picks when shared passes without drafts are predicted faster), they
-    run as a batch of target-only rows instead."""
+def test_two_process_requests_share_rounds_drafted_by_one_worker(llama_target, llama_copy_onnx):
+    """two_process with a real worker process: requests started together run as one batch while the one worker
+    drafts for all of them (a stream each); each output equals its own solo run."""
     from hetero_spec.metrics import Stats
-    from tests.fixtures.memworker import FixedGate
+    from tests.fixtures.memworker import FixedController
 
     cfg = {**_cfg(llama_target, llama_copy_onnx, "torch"),
-           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4},
-           # not auto: that choice follows costs measured on this machine, and load changes them
-           "serving": {"two_process": "turns"}}
-    with Engine.from_config(cfg) as eng:
-        # held on, waiting for each block: on a loaded machine the default gate may turn a slow worker off
-        eng.runtime.make_gate = lambda: FixedGate("on", budget_s=60.0)
+           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0}, "speculation": {"gamma": 4}}
+    # held on, waiting for each block: on a loaded machine a slow worker would otherwise be waited for less
+    with Engine.from_config(cfg, controller=FixedController.factory("on", budget_s=60.0)) as eng:
         alone = [eng.generate(p, max_new_tokens=12) for p in PROMPTS[:3]]
-        assert all("gate" in o.stats["extra"] and o.stats["drafted"] > 0 for o in alone)  # pipelined
-
-        def together():
-            sinks, stats = [Collect() for _ in range(3)], [Stats() for _ in range(3)]
-            with held(eng):
-                for p, sink, st in zip(PROMPTS[:3], sinks, stats):
-                    eng.submit(p, sink, stats=st, max_new_tokens=12)
-            assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
-            return stats
-
-        stats = together()
-        assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_taking_turns"] > 0
-                   and st.drafted > 0 and "gate" in st.extra for st in stats)
-        eng.config.serving.two_process = "shared"  # as if shared passes were predicted faster
-        stats = together()
-        assert all(st.extra["batch"]["largest_batch"] == 3 and st.drafted == 0 for st in stats)
-        # alone again: the worker drafts it
-        assert "gate" in eng.generate(PROMPTS[0], max_new_tokens=12).stats["extra"]
-
-
-def test_streams_or_rows_follows_the_costs():
-    from hetero_spec.tuning.batching import SharedPassCost, interleaved_rate, streams_or_rows
-    from hetero_spec.tuning.cost_model import CostModel
-
-    # a CPU: one-thread verify 4 ms + 0.3 ms a token; a shared pass of B rows 4 + 0.6 B ms; draft 1 ms a token
-    model = CostModel(verify_fixed_s=0.004, verify_per_token_s=0.0003, draft_token_s=0.001)
-    shared = SharedPassCost()
-    for b in (1, 2, 4, 8):
-        shared.observe(b, 0.004 + 0.0006 * b)
-    g, rate = interleaved_rate(0.8, model)
-    assert g >= 2 and rate > 1 / model.verify(0)
-    assert streams_or_rows(1, 0.8, model, shared)[0]  # one request: always the worker
-    assert streams_or_rows(2, 0.8, model, shared)[0]  # 2 / 5.2 ms shared < drafted turns
-    turns, why = streams_or_rows(8, 0.8, model, shared)  # 8 / 8.8 ms shared: more than turns make
-    assert not turns and "shared passes" in why
-    assert streams_or_rows(8, 0.8, None, shared)[0]  # no costs yet: the worker drafts
-    # a draft slower than verification bounds the turns by drafting: g d, not V(g)
-    slow = CostModel(verify_fixed_s=0.004, verify_per_token_s=0.0003, draft_token_s=0.008)
-    assert interleaved_rate(0.8, slow)[1] < rate
-    assert interleaved_rate(0.0, model) == (0, pytest.approx(1 / model.verify(0)))
+        assert all(o.stats["proposer"] == "onnx-pipelined" and o.stats["drafted"] > 0 for o in alone)
+        sinks, stats = [Collect() for _ in range(3)], [Stats() for _ in range(3)]
+        with held(eng):
+            for p, sink, st in zip(PROMPTS[:3], sinks, stats):
+                eng.submit(p, sink, stats=st, max_new_tokens=12)
+        assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
+        assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_batched"] > 0
+                   and st.drafted > 0 for st in stats)

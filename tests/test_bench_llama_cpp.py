@@ -5,7 +5,8 @@ arguments against the flags the real tools take (common/arg.cpp of the vendored 
 print llama.cpp's real output: the timing lines in the exact printf formats of common/sampling.cpp
 (common_perf_print) and examples/speculative-simple/speculative-simple.cpp (LOG_INF), with the log prefix the
 real tools print, and the text on stdout the way each tool prints it. Their clock is fake and depends on the
-draft length only, so the calibrated --spec-draft-n-max is known in advance: no wall-clock outcome is asserted.
+draft length only (not the threads), so the calibrated setting is known in advance: no wall-clock outcome is
+asserted.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import json
 import stat
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hetero_spec.bench import BenchSettings, run_bench
 from hetero_spec.bench import llama_cpp as lc
-from hetero_spec.bench.systems import cores
+from hetero_spec.bench.harness import thread_options
 from tests.test_bench import copy_config  # noqa: F401 - the same tiny copy-draft config (a fixture)
 
 PROMPTS = [[5, 17, 33, 40, 41, 99, 100, 7], [200, 201, 202, 5, 6, 7, 8, 9, 10, 11]]
@@ -100,8 +102,6 @@ def fake_bin(tmp_path, monkeypatch) -> Path:
 def calls(tmp_path: Path) -> list[dict]:
     log = tmp_path / "calls.jsonl"
     return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-
-
 
 
 @pytest.fixture()
@@ -199,32 +199,30 @@ def test_gguf_of(tmp_path):
 
 # -- in the bench ---------------------------------------------------------------------------------------
 def test_without_llama_cpp_the_systems_are_skipped_in_one_line(tmp_path, copy_config, capsys):
-    names = ["llama_cpp_target_only", "llama_cpp_target_only_all_cores", "llama_cpp_spec", "llama_cpp_spec_all_cores"]
+    names = ["llama_cpp_target_only", "llama_cpp_spec"]
     out = tmp_path / "b"
     report = run_bench(BenchSettings(config=copy_config, out=out, prompts=1, max_new_tokens=4, systems=names),
                        prompt_ids=PROMPTS)
-    for n in names:
-        e = _entry(report, n)
-        assert e["status"] == "skipped" and e["reason"].startswith("no --llama-cpp BIN_DIR"), e
+    reasons = {_entry(report, n)["status"] + ": " + _entry(report, n)["reason"] for n in names}
+    (reason,) = reasons
+    assert reason.startswith("skipped: no --llama-cpp BIN_DIR")
     err = [line for line in capsys.readouterr().err.splitlines() if "skipping" in line]
-    assert err == [f"bench: skipping {', '.join(names)}: {report['systems'][0]['reason']}"]
-    md = (out / "bench.md").read_text()
-    assert md.count("skipped") == 1 and f"- skipped {', '.join(names)}: no --llama-cpp" in md
+    assert err == [f"bench: skipping {', '.join(names)}: {reason[len('skipped: '):]}"]
+    assert f"- skipped {', '.join(names)}: no --llama-cpp" in (out / "bench.md").read_text()
 
 
 def test_unavailable_reasons(tmp_path, copy_config, fake_bin, ggufs):
-    from types import SimpleNamespace
-
     from hetero_spec.config import load_config
 
-    cfg = load_config(copy_config)
-    ctx = SimpleNamespace(config=cfg, llama_cpp=tmp_path, llama_cpp_target=ggufs[0], llama_cpp_draft=None)
+    ctx = SimpleNamespace(config=load_config(copy_config), llama_cpp=tmp_path, llama_cpp_target=ggufs[0],
+                          llama_cpp_draft=None)
     assert "llama-completion not found" in lc.LlamaCppTargetOnly.unavailable(ctx)
     ctx.llama_cpp = fake_bin
     assert lc.LlamaCppTargetOnly.unavailable(ctx) is None
     assert "no GGUF of the draft" in lc.LlamaCppSpec.unavailable(ctx)  # the config's draft is an ONNX export
+    ctx.llama_cpp_draft = tmp_path / "missing.gguf"
+    assert "missing.gguf does not exist" in lc.LlamaCppSpec.unavailable(ctx)
     ctx.llama_cpp_target = None
-    assert "no GGUF of the target" in lc.LlamaCppTargetOnly.unavailable(ctx)
     assert "--llama-cpp-target" in lc.LlamaCppTargetOnly.unavailable(ctx)
 
 
@@ -232,48 +230,40 @@ def test_bench_runs_the_fake_tools(tmp_path, copy_config, fake_bin, ggufs, llama
     """A whole bench with the fake tools: arguments, prompt text, calibration, own clock, cut outputs."""
     from transformers import AutoTokenizer
 
-    names = ["llama_cpp_target_only", "llama_cpp_target_only_all_cores", "llama_cpp_spec", "llama_cpp_spec_all_cores"]
-    max_new = 8
+    names, max_new = ["llama_cpp_target_only", "llama_cpp_spec"], 8
     report = run_bench(BenchSettings(config=copy_config, out=tmp_path / "b", prompts=2, max_new_tokens=max_new,
                                      systems=["target_only", *names], gammas=(2, 3, 4), llama_cpp=fake_bin,
                                      llama_cpp_target=ggufs[0], llama_cpp_draft=ggufs[1]),
                        prompt_ids=PROMPTS)
     tok = AutoTokenizer.from_pretrained(llama_target)
-    expected = tok.encode(GENERATED, add_special_tokens=False)[:max_new]
+    digest = hashlib.sha1(str(tok.encode(GENERATED, add_special_tokens=False)[:max_new]).encode()).hexdigest()[:12]
+    threads = thread_options()
     for n in names:
         e = _entry(report, n)
         assert e["status"] == "ok", (n, e["reason"])
         assert e["extra"]["backend"] == "llama.cpp" and e["extra"]["target_gguf"] == str(ggufs[0])
-        assert e["extra"]["target_threads"] == (cores() if n.endswith("all_cores") else 1)
-        assert [p["new_tokens"] for p in e["per_prompt"]] == [max_new, max_new]
-        assert e["speedup_vs_target_only"] is not None
-    for n in ("llama_cpp_spec", "llama_cpp_spec_all_cores"):
-        e = _entry(report, n)
-        assert e["extra"]["gamma"] == BEST_K and set(e["extra"]["calibration_s"]) == {"2", "3", "4"}
-        assert e["identical_to_llama_cpp_target_only"] is True
-        assert e["acceptance_rate"] == pytest.approx((3 * 13 // 5) / (4 * 13 // 5))  # n_accept / n_drafted
-        for p, prompt in zip(e["per_prompt"], PROMPTS):
-            s = p["stats"]
-            assert s["decoded_tokens"] == max_new + 5 and s["counted_tokens"] == max_new
-            # the fake's own clock, decode scaled to the max_new tokens compared: not the process's wall time
-            dec = 0.01 * (max_new + 5) * 1 * max_new / (max_new + 5)
-            assert p["wall_s"] == pytest.approx(round(s["prefill_s"] + dec, 6), abs=1e-6)
-    base = _entry(report, "llama_cpp_target_only")
-    p0 = base["per_prompt"][0]
+        assert e["extra"]["target_threads"] == 1  # the fake's clock ignores threads: the first one wins the tie
+        assert [p["new_tokens"] for p in e["per_prompt"]] == [max_new, max_new] and e["speedup_vs_target_only"]
+        # the outputs are the fake's text, encoded again with the target's tokenizer and cut at max_new
+        assert all(p["token_ids_hash"] == digest for p in e["per_prompt"])
+    spec = _entry(report, "llama_cpp_spec")
+    assert spec["extra"]["gamma"] == BEST_K and set(spec["extra"]["calibration_s"]) == \
+        {f"{t} {k}" for t in threads for k in (2, 3, 4)}
+    assert spec["identical_to_llama_cpp_target_only"] == 2 and spec["extra"]["draft_gguf"] == str(ggufs[1])
+    assert spec["acceptance_rate"] == pytest.approx((3 * 13 // 5) / (4 * 13 // 5))  # n_accept / n_drafted
+    for p in spec["per_prompt"]:
+        s = p["stats"]
+        assert s["decoded_tokens"] == max_new + 5 and s["counted_tokens"] == max_new
+        # the fake's own clock, decode scaled to the max_new tokens compared: not the process's wall time
+        assert p["wall_s"] == pytest.approx(round(s["prefill_s"] + 0.01 * max_new, 6), abs=1e-6)
+    p0 = _entry(report, "llama_cpp_target_only")["per_prompt"][0]
     assert p0["wall_s"] == pytest.approx((2.0 * p0["stats"]["prompt_tokens"] + 10.0 * (max_new - 1)) / 1e3)
     run = calls(tmp_path)
     spec_calls = [c for c in run if c["tool"] == "llama-speculative-simple"]
-    assert {c["args"]["--spec-draft-n-max"] for c in spec_calls} == {"2", "3", "4"}  # calibration, then best
+    assert {(c["args"]["-td"], c["args"]["--spec-draft-n-max"]) for c in spec_calls} == \
+        {(str(t), str(k)) for t in threads for k in (2, 3, 4)}  # calibration, then the best
     assert all(c["args"]["-md"] == str(ggufs[1]) for c in spec_calls)
-    timed = [c for c in spec_calls if c["args"]["--spec-draft-n-max"] == str(BEST_K)]
-    assert {c["args"]["-td"] for c in timed} == {"1", str(cores())}
-    texts = {c["prompt"] for c in run}
-    assert texts == {tok.decode(p, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                     for p in PROMPTS}  # the bench's ids, as text, through -f
-    for c in run:
-        assert int(c["args"]["-c"]) >= max(len(p) for p in PROMPTS) + max_new
-    md = (tmp_path / "b" / "bench.md").read_text()
-    assert "| llama_cpp_spec | llama.cpp |" in md
-    # the outputs are the fake's text, encoded again with the target's tokenizer and cut at max_new
-    digest = hashlib.sha1(str(expected).encode()).hexdigest()[:12]
-    assert all(p["token_ids_hash"] == digest for n in names for p in _entry(report, n)["per_prompt"])
+    assert {c["prompt"] for c in run} == {tok.decode(p, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                                         for p in PROMPTS}  # the bench's ids, as text, through -f
+    assert all(int(c["args"]["-c"]) >= max(map(len, PROMPTS)) + max_new for c in run)
+    assert "| llama_cpp_spec | llama.cpp |" in (tmp_path / "b" / "bench.md").read_text()

@@ -60,10 +60,10 @@ def test_prompt_window_in_process_identity(llama_target, llama_random_onnx):
     """draft.prompt_window: the engine's drafter (and each request's, spawned from it) reads only the prompt's
     last 3 tokens; output is identical to the target alone, for a draft that is corrected nearly every round."""
     with _engine(llama_target, "onnx", llama_random_onnx, **{"draft.prompt_window": 3}) as eng:
-        assert eng.proposer.prompt_window == 3 and eng.proposer.spawn().prompt_window == 3
+        assert eng.source.proposer.prompt_window == 3 and eng.source.proposer.spawn().prompt_window == 3
     with _engine(llama_target, "onnx", llama_random_onnx, **{"draft.candidates": ["onnx", "ngram"]}) as eng:
-        assert eng.proposer.candidates["onnx"].prompt_window == 32  # auto, with a lookup next to the model
-        assert eng.proposer.spawn().candidates["onnx"].prompt_window == 32
+        assert eng.source.proposer.candidates["onnx"].prompt_window == 32  # auto, with a lookup next to the model
+        assert eng.source.proposer.spawn().candidates["onnx"].prompt_window == 32
         out = eng.generate(PROMPTS[1], max_new_tokens=MAX_NEW, gamma=3)
         assert out.token_ids == hf_greedy(llama_target, PROMPTS[1], MAX_NEW)
         for prompt in PROMPTS:

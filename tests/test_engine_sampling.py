@@ -42,7 +42,7 @@ def test_first_token_distribution_matches_target(llama_target, llama_random_onnx
     p = _target_p(llama_target)
     cfg = {"target": {"model": str(llama_target), "dtype": "float32"},
            "draft": {"kind": "onnx", "model": str(llama_random_onnx)}, "speculation": {"sampling": sampling},
-           "runtime": {"mode": mode, "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 1e6}}
+           "runtime": {"mode": mode, "pin_cpus": False, "heartbeat_s": 1e6}}
     counts = np.zeros_like(p, dtype=np.int64)
     drafted = 0
     if mode == "two_process":

@@ -14,7 +14,7 @@ PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 
 
 
 def _cfg(mode, target, draft):
-    rt = {"mode": mode, "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0}
+    rt = {"mode": mode, "pin_cpus": False, "heartbeat_s": 120.0}
     return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
 
@@ -75,8 +75,8 @@ def test_health_during_a_request_does_not_disturb_it(llama_target, llama_copy_on
 
     with Engine.from_config(_cfg("two_process", llama_target, llama_copy_onnx)) as eng:
         pings = []
-        real_health = eng.runtime.sup.health
-        eng.runtime.sup.health = lambda *a, **k: pings.append(1) or real_health(*a, **k)
+        real_health = eng.source.sup.health
+        eng.source.sup.health = lambda *a, **k: pings.append(1) or real_health(*a, **k)
         # during a round: the sink runs in the scheduler's thread, which holds the Engine until we are done
         asked, answered, seen = threading.Event(), threading.Event(), []
 

@@ -21,7 +21,7 @@ PROMPT = [5, 17, 33, 2, 99, 100, 7]
 
 
 def _cfg(target, draft, **runtime):
-    rt = {"mode": "two_process", "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0, **runtime}
+    rt = {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0, **runtime}
     return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
 
@@ -41,8 +41,8 @@ def _wait_dead(pid: int, timeout_s: float = 30.0) -> bool:
 
 def test_dropped_engine_shuts_its_worker_down(llama_target, llama_copy_onnx):
     eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx))
-    pid = eng.runtime.sup.current().proc.pid
-    private = eng.runtime.sup._server.dir
+    pid = eng.source.sup.current().proc.pid
+    private = eng.source.sup._server.dir
     del eng
     gc.collect()
     assert _wait_dead(pid), "the worker outlived its Engine"
@@ -51,10 +51,10 @@ def test_dropped_engine_shuts_its_worker_down(llama_target, llama_copy_onnx):
 
 def test_worker_ignores_sigint_and_close_then_generate_is_an_error(llama_target, llama_copy_onnx):
     eng = Engine.from_config(_cfg(llama_target, llama_copy_onnx))
-    w = eng.runtime.sup.current()
+    w = eng.source.sup.current()
     os.kill(w.proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group at a terminal
     out = eng.generate(PROMPT, max_new_tokens=20, gamma=3)
-    assert w.proc.poll() is None and eng.runtime.sup.current() is w and eng.runtime.sup.failures == 0
+    assert w.proc.poll() is None and eng.source.sup.current() is w and eng.source.sup.failures == 0
     assert out.token_ids == hf_greedy(llama_target, PROMPT, 20)
     eng.close()
     assert _wait_dead(w.proc.pid)
@@ -112,9 +112,9 @@ def test_two_curve_engines_generate_at_once_with_private_dirs(llama_target, llam
 
 def test_ipc_socket_and_log_are_in_the_private_dir(llama_target, llama_copy_onnx):
     with Engine.from_config(_cfg(llama_target, llama_copy_onnx)) as eng:
-        d = eng.runtime.sup._server.dir
+        d = eng.source.sup._server.dir
         assert sorted(os.listdir(d)) == ["worker-1.log", "worker-1.sock"]
-        assert eng.runtime.sup.current().channel.endpoint == f"ipc://{d}/worker-1.sock"
+        assert eng.source.sup.current().channel.endpoint == f"ipc://{d}/worker-1.sock"
     assert not os.path.exists(d)
 
 
@@ -133,7 +133,7 @@ def test_configured_curve_keys_beyond_loopback(tmp_path, llama_target, llama_cop
     keys = CurveKeys.load(keys_dir)
     with Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", curve_keys=str(keys_dir))) as eng:
         assert eng.generate(PROMPT, max_new_tokens=12, gamma=3).token_ids == hf_greedy(llama_target, PROMPT, 12)
-        server = eng.runtime.sup._server
+        server = eng.source.sup._server
         assert server._keys.keys == {keys.client_public}
     with pytest.raises(ConfigError, match="runtime.host"):
         Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", host="0.0.0.0"))

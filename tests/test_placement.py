@@ -104,7 +104,7 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
         assert eng.placement["chosen"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
         assert eng.config.speculation.early_stop is False  # in process only: off in the chosen layout
         assert eng.placement["why"].startswith("best predicted goodput at acceptance 0.900 (profile")
-        assert eng.runtime is not None  # the worker runs
+        assert eng.source.layout == "two_process"  # the worker runs
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
 
 
@@ -143,7 +143,7 @@ def test_demo_config_end_to_end(monkeypatch, tmp_path):
         refs = [ref.generate(p, max_new_tokens=40).token_ids for p in prompts]
     with Engine.from_config(demo) as eng:
         assert eng.placement["chosen"]["mode"] in ("in_process", "two_process")
-        assert (eng.runtime is not None) == (eng.placement["chosen"]["mode"] == "two_process")
+        assert (eng.source.layout == "two_process") == (eng.placement["chosen"]["mode"] == "two_process")
         outs = [eng.generate(p, max_new_tokens=40) for p in prompts]
     assert [o.token_ids for o in outs] == refs
     assert all("gamma_auto" in o.stats["extra"] for o in outs)
@@ -169,7 +169,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
     with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
         refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
     with Engine.from_config(cfg) as eng:
-        assert eng.placement["chosen"]["mode"] == "two_process" and eng.runtime is not None
+        assert eng.placement["chosen"]["mode"] == "two_process" and eng.source.layout == "two_process"
         # the gate held on, waiting for every block: whether a draft arrives within a verification's time, or
         # the gate turns off or probes at a request's end, depends on the machine's load; here every round
         # tests its block, so the acceptance is measured after the same rounds on any machine
@@ -181,7 +181,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
         sw = eng.placement["switches"]
         assert len(sw) == 1 and sw[0]["to"]["mode"] == "in_process" and sw[0]["to"]["target_threads"] == 2
         assert "measured acceptance" in sw[0]["why"]
-        assert eng.runtime is None and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
+        assert eng.source.layout == "in_process" and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
         assert eng.tuning.profile is None  # the profile's costs were for the old layout
         # gamma auto restarted from the new layout's measured costs: the first points after the reset are the
         # seeded ones (blocks of 1 and 9 tokens, twice each), whatever ran after the switch
@@ -208,15 +208,15 @@ def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkey
     cfg = {"target": target, "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
            "speculation": {"gamma": 4, "profile": str(prof)},
            # the gate held on: on a loaded machine a slow transfer could turn it off and move the layout back
-           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0, "gate": {"enabled": False}}}
+           "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
     with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
         refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
     with Engine.from_config(cfg) as eng:
-        assert eng.placement["chosen"]["mode"] == "in_process" and eng.runtime is None
+        assert eng.placement["chosen"]["mode"] == "in_process" and eng.source.layout == "in_process"
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
         sw = eng.placement["switches"]
         assert len(sw) == 1 and sw[0]["to"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
-        assert eng.runtime is not None
+        assert eng.source.layout == "two_process"
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
 
 

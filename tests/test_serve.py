@@ -323,7 +323,7 @@ def test_health_fails_when_the_worker_is_killed_or_hung(llama_target, llama_copy
     srv = Server(create_app(eng, MODEL, health_timeout_s=1.0))
     try:
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
-        w = eng.runtime.sup.current()
+        w = eng.source.sup.current()
         os.kill(w.proc.pid, signal.SIGSTOP)  # hung: alive, but it answers nothing
         try:
             r = httpx.get(srv.url + "/health", timeout=30)

@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
 
 def _cfg(target, draft, **runtime):
     # a generous heartbeat: on a loaded machine a slow Pong must not count as a hung worker here
-    rt = {"mode": "two_process", "pin_cpus": False, "gate": {"enabled": False}, "heartbeat_s": 120.0, **runtime}
+    rt = {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 120.0, **runtime}
     return {"target": {"model": str(target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(draft)}, "runtime": rt}
 
@@ -75,7 +75,7 @@ def test_prompt_window_reaches_the_worker_and_output_stays_identical(llama_targe
     cfg = _cfg(llama_target, llama_random_onnx)
     cfg["draft"]["prompt_window"] = 3
     with Engine.from_config(cfg) as eng:
-        pid = eng.runtime.sup.current().proc.pid
+        pid = eng.source.sup.current().proc.pid
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert argv[argv.index(b"--prompt-window") + 1] == b"3"
         for prompt in PROMPTS:
@@ -93,16 +93,17 @@ def test_stop_token_and_max_new_tokens_inside_block(pipelined, llama_target):
     assert out.token_ids == free[:7] and out.finish_reason == "length"
 
 
-def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx):
+def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx, slow_draft):
     """The request finishes with identical output, the dead worker leaves no process behind,
     and a new worker comes back."""
-    cfg = _cfg(llama_target, llama_copy_onnx, test_draft_delay_ms=3.0, restart_backoff_s=0.1)
+    slow_draft(3.0)
+    cfg = _cfg(llama_target, llama_copy_onnx, restart_backoff_s=0.1)
     prompt = PROMPTS[0]
     ref = hf_greedy(llama_target, prompt, 60)
     before = set(_children(os.getpid()))
     eng = Engine.from_config(cfg)
     try:
-        sup = eng.runtime.sup
+        sup = eng.source.sup
         first_pid = sup.current().proc.pid
         from hetero_spec.metrics import Stats
 
@@ -130,19 +131,20 @@ def test_sigkill_draft_mid_generation(llama_target, llama_copy_onnx):
     assert set(_children(os.getpid())) <= before
 
 
-def test_streamed_tokens_identical_after_kill(llama_target, llama_copy_onnx):
-    cfg = _cfg(llama_target, llama_copy_onnx, test_draft_delay_ms=3.0, restart_backoff_s=0.1)
+def test_streamed_tokens_identical_after_kill(llama_target, llama_copy_onnx, slow_draft):
+    slow_draft(3.0)
+    cfg = _cfg(llama_target, llama_copy_onnx, restart_backoff_s=0.1)
     prompt = PROMPTS[1]
     before = set(_children(os.getpid()))
     with Engine.from_config(cfg) as eng:
         from hetero_spec.metrics import Stats
 
         stats = Stats()
-        pid = eng.runtime.sup.current().proc.pid
+        pid = eng.source.sup.current().proc.pid
         text = ""
         for piece in eng.stream(prompt, max_new_tokens=50, gamma=4, stats=stats):
             text += piece
-            if stats.new_tokens >= 6 and eng.runtime.sup.failures == 0:
+            if stats.new_tokens >= 6 and eng.source.sup.failures == 0:
                 os.kill(pid, signal.SIGKILL)
         ref = hf_greedy(llama_target, prompt, 50)
         assert text == eng.tokenizer.decode(ref)
@@ -150,19 +152,19 @@ def test_streamed_tokens_identical_after_kill(llama_target, llama_copy_onnx):
     assert set(_children(os.getpid())) <= before
 
 
-@pytest.mark.parametrize("state", ["on", "off", "probing", "begin"])
-def test_sigkill_in_every_gate_state(llama_target, llama_copy_onnx, state):
-    """The issue's repro: the gate holds speculation off (or on, or probing) and the worker is SIGKILLed
-    mid-request ("begin": just before the request starts, so Begin goes to a dead worker). The request
+@pytest.mark.parametrize("state", ["on", "off", "begin"])
+def test_sigkill_in_every_state(llama_target, llama_copy_onnx, state):
+    """The controller holds speculation on (or off: the worker drafts in the background) and the worker is
+    SIGKILLed mid-request ("begin": just before the request starts, so Begin goes to a dead worker). The request
     finishes with identical output, no ZMQError, and the worker comes back."""
     from hetero_spec.metrics import Stats
-    from tests.fixtures.memworker import FixedGate
+    from tests.fixtures.memworker import FixedController
 
     cfg = _cfg(llama_target, llama_copy_onnx, restart_backoff_s=0.05)
     ref = hf_greedy(llama_target, PROMPTS[0], 40)
-    with Engine.from_config(cfg) as eng:
-        eng.runtime.make_gate = lambda: FixedGate("on" if state == "begin" else state)
-        sup = eng.runtime.sup
+    ctl = FixedController.factory("on" if state == "begin" else state)
+    with Engine.from_config(cfg, controller=ctl) as eng:
+        sup = eng.source.sup
         pid = sup.current().proc.pid
         if state == "begin":
             os.kill(pid, signal.SIGKILL)
@@ -187,7 +189,7 @@ def test_garbage_frames_at_the_worker(llama_target, llama_copy_onnx):
     """Malformed frames sent to the worker are dropped and counted there; the request is unaffected.
     (Garbage at the target: the 1000-frame fuzz in test_pipelined_mem.py and test_transport.py.)"""
     with Engine.from_config(_cfg(llama_target, llama_copy_onnx)) as eng:
-        w = eng.runtime.sup.current()
+        w = eng.source.sup.current()
         w.channel.sock.send_multipart([b"\xc1 not msgpack"])  # garbage at the worker
         w.channel.sock.send_multipart([b"\x81\xa1t\xa5bogus"])
         out = eng.generate(PROMPTS[0], max_new_tokens=30, gamma=3)
@@ -216,17 +218,18 @@ def test_two_process_needs_an_onnx_draft(llama_target):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_cli_killed_leaves_no_orphan(tmp_path, llama_target, llama_copy_onnx, sig):
+def test_cli_killed_leaves_no_orphan(tmp_path, llama_target, llama_copy_onnx, sig, slow_draft):
     """SIGTERM / Ctrl-C shut the worker down through the engine; even SIGKILL of the CLI leaves no
-    orphan, because the worker exits when its parent is gone."""
+    orphan, because the worker exits when its parent is gone. (A draft slowed to 50 ms a token keeps the request
+    running while the signal arrives.)"""
+    slow_draft(50.0)
     import subprocess
     import sys
 
     cfg = tmp_path / "tp.yaml"
     cfg.write_text(f"target: {{model: {llama_target}, dtype: float32}}\n"
                    f"draft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
-                   "runtime: {mode: two_process, pin_cpus: false, test_draft_delay_ms: 50,"
-                   " gate: {enabled: false}}\n")
+                   "runtime: {mode: two_process, pin_cpus: false}\n")
     proc = subprocess.Popen([sys.executable, "-m", "hetero_spec.cli", "generate", "--config", str(cfg),
                              "--prompt", "def f(x):", "--max-new-tokens", "80"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

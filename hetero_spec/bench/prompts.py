@@ -1,4 +1,5 @@
-"""Held-out prompts: the project's corpus split when present, else a fallback from the tokenizer."""
+"""The prompts: held-out ones (the project's corpus split, else held-out standard-library files), the user's
+(--prompts-file), or HumanEval's (--prompts humaneval[:N])."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from ..config import Config
-from .context import BenchError
+from .harness import BenchError
 
 
 def _corpus_module(config_path: Path):

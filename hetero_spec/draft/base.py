@@ -1,14 +1,30 @@
-"""The proposer protocol every draft strategy implements.
+"""What the decode loop asks of a draft: the `DraftSource` interface, and the per-request `Proposer`s that the
+local source wraps.
 
-Lifecycle of one request: ``begin(prompt_ids, params)``, then rounds of ``propose(k)`` and
-``commit(n_accepted, next_token)``; ``commit`` rolls the proposer's own state (e.g. its KV cache) back to
-the accepted prefix plus the target's next token.
+A draft source drafts for many sequences at once. The loop (scheduler.py) calls, per sequence:
+
+    begin(seq)                    once, before the target's prefill (a worker reads the prompt meanwhile)
+    propose(seqs, ks, budget_s)   each round: up to ks[i] tokens for seqs[i], at positions len(seq.ids)...
+    commit(seq, n, next_token)    after the round: the target accepted n of the drafts, then next_token
+    end(seq) -> dict              once, when the sequence finishes or fails: free its state; its summary
+
+Promises:
+- propose returns one Draft per sequence, with at most ks[i] ids (fewer, or none, is always allowed: the
+  target then verifies what there is). A Draft's ids are proposals only: verification decides every token.
+- A source reads the committed text from `seq.ids` whenever it drafts, so a round it did not draft in (k = 0,
+  or another strategy's round) needs no call; commit is called every round, for every sequence not finished.
+- budget_s is how long propose may wait for drafts that are made elsewhere (a worker process); a local source
+  drafts at once and ignores it.
+- costs() is the source's own measurement of what drafting costs: seconds per draft token, and per transfer
+  (None until measured). The controller predicts from it.
+- No call raises because a draft is slow, wrong or gone: a dead worker yields empty drafts, and the target
+  decodes alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,16 +38,70 @@ class Draft:
 
     ids: list[int]
     probs: np.ndarray | None = None
-    conf: list[float] | None = None  # the draft's probability of each proposed token (with confidence=True)
+    conf: list[float] | None = None  # the draft's probability of each proposed token (with a min_confidence)
     stopped_early: bool = False  # the block ended below the confidence threshold
+    #: draft tokens the source compared, for free, with tokens the target committed alone: (tested, accepted)
+    shadow: tuple[int, int] | None = None
+
+
+@dataclass
+class DraftCosts:
+    token_s: float | None = None  # seconds per draft token
+    transfer_s: float | None = None  # seconds per proposal's transfer (another process)
+    catchup_s: float = 0.0  # per drafting round: feeding tokens another strategy committed (selection)
+
+
+class Seq(Protocol):
+    """What a draft source may read of a sequence (scheduler.Seq)."""
+
+    id: int
+    ids: list[int]  # prompt + committed tokens
+    params: SamplingParams
+    prompt_ids: list[int]
+    gamma: int  # the controller's gamma this round (before the room left)
+    gamma_auto: bool  # speculation.gamma auto: the gamma changes between rounds (at most tuning's G_MAX)
+    probing: bool  # this round re-probes after rounds at gamma 0
+    min_confidence: float | None  # early stop: end the block below this draft probability
+
+
+class DraftSource(Protocol):
+    name: str
+    layout: str  # "in_process" (drafting and verifying take turns) or "two_process" (they overlap)
+    chooses_gamma: bool  # picks each round's draft length itself (<= k): draft selection
+
+    def begin(self, seq: Seq) -> None: ...
+
+    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]: ...
+
+    def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None: ...
+
+    def end(self, seq: Seq) -> dict[str, Any]: ...
+
+    def costs(self) -> DraftCosts: ...
+
+    def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class Proposer(Protocol):
+    """One request's draft, in process (the onnx drafter, the n-gram lookup). Lifecycle: begin(prompt_ids,
+    params), then rounds of sync(ids) (when the text moved on without it), propose(k) and commit(n_accepted,
+    next_token), which rolls its own state (its KV cache) back to the accepted prefix plus the next token."""
+
     name: str
+    ids: list[int]
+    last_catchup_s: float  # the last propose's time feeding committed tokens before drafting (not drafting)
+
+    def spawn(self) -> Proposer: ...
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    def propose(self, k: int) -> Draft: ...
+    def sync(self, ids: list[int]) -> None: ...
+
+    def limit_catchup(self, window: int) -> None: ...
+
+    def propose(self, k: int, min_confidence: float | None = None) -> Draft: ...
 
     def commit(self, n_accepted: int, next_token: int) -> None: ...
 

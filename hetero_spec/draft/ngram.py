@@ -13,6 +13,7 @@ from .base import Draft
 
 class NgramProposer:
     name = "ngram"
+    last_catchup_s = 0.0  # a lookup has nothing to feed
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if min_n > max_n:
@@ -48,7 +49,10 @@ class NgramProposer:
         self._reset(list(prompt_ids))
         self._last = []
 
-    def propose(self, k: int) -> Draft:
+    def limit_catchup(self, window: int) -> None:
+        pass  # a lookup's catch-up is an index update: nothing to limit
+
+    def propose(self, k: int, min_confidence: float | None = None) -> Draft:
         ids = self.ids
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             hit = self._index[n].get(tuple(ids[-n:]))

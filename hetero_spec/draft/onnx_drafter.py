@@ -320,6 +320,12 @@ class OnnxDrafter:
         self.alts = {p: a for p, a in self.alts.items() if p < position}
         self.alts.update(alts)
 
+    def limit_catchup(self, window: int) -> None:
+        """The next feed reads at most the last `window` of the committed tokens not cached yet (a re-probe after
+        rounds without drafting: a useless draft's probes stay cheap); a prompt window not yet used stays."""
+        armed = self.catchup_window
+        self.catchup_window = window if armed is None else min(armed, window)
+
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): keep the common
         prefix, cached positions included; the rest is fed at the next propose."""

@@ -12,22 +12,18 @@ repetitive text, a model on novel text). The n-gram lookup costs microseconds, s
 first, and it competes only in rounds where it found a match (its acceptance is measured on those): elsewhere
 the choice is among the others.
 
-- In process, `SelectingProposer` wraps the candidate proposers; the ones not chosen in a round are kept
-  in step with the committed text (`sync`), so any of them can draft the next round.
-- Two-process (runtime/pipelined.py), the n-gram proposer runs on the target side and the worker keeps
-  drafting with the model; `StrategyChooser` alone decides which of them the target verifies.
+`draft/source.SelectingSource` runs it over draft sources, in either layout: in process over local sources
+(the onnx model, the n-gram lookup), in two processes over the worker's model stream and a local n-gram lookup
+(the worker keeps drafting whatever is chosen).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams
-from ..tuning.cost_model import CostModel
-from ..tuning.gamma import Acceptance
-from .base import Draft, Proposer
+from ..tuning.cost_model import Acceptance, CostModel
+from .base import DraftCosts
 
 
 LOOKUPS = ("ngram",)  # strategies that cost microseconds: asked every round, chosen only when they found a match
@@ -55,48 +51,31 @@ def prompt_window(setting: int | str | None, candidates: list[str], layout: str)
 @dataclass
 class StrategyStats:
     acceptance: Acceptance = field(default_factory=Acceptance)
-    draft_s: float = 0.0
-    drafted: int = 0
     rounds: int = 0
     last_round: int = 0
-    catchup_s: float = 0.0
-    """Feeding what other strategies committed before it drafted, summed over its rounds (in process)."""
-
-    def draft_token_s(self) -> float | None:
-        return self.draft_s / self.drafted if self.drafted else None
-
-    def catchup_per_round_s(self) -> float:
-        return self.catchup_s / self.rounds if self.rounds else 0.0
 
 
 class StrategyChooser:
     """The choice among named strategies (see the module docstring).
 
     model_fn() returns the engine's current CostModel (its verify line; None until known: candidates are
-    cycled). layouts[name] is the layout the strategy drafts in (default in_process). cost_fns[name](),
-    when given, is the strategy's draft time per token measured elsewhere (the worker's, from its
-    proposals); otherwise the time `observe_cost` recorded."""
+    cycled). layouts[name] is the layout the strategy drafts in; cost_fns[name]() its measured costs
+    (DraftSource.costs: seconds per draft token, None until measured, and the catch-up per round)."""
 
-    def __init__(self, names: list[str], model_fn: Callable[[], CostModel | None], prior_acceptance: float = 0.5,
-                 prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32,
-                 layouts: dict[str, str] | None = None,
-                 cost_fns: dict[str, Callable[[], float | None]] | None = None):
+    def __init__(self, names: list[str], model_fn: Callable[[], CostModel | None],
+                 layouts: dict[str, str], cost_fns: dict[str, Callable[[], DraftCosts]],
+                 prior_acceptance: float = 0.5, prior_weight: float = 8.0, explore_rounds: int = 2,
+                 reprobe_every: int = 32):
         if not names:
             raise ValueError("draft selection needs at least one candidate")
         self.names = list(names)
         self.model_fn = model_fn
         self.prior, self.weight = prior_acceptance, prior_weight
         self.explore_rounds, self.reprobe_every = explore_rounds, reprobe_every
-        self.layouts = layouts or {}
-        self.cost_fns = cost_fns or {}
+        self.layouts, self.cost_fns = layouts, cost_fns
         self.stats = {n: StrategyStats() for n in self.names}
         self.reason = ""
         self._round = 0
-
-    def _cost(self, name: str, model: CostModel) -> float:
-        fn = self.cost_fns.get(name)
-        d = fn() if fn is not None else self.stats[name].draft_token_s()
-        return d if d is not None else model.draft_token_s
 
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
         """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup (n-gram) is right
@@ -104,16 +83,16 @@ class StrategyChooser:
         the rate after an accepted token (cost_model.expected_tokens)."""
         acc = self.stats[name].acceptance
         layout = self.layouts.get(name, "in_process")
-        catchup = self.stats[name].catchup_per_round_s() if layout == "in_process" else 0.0
-        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, self._cost(name, model), model.transfer_s,
-                      catchup)
+        c = self.cost_fns[name]()
+        m = CostModel(model.verify_fixed_s, model.verify_per_token_s,
+                      c.token_s if c.token_s is not None else model.draft_token_s, model.transfer_s,
+                      c.catchup_s if layout == "in_process" else 0.0)
         if name in LOOKUPS:
             g, rate = m.best_gamma(acc.next_rate(self.prior, self.weight), layout, g_max,
                                    a_first=acc.first_rate(self.prior, self.weight))
         else:
             g, rate = m.best_gamma(acc.rate(self.prior, self.weight), layout, g_max)
         return rate, g
-
     def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
         """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed,
         `available` the strategies that can draft now (default: all)."""
@@ -142,13 +121,6 @@ class StrategyChooser:
         self.reason = f"{best}: predicts {rate:.1f} tok/s at gamma {g} (target alone {alone:.1f})"
         return best, g
 
-    def observe_cost(self, name: str, seconds: float, tokens: int, catchup_s: float = 0.0) -> None:
-        """`name` drafted `tokens` in `seconds`, after feeding a backlog in `catchup_s` (counted per round)."""
-        st = self.stats[name]
-        st.draft_s += seconds
-        st.drafted += tokens
-        st.catchup_s += catchup_s
-
     def observe_round(self, name: str, drafted: int, accepted: int) -> None:
         """A round `name` drafted: its acceptance (drafted tokens, of which accepted)."""
         st = self.stats[name]
@@ -159,113 +131,11 @@ class StrategyChooser:
     def summary(self) -> dict:
         out = {}
         for n, st in self.stats.items():
-            fn = self.cost_fns.get(n)
-            d = fn() if fn is not None else st.draft_token_s()
-            acc = st.acceptance
+            c, acc = self.cost_fns[n](), st.acceptance
             out[n] = {"rounds": st.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
                       "first_token_acceptance": round(acc.first_rate(self.prior, self.weight), 4),
                       "acceptance_after_accepted": round(acc.next_rate(self.prior, self.weight), 4),
-                      "tested": acc.tested, "draft_ms_per_token": None if d is None else round(d * 1e3, 4),
-                      "catchup_ms_per_round": round(st.catchup_per_round_s() * 1e3, 4)}
+                      "tested": acc.tested,
+                      "draft_ms_per_token": None if c.token_s is None else round(c.token_s * 1e3, 4),
+                      "catchup_ms_per_round": round(c.catchup_s * 1e3, 4)}
         return {"strategies": out, "last_reason": self.reason}
-
-
-class SelectingProposer:
-    """A Proposer over named candidates, in process (see the module docstring). `model_fn()` returns the
-    current CostModel (the engine's tuning) or None; then candidates are cycled."""
-
-    name = "select"
-    chooses_gamma = True  # with gamma auto, each strategy's gamma is this chooser's (best predicted, <= k)
-
-    def __init__(self, candidates: dict[str, Proposer], model_fn, prior_acceptance: float = 0.5,
-                 prior_weight: float = 8.0, explore_rounds: int = 2, reprobe_every: int = 32):
-        if not candidates:
-            raise ValueError("draft selection needs at least one candidate")
-        self.candidates = candidates
-        self.chooser = StrategyChooser(list(candidates), model_fn, prior_acceptance, prior_weight,
-                                       explore_rounds, reprobe_every)
-        self.stats = self.chooser.stats
-        self.lookups = [n for n in candidates if n in LOOKUPS]
-        if self.lookups:
-            for name, p in candidates.items():
-                if name not in LOOKUPS and hasattr(p, "catchup_skip"):
-                    p.catchup_skip = CATCHUP_SKIP
-        self.chosen: str | None = None
-        self.ids: list[int] = []
-        self._draft_ids: list[int] = []
-        self.last_catchup_s = 0.0
-
-    def spawn(self) -> SelectingProposer:
-        """A selector for another request: its own candidates' streams, this chooser's shared statistics (the
-        strategies' costs and acceptance are properties of the machine and the drafts, not of one request)."""
-        new = SelectingProposer({name: p.spawn() for name, p in self.candidates.items()}, self.chooser.model_fn)
-        new.chooser, new.stats = self.chooser, self.stats
-        return new
-
-    @property
-    def reason(self) -> str:
-        return self.chooser.reason
-
-    def choose(self, k: int) -> tuple[str | None, int]:
-        return self.chooser.choose(k)
-
-    # -- Proposer protocol -----------------------------------------------------------------------------
-    def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.ids = list(prompt_ids)
-        for p in self.candidates.values():
-            p.begin(prompt_ids, params)
-        self.chosen = None
-
-    def propose(self, k: int) -> Draft:
-        # a lookup strategy (n-gram) is asked first: it costs microseconds, and a round where it has no match
-        # is not its round (the choice is among the strategies that can draft now)
-        available = list(self.candidates)
-        for name in self.lookups:
-            p = self.candidates[name]
-            self._sync(p)
-            t = time.perf_counter()
-            found = p.propose(k)
-            if not found.ids:
-                available.remove(name)
-            else:
-                self.chooser.observe_cost(name, time.perf_counter() - t, len(found.ids))
-        name, g = self.chooser.choose(k, available)
-        self.chosen = name
-        self.last_catchup_s = 0.0
-        self._draft_ids = []
-        if name is None or g <= 0:
-            self.chosen = None
-            return Draft(ids=[])
-        p = self.candidates[name]
-        self._sync(p)
-        fresh = getattr(p, "n_past", 1) == 0  # its first round of the request: the catch-up is the prompt
-        t = time.perf_counter()
-        draft = p.propose(min(g, k))
-        dt = time.perf_counter() - t
-        catchup = getattr(p, "last_catchup_s", 0.0)
-        self.last_catchup_s = catchup
-        if draft.ids and name not in self.lookups:
-            self.chooser.observe_cost(name, dt - catchup, len(draft.ids) - (1 if catchup else 0),
-                                      0.0 if fresh else catchup)
-        self._draft_ids = list(draft.ids)
-        return draft
-
-    def commit(self, n_accepted: int, next_token: int) -> None:
-        drafted = self._draft_ids[:n_accepted]
-        if self.chosen is not None:
-            self.chooser.observe_round(self.chosen, len(self._draft_ids), n_accepted)
-            self.candidates[self.chosen].commit(n_accepted, next_token)
-        self.ids.extend([*drafted, next_token])
-        self._draft_ids = []
-
-    def _sync(self, p) -> None:
-        """Bring a candidate that did not draft the last rounds up to the committed text."""
-        if hasattr(p, "sync"):
-            p.sync(self.ids)
-
-    def close(self) -> None:
-        for p in self.candidates.values():
-            p.close()
-
-    def summary(self) -> dict:
-        return self.chooser.summary()

@@ -120,9 +120,9 @@ class Worker:
     unsent_timed = _stream_attr("unsent_timed")
     unsent_probs = _stream_attr("unsent_probs")
 
-    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int, delay_s: float = 0.0,
+    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int,
                  branches: bool = True, clock=time.monotonic, max_streams: int = MAX_STREAMS):
-        self.ch, self.parent_pid, self.delay_s = channel, parent_pid, delay_s
+        self.ch, self.parent_pid = channel, parent_pid
         self.model = drafter  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.clock = clock
         self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
@@ -191,6 +191,8 @@ class Worker:
             self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.ch.dropped))
         elif isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, (Sync, Control)):  # its stream was evicted (more than max_streams) or has ended
+            self.ch.reject(f"{type(msg).__name__} for request {msg.req_id}, which has no stream here")
 
     def _sync(self, pos: int, tokens: list[int], epoch: int = 0) -> None:
         """Merge committed tokens ids[pos:]; rebase the stream where it diverges (onto a pre-drafted
@@ -264,8 +266,6 @@ class Worker:
         self.plan_exhausted = False  # new tokens, new places to branch
         t0 = self.clock()
         draft = self.drafter.extend(n)
-        if self.delay_s:
-            time.sleep(self.delay_s * len(draft.ids))  # test-only: an artificially slow draft
         t1 = self.clock()
         if not draft.ids:
             return
@@ -401,7 +401,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-width", type=int, default=0, help="target logits width")
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="test only: sleep per drafted token")
+    p.add_argument("--max-streams", type=int, default=MAX_STREAMS,
+                   help="requests drafted for at once (the target sends serving.max_batch and some)")
     p.add_argument("--prompt-window", type=int, default=0,
                    help="draft from at most the last N prompt tokens (draft.prompt_window; 0: all)")
     p.add_argument("--keys-stdin", action="store_true",
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=args.providers.split(",")))
-        Worker(ch, drafter, args.parent_pid or os.getppid(), args.delay_ms / 1000.0).loop()
+        Worker(ch, drafter, args.parent_pid or os.getppid(), max_streams=args.max_streams).loop()
     except KeyboardInterrupt:
         pass
     finally:

@@ -14,35 +14,49 @@ hear of the correction and draft again; the worker adopts the same branch from o
 just another draft: verification decides every token, so this changes speed, never output.
 
 The target never waits long for the draft: at most the predicted cost of the missing tokens, capped
-at one verification step (the cost gate's `wait_budget`); otherwise it verifies what it has, or
+at one verification step (the controller's `wait_budget`); otherwise it verifies what it has, or
 decodes alone. A dead or hung worker costs the request nothing but speed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..draft.base import Draft
-from ..draft.ngram import NgramProposer
-from ..draft.select import StrategyChooser
-from ..metrics import Stats
-from ..scheduler import Request, check_request, commit_tokens, verify_block
+from ..sampling import SamplingParams
 from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
-from ..tuning.gamma import GammaPolicy
-from ..tuning.gate import CostGate
 from .supervisor import DraftSupervisor, Worker
 
-if TYPE_CHECKING:  # the onnx target backend never imports torch
-    from ..target.base import Verifier
-
-
-
 IDLE_CHECK_S = 0.05
+#: the most a draft probability may be off a distribution (its row's sum) before its proposal is rejected
+PROB_SUM_TOL = 1e-3
+
+
+class Ema:
+    """Exponential moving average; None until the first sample."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha, self.value = alpha, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class LinkCosts:
+    """What the worker's proposals say drafting costs (shared by every request of the worker source)."""
+
+    draft_tok_s: Ema = field(default_factory=Ema)
+    transfer_s: Ema = field(default_factory=Ema)
+
+    def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
+        if n_tokens > 0:
+            self.draft_tok_s.add(draft_s / n_tokens)
+        if transfer_s is not None:
+            self.transfer_s.add(max(0.0, transfer_s))
 
 
 @dataclass
@@ -170,21 +184,23 @@ class DraftLink:
     is in (speculating, gate off, probing, mid-Begin, mid-branch), a dead worker only sets `self.w` to
     None: the target decodes alone and picks up the restarted worker at its next look."""
 
-    def __init__(self, sup: DraftSupervisor, req: Request, gate: CostGate, max_ahead: int,
-                 timeline: Timeline | None, vocab_width: int, clock=time.monotonic):
-        self.sup, self.req, self.gate, self.max_ahead, self.timeline = sup, req, gate, max_ahead, timeline
+    def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,
+                 costs: LinkCosts, routes: dict[int, DraftLink], timeline: Timeline | None, vocab_width: int,
+                 clock=time.monotonic):
+        self.sup, self.params, self.max_ahead, self.timeline = sup, params, max_ahead, timeline
+        self.costs, self.routes = costs, routes  # routes: req_id -> link, for every request on the worker
         self.vocab_width, self.clock = vocab_width, clock
         self.w: Worker | None = None
-        self.sampled = not (req.params.greedy or req.params.coupled)  # q travels with each token
+        self.sampled = not (params.greedy or params.coupled)  # q travels with each token
         self.buf = StreamBuffer(sampled=self.sampled)
         self.synced = 0
         # whether the current worker has proposed anything for this request: until then it is reading the
-        # prompt (its prefill can outlast the target's, e.g. with target.prefill_threads on its core), and an
-        # empty wait is no evidence of a slow draft (CostGate.observe_wait)
+        # prompt (its prefill can outlast the target's, e.g. with target.prefill_threads on its core)
         self.heard = False
         self.drafting = True
-        self.gamma = req.gamma  # the worker's block length (gamma: auto changes it between rounds)
-        self.req_id = time.monotonic_ns()
+        self.gamma = gamma  # the worker's block length (gamma: auto changes it between rounds)
+        self.req_id = req_id
+        self.shadow = (0, 0)  # draft tokens compared with what the target decoded alone: (tested, accepted)
         self.rejected = 0  # messages of this request refused for bad contents (ids out of range, ...)
         self.dropped = 0   # malformed messages seen by this request's channels
         self._last_idle_check = -IDLE_CHECK_S
@@ -195,8 +211,8 @@ class DraftLink:
         if w is not None and w is self.w:
             self.dropped += w.channel.dropped - self._dropped_base
             self.w = None
-            if w.links.get(self.req_id) is self:
-                del w.links[self.req_id]
+            if self.routes.get(self.req_id) is self:
+                del self.routes[self.req_id]
 
     def _lose(self, w: Worker, reason: str) -> None:
         self._leave(w)
@@ -222,8 +238,8 @@ class DraftLink:
             self._leave(self.w)
             self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
             self.heard = False
-            w.links[self.req_id] = self
-            p = self.req.params
+            self.routes[self.req_id] = self
+            p = self.params
             self.synced = len(ids)
             if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
                                     top_p=p.top_p, seed=p.seed, gamma=self.gamma,
@@ -250,7 +266,7 @@ class DraftLink:
         self.sup.heard(w, msg)
         if isinstance(msg, (Proposal, Branch)):
             # another request drafted on this worker (interleaved in this thread) gets its own proposals
-            link = self if msg.req_id == self.req_id else w.links.get(msg.req_id)
+            link = self if msg.req_id == self.req_id else self.routes.get(msg.req_id)
             if link is not None and link.w is w:
                 link._accept(w, msg, arrays, waited=timeout_s > 0 and link is self)
         return True
@@ -264,7 +280,7 @@ class DraftLink:
             return
         if isinstance(msg, Proposal):
             now = self.clock()
-            self.gate.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
+            self.costs.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
             self.heard = True
             self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
             if self.timeline is not None:
@@ -273,17 +289,27 @@ class DraftLink:
             self.buf.add_branch(msg, arrays[0])
 
     def _check_arrays(self, arrays: list[np.ndarray]) -> str:
-        """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert)."""
+        """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert), and a draft
+        distribution q must be one (finite, >= 0, summing to 1): exact rejection sampling divides by it."""
         ids = arrays[0]
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_width):
             return f"token ids outside [0, {self.vocab_width})"
-        if len(arrays) > 1 and arrays[1].shape[1] != self.vocab_width:
-            return f"distributions {arrays[1].shape[1]} wide, the vocabulary is {self.vocab_width}"
+        if len(arrays) > 1:
+            q = arrays[1]
+            if q.ndim != 2 or q.shape[1] != self.vocab_width:
+                return f"distributions of shape {q.shape}, the vocabulary is {self.vocab_width} wide"
+            if not np.isfinite(q).all() or (q < 0).any():
+                return "distributions with NaN, infinite or negative probabilities"
+            sums = q.sum(axis=1, dtype=np.float64)
+            if np.abs(sums - 1.0).max(initial=0.0) > PROB_SUM_TOL:
+                return f"distributions that do not sum to 1 (off by up to {np.abs(sums - 1.0).max():.3g})"
+            if len(q) != len(ids):
+                return f"{len(q)} distributions for {len(ids)} tokens"
         return ""
 
-    def gather(self, ids: list[int], k: int, speculate: bool, first_wait_s: float) -> Draft:
-        """1) collect up to k draft tokens for positions len(ids).., waiting within the gate's budget."""
-        if not speculate or k <= 0:
+    def gather(self, ids: list[int], k: int, budget_s: float) -> Draft:
+        """Collect up to k draft tokens for positions len(ids).., waiting at most budget_s for k of them."""
+        if k <= 0:
             self._idle_check(ids)
             return Draft(ids=[])
         w = self._worker(ids)
@@ -296,14 +322,12 @@ class DraftLink:
         # first token is here (the worker sends it alone, at once: Worker.should_flush), not after a whole block
         # (README, "Corrections"); the tokens drafted meanwhile make the next block
         want = 1 if self.buf.redrafting else k
-        deadline = self.clock() + self.gate.wait_budget(want, default=first_wait_s)
+        deadline = self.clock() + budget_s * want / k
         while True:
             now = self.clock()
             if len(toks) >= want:
                 break
             if now >= deadline:
-                if self.heard:  # a worker still reading the prompt is not slow at drafting
-                    self.gate.observe_wait(len(toks))
                 break
             if not self.sup.check(w):
                 self._leave(w)
@@ -334,7 +358,7 @@ class DraftLink:
         if not self.sampled:  # what a probe drafted, checked against what the target decoded alone
             tested, accepted = self.buf.shadow(ids)
             if tested:
-                self.gate.observe_shadow(tested, accepted)
+                self.shadow = (self.shadow[0] + tested, self.shadow[1] + accepted)
         if not self.sup.check(w):
             self._leave(w)
 
@@ -347,7 +371,7 @@ class DraftLink:
             self.synced = len(ids)
 
     def control(self, drafting: bool, ids: list[int], gamma: int | None = None) -> None:
-        """Drafting on/off (the gate) and the block length the worker drafts and sends in (gamma: auto)."""
+        """Drafting on/off and the block length the worker drafts and sends in (gamma: auto)."""
         gamma = self.gamma if gamma is None else max(1, gamma)
         if drafting == self.drafting and gamma == self.gamma:
             return
@@ -360,121 +384,3 @@ class DraftLink:
     def end(self) -> None:
         self._send(End(req_id=self.req_id))
         self._leave(self.w)
-
-
-@dataclass
-class LocalSelection:
-    """Per-round draft selection in the two-process layout (`draft.candidates`, draft/select.py): the
-    chooser picks the worker's model stream ("onnx"), the target-side n-gram lookup ("ngram"), or the
-    target alone each round; the worker keeps drafting with the model whatever is chosen."""
-
-    chooser: StrategyChooser
-    ngram: NgramProposer | None = None
-
-
-def _local_draft(sel: LocalSelection, ids: list[int], g: int) -> tuple[Draft, float]:
-    """An n-gram proposal on the target side, and its cost in seconds."""
-    t = time.perf_counter()
-    sel.ngram.sync(ids)
-    draft = sel.ngram.propose(g)
-    return draft, time.perf_counter() - t
-
-
-def decode_pipelined(target: Verifier, sup: DraftSupervisor, req: Request, stats: Stats,
-                     gate: CostGate, max_ahead: int, trace: bool = False,
-                     clock=time.monotonic, policy: GammaPolicy | None = None,
-                     selection: LocalSelection | None = None) -> Iterator[list[int]]:
-    """Generate one request with the draft in its own process; yields each round's committed tokens."""
-    check_request(req, target.context_len)
-    t_start = time.perf_counter()
-    stats.prompt_tokens, stats.gamma, stats.proposer = len(req.prompt_ids), req.gamma, "onnx-pipelined"
-    timeline = Timeline() if trace else None
-    link = DraftLink(sup, req, gate, max_ahead, timeline, target.vocab_width, clock=clock)
-    failures0, restarts0 = sup.failures, sup.restarts
-    state = target.new_state()
-    ids = list(req.prompt_ids)
-    try:
-        link.begin(ids)  # the worker drafts block 1 while the target prefills
-        target.prefill(state, ids)
-        stats.time_prefill_s = time.perf_counter() - t_start
-        generated = 0
-        while not stats.finish_reason:
-            remaining = min(req.max_new_tokens - generated, target.context_len - len(ids))
-            gamma = req.gamma
-            if policy is not None and policy.fixed is None:
-                # gamma auto, each round: the worker's measured cost per token joins the learned verify line
-                if gate.draft_tok_s.value is not None:
-                    policy.tuning.draft_token_s = gate.draft_tok_s.value
-                gamma = policy.choose() if gate.on else policy.off("the gate has speculation off")
-                # gamma 0: the worker rests too (nothing it drafts would be verified)
-                link.control(gate.drafting and gamma > 0, ids, gamma if gamma > 0 else None)
-            k = min(gamma, remaining - 1)
-            # 1) gather proposals (2) sending happened in the worker, overlapped with our last verify)
-            t = time.perf_counter()
-            strategy = "onnx"
-            # selection: gamma auto caps the worker's blocks; the n-gram's gamma is the chooser's own
-            k_sel = min(policy.g_max if policy is not None and policy.fixed is None else req.gamma, remaining - 1)
-            if selection is not None and k_sel > 0:
-                # the n-gram lookup first (microseconds); it competes only when it found a match
-                found = Draft(ids=[])
-                if selection.ngram is not None:
-                    found, cost = _local_draft(selection, ids, k_sel)
-                    if found.ids:
-                        selection.chooser.observe_cost("ngram", cost, len(found.ids))
-                avail = [n for n in selection.chooser.names
-                         if (n == "onnx" and gate.on and k > 0) or (n == "ngram" and found.ids)]
-                strategy, g = selection.chooser.choose(k_sel, avail)
-                if strategy == "ngram":
-                    draft = Draft(ids=found.ids[:max(1, g)])
-            if strategy == "onnx":
-                draft = link.gather(ids, k, gate.on, first_wait_s=max(stats.time_prefill_s, 0.001))
-            else:
-                link.gather(ids, 0, False, 0.0)  # keep draining the worker (its stream, timings, death)
-                draft = draft if strategy == "ngram" else Draft(ids=[])
-            stats.time_wait_s += time.perf_counter() - t
-            # 3) verify
-            t0 = time.monotonic()
-            n, nxt = verify_block(target, state, req.params, ids, draft)
-            t1 = time.monotonic()
-            stats.time_verify_s += t1 - t0
-            gate.observe_verify(t1 - t0)
-            if timeline is not None:
-                timeline.verify.append((t0, t1, len(ids), len(draft.ids)))
-            stats.record_round(len(draft.ids), n)
-            if strategy == "onnx":
-                gate.observe_round(len(draft.ids), n)
-                if policy is not None:
-                    policy.observe(len(draft.ids), n, t1 - t0, None)
-            else:  # another strategy's round: only the verification cost is the model's business
-                if policy is not None:
-                    policy.tuning.observe_verify(len(draft.ids), t1 - t0)
-            if selection is not None and strategy is not None and draft.ids:
-                selection.chooser.observe_round(strategy, len(draft.ids), n)
-            # 4) commit + stop checks, token by token inside the block
-            emitted, generated = commit_tokens(ids, [*draft.ids[:n], nxt], req, generated, target.context_len, stats)
-            if not stats.finish_reason:
-                link.sync(ids)  # the correction (or confirmation) goes out before anything else
-            stats.new_tokens = generated
-            stats.time_total_s = time.perf_counter() - t_start
-            yield emitted
-            # 5) adapt: the cost gate turns speculation off when a block's drafting costs more than it is worth
-            gate.decide(max(1, link.gamma))
-            link.control(gate.drafting and (gamma > 0 or not gate.on), ids)
-    finally:
-        link.end()
-        release = getattr(target, "release_state", None)
-        if release is not None:
-            release(state)  # a slot of the target's batched buffer, when it has one
-        stats.time_total_s = time.perf_counter() - t_start
-        stats.extra.update(gate=gate.summary(), stale_proposals=link.buf.stale, branch_hits=link.buf.branch_hits,
-                           draft_failures=sup.failures - failures0, draft_restarts=sup.restarts - restarts0,
-                           dropped_messages=link.dropped, rejected_messages=link.rejected)
-        if timeline is not None:
-            stats.extra["timeline"] = {"verify": timeline.verify, "draft": timeline.draft}
-        if selection is not None:
-            stats.extra["draft_selection"] = selection.chooser.summary()
-        if policy is not None:
-            if gate.draft_tok_s.value is not None:  # the worker's drafting cost, as its proposals report it
-                policy.tuning.observe_draft_token(gate.draft_tok_s.value)
-            if policy.fixed is None:
-                stats.extra["gamma_auto"] = policy.summary()

@@ -47,7 +47,7 @@ class WorkerSpec:
     restart_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES
-    delay_ms: float = 0.0  # test only
+    max_streams: int = 64  # requests the worker drafts for at once (serving.max_batch and some)
     prompt_window: int | None = None  # draft.prompt_window
 
 
@@ -62,14 +62,13 @@ class Worker:
     last_heard: float = field(default_factory=time.monotonic)
     ping_sent: float | None = None
     stderr_path: str = ""
-    #: the requests drafted on this worker now, by req_id (runtime/pipelined.DraftLink): one link's receive
-    #: hands another request's proposals to that request (requests interleaved in one thread share the channel)
-    links: dict = field(default_factory=dict)
 
 
 class ProcessLauncher:
     """Starts `python -m hetero_spec.runtime.draft_worker` on a fresh channel of the engine's context.
     CURVE keys (ephemeral per worker unless configured) go to the worker through its stdin pipe."""
+
+    module = "hetero_spec.runtime.draft_worker"  # what `python -m` runs
 
     def __init__(self, server: ServerContext):
         self.server = server
@@ -80,12 +79,11 @@ class ProcessLauncher:
             curve = CurveKeys.load(spec.curve_keys) if spec.curve_keys else CurveKeys.generate()
         ch = Channel.bind(self.server, spec.transport, spec.host, spec.port, curve, name=f"worker-{generation}",
                           max_msg_bytes=spec.max_msg_bytes)
-        cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", ch.endpoint,
+        cmd = [sys.executable, "-m", self.module, "--endpoint", ch.endpoint,
                "--model", str(spec.model), "--providers", ",".join(spec.providers),
                "--threads", str(spec.threads), "--vocab-width", str(spec.vocab_width),
                "--parent-pid", str(os.getpid()), "--max-msg-bytes", str(spec.max_msg_bytes)]
-        if spec.delay_ms:
-            cmd += ["--delay-ms", str(spec.delay_ms)]
+        cmd += ["--max-streams", str(spec.max_streams)]
         if spec.prompt_window:
             cmd += ["--prompt-window", str(spec.prompt_window)]
         if spec.cpus:

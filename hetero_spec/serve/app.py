@@ -27,9 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..batch import is_last
+from ..scheduler import is_last
 from ..engine import Detokenizer, Engine
-from ..errors import HeteroSpecError, PromptTooLongError, RequestError
+from ..errors import HeteroSpecError, PromptTooLongError, QueueFullError, RequestError
 from ..metrics import Stats
 from .metrics import ServeMetrics
 from .schema import ChatRequest, CompletionRequest, StopMatcher, chat_template, render_chat
@@ -43,9 +43,10 @@ class ApiError(Exception):
     """An error answered with OpenAI's error body and an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -63,7 +64,7 @@ class Job:
         # validation happens here, in the caller (a RequestError becomes a 400 before anything streams)
         engine.submit(prompt, self._put, stats=self.stats, cancel=self.cancel, **kwargs)
 
-    def _put(self, item) -> None:  # the scheduler's thread; RuntimeError (no loop any more) cancels the request
+    def _put(self, item) -> None:  # the scheduler's thread; an error (no loop any more) cancels the request
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (item, bool(self.stats.finish_reason)))
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], bool]]:
@@ -94,7 +95,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -121,12 +122,15 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except RequestError as exc:
             raise ApiError(400, str(exc)) from None
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), kind="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, round(exc.retry_after_s)))}) from None
         except HeteroSpecError as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
 
     async def pieces(job: Job, stops: list[str]) -> AsyncIterator[str]:
         """Text pieces, cut at the first stop string (which then ends the request)."""
-        detok, matcher = Detokenizer(engine._decode_text), StopMatcher(stops)
+        detok, matcher = Detokenizer(engine.decode_text), StopMatcher(stops)
         async for chunk, last in job.tokens():
             piece = matcher.feed(detok.add(chunk, final=last), final=last)
             if piece:

@@ -1,5 +1,2 @@
-"""Measured costs -> decisions: the speculation on/off gate (and, later, gamma and batch size)."""
-
-from .gate import CostGate
-
-__all__ = ["CostGate"]
+"""Measured costs -> decisions: the cost model, the profile store, placement, and the one speculation
+controller (controller.py)."""

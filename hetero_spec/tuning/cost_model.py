@@ -120,3 +120,36 @@ class CostModel:
     def from_dict(cls, d: dict) -> CostModel:
         return cls(**{k: float(d[k]) for k in ("verify_fixed_s", "verify_per_token_s", "draft_token_s")},
                    transfer_s=float(d.get("transfer_s", 0.0)))
+
+
+@dataclass
+class Acceptance:
+    """Accepted and tested draft tokens, the one definition of acceptance: a draft token is "tested" when the
+    target saw it before the first rejection of its round, and a round cut short by max_new_tokens or the context
+    tests only the tokens it verified. Also split into each round's first token and the ones after an accepted
+    token (a run-aware estimate, for drafts that are right in runs)."""
+
+    accepted: float = 0.0
+    tested: float = 0.0
+    first_accepted: float = 0.0
+    first_tested: float = 0.0
+
+    def observe(self, k: int, n: int) -> None:
+        """A verified block of k drafts of which the first n were accepted."""
+        if k > 0:
+            self.accepted += n
+            self.tested += n + (1 if n < k else 0)
+            self.first_tested += 1
+            self.first_accepted += 1 if n > 0 else 0
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.tested + weight)
+
+    def first_rate(self, prior: float, weight: float) -> float:
+        """P(a round's first draft token is accepted)."""
+        return (self.first_accepted + prior * weight) / (self.first_tested + weight)
+
+    def next_rate(self, prior: float, weight: float) -> float:
+        """P(a draft token is accepted, given the one before it was)."""
+        return ((self.accepted - self.first_accepted + prior * weight)
+                / (self.tested - self.first_tested + weight))

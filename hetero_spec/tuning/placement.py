@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .cost_model import CostModel, fit_line
-from .profile import _verify_points, decoder_token_s
+from .profile import decoder_token_s, transfer_points, verify_points
 
 #: the cache entries' format: 2 added the side-by-side slowdowns (an entry without them is measured again)
 CACHE_VERSION = 2
@@ -146,7 +146,7 @@ def _probe_prompt(vocab: int, n: int = 64) -> list[int]:
 
 def measure_verify(target, reps: int = 7) -> tuple[float, float]:
     """The verify line (fixed, per token) of a loaded target, after a 64-token context."""
-    points = _verify_points(target, _probe_prompt(target.vocab_width), list(VERIFY_KS), reps)
+    points = verify_points(target, _probe_prompt(target.vocab_width), list(VERIFY_KS), reps)
     c0, c1 = fit_line([(float(x), y) for x, y in points])
     return max(c0, 0.0), max(c1, 0.0)
 
@@ -222,9 +222,7 @@ def measure(config, layouts: list[Layout], say=None) -> Costs:
             say(f"draft time per token at {d} thread(s)")
             draft[d] = measure_draft(config.draft.model, config.draft.providers, d, vocab)
         if any(lay.mode == "two_process" for lay in layouts):
-            from .profile import _transfer_points
-
-            transfer = _transfer_points([64], 20)[0][1]
+            transfer = transfer_points([64], 20)[0][1]
     else:
         draft = {lay.draft_threads: 0.0 for lay in layouts}
     corun = {}

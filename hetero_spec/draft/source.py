@@ -1,0 +1,191 @@
+"""Draft sources in this process (draft/base.py has the interface): one proposer kind for every sequence, and
+the per-round selection among several sources (draft.candidates), which serves both layouts: its candidates may
+be local sources or the worker source (runtime/worker_source.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
+from .onnx_drafter import OnnxDrafter
+from .select import CATCHUP_SKIP, LOOKUPS, StrategyChooser
+
+ALPHA = 0.2  # the moving average of the draft's cost per token
+PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
+
+
+class LocalSource:
+    """Drafts with one proposer per sequence, spawned from a loaded one (one model, a state per sequence).
+    Sequences drafting with the ONNX model (no early stop) step together: one run per draft token for all of
+    them (OnnxDrafter.propose_batch), each one's draft what it would be alone."""
+
+    layout = "in_process"
+    chooses_gamma = False
+
+    def __init__(self, proposer: Proposer, slots: int = 1, catchup_skip: int | None = None):
+        self.proposer, self.name = proposer, proposer.name
+        self.catchup_skip = catchup_skip
+        if isinstance(proposer, OnnxDrafter):
+            proposer.enable_batching(slots)  # the batch's drafters: slots of one buffer
+        self._props: dict[int, Proposer] = {}
+        self._proposed: dict[int, bool] = {}  # drafted for the sequence this round
+        self._fresh: set[int] = set()  # sequences not drafted for yet: their first catch-up is the prompt
+        self._token_s: float | None = None
+        self._catchup_s = 0.0  # feeding what other strategies committed, per drafting round (selection)
+
+    def begin(self, seq: Seq) -> None:
+        p = self.proposer.spawn()
+        if self.catchup_skip is not None and isinstance(p, OnnxDrafter):
+            p.catchup_skip = self.catchup_skip
+        p.begin(seq.prompt_ids, seq.params)
+        self._props[seq.id] = p
+        self._proposed[seq.id] = False
+        self._fresh.add(seq.id)
+
+    def _ready(self, seq: Seq) -> Proposer:
+        p = self._props[seq.id]
+        if len(p.ids) != len(seq.ids):  # rounds it did not draft: take the committed text
+            p.sync(seq.ids)
+        if seq.probing:
+            p.limit_catchup(PROBE_WINDOW)
+        return p
+
+    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float = 0.0) -> list[Draft]:
+        drafts = [Draft(ids=[]) for _ in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        for i, seq in enumerate(seqs):
+            self._proposed[seq.id] = ks[i] > 0
+        if not live:
+            return drafts
+        props = [self._ready(seqs[i]) for i in live]
+        t = time.perf_counter()
+        together = [i for i in live if seqs[i].min_confidence is None]
+        if len(together) > 1 and isinstance(self.proposer, OnnxDrafter):
+            for i, d in zip(together, OnnxDrafter.propose_batch([self._props[seqs[i].id] for i in together],
+                                                                [ks[i] for i in together])):
+                drafts[i] = d
+        for i, p in zip(live, props):
+            if i not in together or len(together) < 2 or not isinstance(self.proposer, OnnxDrafter):
+                drafts[i] = p.propose(ks[i], min_confidence=seqs[i].min_confidence)
+        fresh = [seqs[i].id in self._fresh for i in live]
+        self._fresh.difference_update(seqs[i].id for i in live)
+        self._observe(time.perf_counter() - t, props, [drafts[i] for i in live], fresh)
+        return drafts
+
+    def _observe(self, seconds: float, props: list[Proposer], drafts: list[Draft], fresh: list[bool]) -> None:
+        """The round's drafting time per token, without feeding the prompt or the committed backlog (the first
+        step of such a round both catches up and drafts a token: it is left out with its token); and the
+        catch-up per round, but for a sequence's first (its prompt)."""
+        catchup = sum(p.last_catchup_s for p in props)
+        later = [p.last_catchup_s for p, f in zip(props, fresh) if not f]
+        if later:
+            x = sum(later) / len(later)
+            self._catchup_s = (1 - ALPHA) * self._catchup_s + ALPHA * x
+        tokens = sum(len(d.ids) - (1 if p.last_catchup_s else 0) for p, d in zip(props, drafts))
+        if tokens <= 0 or seconds - catchup <= 0:
+            return
+        x = (seconds - catchup) / tokens
+        self._token_s = x if self._token_s is None else (1 - ALPHA) * self._token_s + ALPHA * x
+
+    def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
+        if self._proposed.get(seq.id):
+            self._props[seq.id].commit(n_accepted, next_token)
+            self._proposed[seq.id] = False
+
+    def end(self, seq: Seq) -> dict[str, Any]:
+        p = self._props.pop(seq.id, None)
+        self._proposed.pop(seq.id, None)
+        self._fresh.discard(seq.id)
+        if p is not None:
+            p.close()
+        return {}
+
+    def costs(self) -> DraftCosts:
+        return DraftCosts(self._token_s, None, self._catchup_s)
+
+    def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
+        return {"draft": "in_process"}
+
+    def close(self) -> None:
+        for sid in list(self._props):
+            self._props.pop(sid).close()
+        self.proposer.close()
+
+
+class SelectingSource:
+    """Per-round draft selection (draft/select.py): each round, for each sequence, the candidate with the best
+    predicted goodput drafts, or none. Lookups (n-gram) are asked first and compete only where they found a
+    match. Candidates that did not draft catch up from seq.ids when they next do; a worker candidate is asked
+    every round (with k = 0 when another drafts), so that it keeps its stream and hears the commits."""
+
+    name = "select"
+    chooses_gamma = True
+
+    def __init__(self, candidates: dict[str, DraftSource], model_fn, prior_acceptance: float = 0.5):
+        if not candidates:
+            raise ValueError("draft selection needs at least one candidate")
+        self.cands = candidates
+        self.layout = "two_process" if any(c.layout == "two_process" for c in candidates.values()) else "in_process"
+        self.lookups = [n for n in candidates if n in LOOKUPS]
+        if self.lookups:
+            for name, c in candidates.items():
+                if name not in LOOKUPS and isinstance(c, LocalSource):
+                    c.catchup_skip = CATCHUP_SKIP
+        self.chooser = StrategyChooser(list(candidates), model_fn, prior_acceptance=prior_acceptance,
+                                       layouts={n: c.layout for n, c in candidates.items()},
+                                       cost_fns={n: c.costs for n, c in candidates.items()})
+        self._chosen: dict[int, tuple[str | None, int]] = {}
+
+    def begin(self, seq: Seq) -> None:
+        for c in self.cands.values():
+            c.begin(seq)
+        self._chosen[seq.id] = (None, 0)
+
+    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            found = {n: self.cands[n].propose([seq], [k], budget_s)[0] if k > 0 else Draft(ids=[])
+                     for n in self.lookups}
+            avail = [n for n in self.cands if n not in self.lookups or found[n].ids]
+            name, g = self.chooser.choose(k, avail)
+            draft = Draft(ids=[])
+            for n, c in self.cands.items():
+                if n in self.lookups:
+                    continue
+                d = c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
+                if n == name:
+                    draft = d
+            if name in self.lookups:
+                draft = Draft(ids=found[name].ids[:max(1, g)])
+            self._chosen[seq.id] = (name, len(draft.ids))
+            out.append(draft)
+        return out
+
+    def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
+        name, k = self._chosen.get(seq.id, (None, 0))
+        if name is not None and k:
+            self.chooser.observe_round(name, k, n_accepted)
+        for n, c in self.cands.items():
+            if n == name or c.layout == "two_process":
+                c.commit(seq, n_accepted if n == name else 0, next_token)
+        self._chosen[seq.id] = (None, 0)
+
+    def end(self, seq: Seq) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in self.cands.values():
+            out.update(c.end(seq))
+        self._chosen.pop(seq.id, None)
+        return {**out, "draft_selection": self.chooser.summary()}
+
+    def costs(self) -> DraftCosts:
+        return DraftCosts(None, None)  # each candidate's own goes to the chooser
+
+    def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
+        workers = [c for c in self.cands.values() if c.layout == "two_process"]
+        return workers[0].health(probe, timeout_s) if workers else {"draft": "in_process"}
+
+    def close(self) -> None:
+        for c in self.cands.values():
+            c.close()
+

@@ -1,0 +1,257 @@
+"""`hetero-spec profile`: measure this machine's costs for a config, fit the cost model, recommend gamma.
+See tuning/profile.py for what each measurement is; this driver runs them on Engines and writes the profile."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .engine import Engine
+from .errors import ConfigError
+from .tuning.cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
+from .tuning.profile import (median_s, batch_points, decoder_token_s, recommended_batch, transfer_points,
+                             verify_points)
+
+
+def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
+    """Median time per greedy token of the Engine's onnx draft (0.0 for a lookup or none)."""
+    from .draft.onnx_drafter import OnnxDrafter
+
+    p = getattr(eng.source, "proposer", None)
+    return decoder_token_s(p.decoder, prompt, reps) if isinstance(p, OnnxDrafter) else 0.0
+
+
+def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:
+    """Per-token acceptance over calibration prompts (greedy): accepted / tested, as the controller counts it
+    (tuning/cost_model.Acceptance: a round cut short by max_new_tokens tests only what it verified)."""
+    acc = tested = drafted = 0
+    for p in prompts:
+        s = engine.generate(p, max_new_tokens=max_new, gamma=gamma).stats
+        acc += s["accepted"]
+        tested += s["tested"]
+        drafted += s["drafted"]
+    a = acc / max(1, tested)
+    return a, {"accepted": acc, "drafted": drafted, "rejections": tested - acc, "prompts": len(prompts),
+               "max_new_tokens": max_new, "gamma": gamma}
+
+
+def _decode_goodput(stats: list[dict]) -> float:
+    """Committed tokens per second of decoding (prefill excluded, as in the cost model)."""
+    return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"]
+                                                               for s in stats))
+
+
+def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[list[int]], max_new: int,
+                    reps: int, say) -> dict[str, Any]:
+    """Each draft (the configured one first, then --draft DIRs, and the n-gram lookup when draft.candidates
+    names it): time per token, acceptance on the calibration prompts, best gamma and predicted goodput per
+    layout with the target's measured verify line."""
+    out: dict[str, Any] = {}
+    kinds = [("onnx", d) for d in drafts] + ([("ngram", None)] if "ngram" in config.draft.candidates else [])
+    for kind, d in kinds:
+        name = str(d) if d is not None else "ngram"
+        say(f"draft {name}: time per token and acceptance")
+        over = {"draft.kind": kind, "draft.candidates": [], "speculation.gamma": 8}
+        if d is not None:
+            over["draft.model"] = str(d)
+        with Engine.from_config(config, overrides=over) as eng:
+            d_tok = _draft_token_s(eng, calib[0], reps)  # 0.0: the n-gram lookup costs microseconds
+            a, info = _acceptance(eng, calib, max_new)
+        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, d_tok, model.transfer_s)
+        out[name] = {"kind": kind, "draft_token_s": round(d_tok, 7), "acceptance": round(a, 4),
+                     "tested_tokens": info["accepted"] + info["rejections"],
+                     "best": {lay: {"gamma": m.best_gamma(a, lay)[0],
+                                    "predicted_tok_s": round(m.best_gamma(a, lay)[1], 2)} for lay in LAYOUTS}}
+    return out
+
+
+def precisions_here(config) -> list[str]:
+    """Target precisions this backend runs on this machine (precision.py)."""
+    from .target.backends import choose_backend
+
+    if choose_backend(config.target).backend == "onnx":
+        return ["fp32", "int8", "int4"] if (Path(config.target.model) / "config.json").is_file() else []
+    return ["fp32", "int8"] if config.target.device == "cpu" else ["fp32", "bf16", "fp16"]
+
+
+def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_new: int, reps: int,
+                        say) -> dict[str, Any]:
+    """Each target precision this machine runs: its verify line, the draft's time per token and acceptance
+    against it (quantization moves both), the best gamma and predicted goodput in process, and target-only's
+    rate. recommended: the best predicted goodput (taken by target.precision auto only with allow_lossy)."""
+    rows: dict[str, Any] = {}
+    for p in precisions_here(config):
+        say(f"target precision {p}: verify line, draft cost and acceptance (exported once if needed)")
+        with Engine.from_config(config, overrides={"target.precision": p, "runtime.mode": "in_process",
+                                                   "runtime.cpus": None}) as eng:
+            vpoints = verify_points(eng.target, prompt, [0, 8], reps)
+            a, _ = _acceptance(eng, calib, max_new)
+            d_tok = _draft_token_s(eng, prompt, reps)
+        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
+        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok)
+        g, rate = model.best_gamma(a, "in_process")
+        rows[p] = {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints}, "draft_token_s": round(d_tok, 6),
+                   "acceptance": round(a, 4), "best_gamma": g, "predicted_tok_s": round(rate, 1),
+                   "target_only_tok_s": round(1.0 / model.verify(0), 1), "lossless_vs_checkpoint": p == "fp32"}
+    recommended = max(rows, key=lambda p: rows[p]["predicted_tok_s"]) if rows else None
+    return {"candidates": rows, "recommended": recommended,
+            "note": "used by target.precision: auto only with target.allow_lossy: true (quantizing changes "
+                    "the model's output)"}
+
+
+def _profile_placement(config, acceptance: float, calib: list[list[int]], max_new: int, say) -> dict[str, Any]:
+    """Every layout this machine allows (tuning/placement.py): measured costs, predicted goodput at its
+    best gamma, and measured goodput at that gamma."""
+    from .tuning import placement
+
+    probe = config.model_copy(deep=True)
+    probe.runtime.mode, probe.runtime.cpus = "auto", "auto"
+    layouts = placement.candidates(probe, placement.allowed_cpus())
+    costs = placement.measure(probe, layouts, say)
+    best, rows = placement.choose(costs, layouts, acceptance)
+    for row, lay in zip(rows, layouts):
+        say(f"measured goodput of {lay.label()} at gamma {max(1, row['gamma'])}")
+        over = {"runtime.mode": lay.mode, "runtime.cpus": None, "target.threads": lay.target_threads,
+                "draft.threads": lay.draft_threads, "speculation.gamma": max(1, row["gamma"]),
+                "runtime.pin_cpus": True, "draft.candidates": []}
+        with Engine.from_config(config, overrides=over) as eng:
+            eng.generate(calib[0], max_new_tokens=16)  # warm (the worker's first request)
+            row["measured_tok_s"] = round(_decode_goodput(
+                [eng.generate(p, max_new_tokens=max_new).stats for p in calib]), 2)
+    measured_best = max(rows, key=lambda r: r["measured_tok_s"])
+    return {"costs": costs.to_dict(), "candidates": rows,
+            "recommended": {"mode": best.mode, "target_threads": best.target_threads,
+                            "draft_threads": best.draft_threads},
+            "measured_best": {k: measured_best[k] for k in ("mode", "target_threads", "draft_threads")}}
+
+
+def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file: Path | None = None,
+                overrides: dict | None = None, say=None, drafts: list[Path] | None = None,
+                placement: bool = True, precisions: bool = True) -> dict[str, Any]:
+    """Measure, fit, recommend; write out (YAML) and out with .png. Returns the profile dict."""
+    import yaml
+
+    from .bench.prompts import heldout_prompt_ids, prompts_from_file
+    from .config import load_config
+    from .gguf_source import resolve as resolve_gguf
+    from .precision import resolve_draft
+
+    say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    # every cost is measured on its own, in process; layouts are measured afterwards (placement)
+    over = {**(overrides or {}), "runtime.mode": "in_process", "runtime.cpus": None}
+    # a GGUF converted, a checkpoint with draft.precision exported: draft.model is then the export it measures
+    config = resolve_draft(resolve_gguf(load_config(config_path, overrides=over)))
+    if config.draft.kind != "onnx":
+        raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
+                          "profile measures a model draft: use draft.kind: onnx")
+    n_prompts, max_new = (2, 48) if quick else (6, 128)
+    ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
+    reps = 8 if quick else 20
+    say(f"loading {config_path} (target backend {config.target.backend})")
+    with Engine.from_config(config) as eng:
+        if prompts_file is not None:
+            prompts = prompts_from_file(prompts_file, config)[:n_prompts]
+        else:
+            prompts = heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128)
+        ctx_prompt, calib = prompts[0], prompts[1:] or prompts
+        say(f"target verification, k = {ks[0]}..{ks[-1]} draft tokens after {len(ctx_prompt)} cached")
+        vpoints = verify_points(eng.target, ctx_prompt, ks, reps)
+        say("draft time per token")
+        d_tok = _draft_token_s(eng, ctx_prompt, reps)
+        say("transfer time against payload")
+        tpoints = transfer_points([64, 4096, 65536, 1 << 20], reps)
+        say("prefill time against prompt length")
+        ppoints = []
+        for n in (16, 64, len(ctx_prompt)):
+            def pre(n=n):
+                state = eng.target.new_state()
+                eng.target.prefill(state, ctx_prompt[:n])
+                eng.target.release_state(state)
+            ppoints.append((n, median_s(pre, max(2, reps // 4))))
+        limit = eng.config.serving.max_batch
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= limit]
+        say(f"shared target pass against batch size {sizes} (serving.max_batch {limit})")
+        bpoints = batch_points(eng.target, ctx_prompt, sizes, reps)
+        say(f"acceptance on {len(calib)} calibration prompts x {max_new} tokens")
+        a, acc_info = _acceptance(eng, calib, max_new)
+        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
+        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok,
+                          transfer_s=tpoints[0][1])
+        measured_g = [2, 4, 8, 12] if quick else [1, 2, 4, 6, 8, 10, 12, 16]
+        say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
+        measured = {}
+        for g in measured_g:
+            measured[g] = _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
+    base_config = load_config(config_path, overrides={**(overrides or {}), "runtime.mode": "in_process",
+                                                      "runtime.cpus": None})
+    draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new,
+                                 reps, say)
+    best_draft = max(draft_rows, key=lambda n: max(r["predicted_tok_s"] for r in draft_rows[n]["best"].values()))
+    place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
+    precision = _profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions else None
+    recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
+    profile = {
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None},
+        "config": str(config_path), "target_backend": config.target.backend,
+        "target_threads": config.target.threads, "draft": str(config.draft.model),
+        "draft_threads": config.draft.threads, "quick": quick,
+        "measured": {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints},
+                     "draft_token_s": round(d_tok, 6),
+                     "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
+                     "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
+                     "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
+        "cost_model": {k: round(v, 7) for k, v in model.to_dict().items()},
+        "acceptance": {"per_token": round(a, 4), **acc_info},
+        "recommended_gamma": recommended,
+        "drafts": draft_rows,
+        "recommended_draft": best_draft,
+        "placement": place,
+        "precision": precision,
+        "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
+                  "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
+                  "recommended_max_batch": recommended_batch(bpoints)},
+        "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
+                                    for lay in LAYOUTS},
+        "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
+                   "(1 - a^g) * g * d; V(g) = verify_fixed_s + verify_per_token_s * (g + 1)",
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(profile, sort_keys=False))
+    _plot(profile, out.with_suffix(".png"))
+    say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
+        f"{recommended} at acceptance {a:.3f} (E at gamma 8: {expected_tokens(a, 8):.2f})")
+    if place is not None:
+        for r in place["candidates"]:
+            say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
+                f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
+        say(f"  recommended layout {place['recommended']} (measured best {place['measured_best']})")
+    return profile
+
+
+def _plot(profile: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for lay, pts in profile["predicted_goodput_tok_s"].items():
+        ax.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")
+    meas = profile["measured"]["goodput_tok_s_in_process"]
+    ax.plot([int(g) for g in meas], list(meas.values()), "o", label="measured, in_process")
+    for r in (profile.get("placement") or {}).get("candidates", []):
+        ax.plot([r["gamma"]], [r["measured_tok_s"]], "x", markersize=9,
+                label=f"measured, {r['mode']} {r['target_threads']}+{r['draft_threads']} threads")
+    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_ylabel("goodput (committed tokens/s)")
+    ax.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
+    ax.legend()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,112 @@
+"""The worker draft source (draft/base.py's interface): the draft model runs in its own process and drafts each
+sequence's next block while the target verifies the current one (runtime/pipelined.py has the protocol).
+
+It owns the worker's supervisor, one DraftLink per sequence, and the routing of the worker's messages to them
+(requests drafted together share one channel). `commit` sends the Sync. Whatever state the worker is in, a
+dead one only empties the drafts: the target decodes alone and the supervisor restarts the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..config import Config
+from ..draft.base import Draft, DraftCosts, Seq
+from ..draft.select import prompt_window
+from .cpus import allowed, draft_cpus, pin_threads
+from .pipelined import DraftLink, LinkCosts, Timeline
+from .supervisor import DraftSupervisor, WorkerSpec
+
+#: streams the worker keeps beyond serving.max_batch (ended requests whose End is still on the way)
+STREAM_SLACK = 8
+
+
+def max_msg_bytes(vocab_width: int, context_len: int, max_ahead_cap: int) -> int:
+    """Largest frame either side may send: a prompt of context_len ids, or the distributions of up to
+    max_ahead_cap draft tokens (sampled requests); with room for the header."""
+    return max(4 * context_len, 4 * vocab_width * max_ahead_cap) + (1 << 16)
+
+
+class WorkerSource:
+    """`launcher` and `clock` are seams for tests (an in-memory worker, a ticking clock)."""
+
+    name = "onnx-pipelined"
+    layout = "two_process"
+    chooses_gamma = False
+
+    def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, max_streams: int = 8,
+                 launcher=None, clock=time.monotonic):
+        r, d = config.runtime, config.draft
+        self.config, self.clock, self.vocab_width = config, clock, vocab_width
+        self.trace = r.trace
+        self.draft_cpus = draft_cpus(config)
+        self.target_cpus = [c for c in allowed() if c not in self.draft_cpus] if self.draft_cpus else None
+        self.cap = r.max_ahead or 2 * 64 + 1  # gamma <= 64 (speculation.gamma)
+        self.sup = DraftSupervisor(WorkerSpec(
+            model=d.model, providers=d.providers, threads=d.threads, vocab_width=vocab_width,
+            transport=r.transport, host=r.host, port=r.port, curve=r.curve, curve_keys=r.curve_keys,
+            cpus=self.draft_cpus, ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
+            restart_backoff_s=r.restart_backoff_s, max_streams=max_streams + STREAM_SLACK,
+            prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"),
+            max_msg_bytes=max_msg_bytes(vocab_width, context_len, self.cap)), launcher=launcher, clock=clock)
+        if self.draft_cpus and hasattr(os, "sched_setaffinity"):
+            pin_threads(self.sup.thread_ids, self.draft_cpus)
+        self.link_costs = LinkCosts()
+        self.links: dict[int, DraftLink] = {}  # by sequence
+        self.routes: dict[int, DraftLink] = {}  # by req_id, the links drafted on the current worker
+        self._counts: dict[int, tuple[int, int]] = {}  # supervisor failures and restarts when a sequence began
+        self.sup.start()
+
+    def begin(self, seq: Seq) -> None:
+        """The worker starts drafting block 1 while the target reads the prompt."""
+        r = self.config.runtime
+        gamma = max(1, seq.gamma)
+        max_ahead = r.max_ahead or 2 * max(gamma, 16 if seq.gamma_auto else gamma) + 1
+        link = DraftLink(self.sup, seq.id, seq.params, gamma, max_ahead, self.link_costs, self.routes,
+                         Timeline() if self.trace else None, self.vocab_width, clock=self.clock)
+        self.links[seq.id] = link
+        self._counts[seq.id] = (self.sup.failures, self.sup.restarts)
+        link.begin(seq.ids)
+
+    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            link = self.links[seq.id]
+            # the worker drafts while this sequence speculates, and for greedy and coupled requests also while it
+            # does not: its tokens are then compared with the target's own for free (acceptance, measured)
+            shadow = seq.params.greedy or seq.params.coupled
+            link.control(seq.gamma > 0 or shadow, seq.ids, seq.gamma if seq.gamma > 0 else None)
+            out.append(link.gather(seq.ids, k, budget_s))
+            if link.shadow[0]:
+                out[-1].shadow, link.shadow = link.shadow, (0, 0)
+        return out
+
+    def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
+        self.links[seq.id].sync(seq.ids)  # the correction (or confirmation) goes out before anything else
+
+    def end(self, seq: Seq) -> dict[str, Any]:
+        link = self.links.pop(seq.id, None)
+        if link is None:
+            return {}
+        link.end()
+        failures0, restarts0 = self._counts.pop(seq.id, (self.sup.failures, self.sup.restarts))
+        out: dict[str, Any] = {"stale_proposals": link.buf.stale, "branch_hits": link.buf.branch_hits,
+                               "draft_failures": self.sup.failures - failures0,
+                               "draft_restarts": self.sup.restarts - restarts0,
+                               "dropped_messages": link.dropped, "rejected_messages": link.rejected}
+        if link.timeline is not None:
+            out["timeline"] = {"draft": link.timeline.draft}
+        return out
+
+    def costs(self) -> DraftCosts:
+        return DraftCosts(self.link_costs.draft_tok_s.value, self.link_costs.transfer_s.value)
+
+    def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
+        d = self.sup.health(timeout_s or self.sup.spec.heartbeat_s) if probe else self.sup.status()
+        d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
+        return d
+
+    def close(self) -> None:
+        self.sup.close()

@@ -1,0 +1,373 @@
+"""The speculation controller: the one place that decides whether to speculate and how far.
+
+Each round it gives every sequence its gamma (0: the target alone this round) and decides whether the rows share
+one target pass without drafts; after the round it learns from what happened. Everything it decides from is
+measured (tuning/cost_model.py):
+
+- a: per-token acceptance, per stream (`StreamControl.acceptance`), starting from the engine-wide estimate
+  (`Tuning.acceptance`, kept across requests), as (accepted + prior * weight) / (tested + weight);
+- the round time R(g) of the layout in use: the verify line fitted to the passes seen (or a profile's, or the
+  placement's probes), and the draft source's measured cost per token and per transfer (`DraftSource.costs`).
+
+Its state is per stream where it is about a stream (acceptance, the choices made, a probe in flight) and shared
+only where it is about the hardware (`Tuning`: costs, shared-pass line, the engine-wide acceptance, the probe
+period).
+
+**The rule, written once:** speculation is never chosen where it is predicted slower than the target alone.
+`best_gamma` returns 0 unless some gamma's predicted goodput E(a, g) / R(g) beats 1 / V(0); a batch shares one
+plain pass when that is predicted faster than speculating (`_plan_batch`). Until the costs are known, rounds
+cycle through a few short gammas (EXPLORE) so that the verify line gets distinct points.
+
+**One probe schedule:** after `Tuning.probe_every` rounds at gamma 0 (across streams), one round drafts
+PROBE_GAMMA tokens (acceptance may have risen). A probe that gets nothing accepted doubles the period (up to
+PROBE_EVERY_MAX), one that does resets it, so a useless draft costs almost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .cost_model import Acceptance, CostModel, expected_tokens, fit_line
+from .early_stop import ConfidenceStop
+
+EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short: the draft may be useless)
+PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
+PROBE_EVERY_MAX = 512
+PROBE_GAMMA = 2
+PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
+#: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
+LATENCY_SLOWDOWN = 1.5
+#: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while the
+#: batch keeps its size: each row's choice searches gamma (~0.1 ms), the price of a shared pass row here
+PLAIN_HOLD = 16
+G_MAX = 16
+
+
+@dataclass
+class SharedPassCost:
+    """S(t) = c0 + c1 t: the seconds of one target pass over t positions shared by several requests, fitted to
+    the passes seen (a sliding window)."""
+
+    points: deque = field(default_factory=lambda: deque(maxlen=128))  # (positions, seconds)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        self.points.append((positions, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """(c0, c1), or None until two distinct sizes have been seen."""
+        if len({x for x, _ in self.points}) < 2:
+            return None
+        c0, c1 = fit_line(list(self.points))
+        return max(c0, 0.0), max(c1, 0.0)
+
+    def cost(self, positions: int, model: CostModel | None) -> float | None:
+        """Predicted seconds for a shared pass; before two sizes are known, the one-request verify line
+        (a pass of `positions` tokens), or None without either."""
+        line = self.line()
+        if line is not None:
+            return line[0] + line[1] * positions
+        return model.verify(positions - 1) if model is not None else None
+
+
+@dataclass
+class Tuning:
+    """What the engine learns about the hardware and the draft across requests: costs and acceptance. One per
+    Engine, shared by the streams of a batch (they run in one thread, the scheduler's)."""
+
+    profile: CostModel | None = None
+    prior_acceptance: float = 0.7
+    prior_weight: float = 4.0  # weak: a useless draft shows within a few rounds
+    probe_every: int = PROBE_EVERY  # re-probe period while gamma 0 is chosen
+    rounds_off: int = 0  # rounds at gamma 0 since the last probe (across streams)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
+    draft_token_s: float | None = None
+    transfer_s: float = 0.0  # one proposal's transfer (the worker source's measurement)
+    early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
+    shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
+    recommended_batch: int | None = None  # the profile's recommended_max_batch (serving.max_batch: auto)
+    recommended_precision: str | None = None  # the profile's (target.precision: auto with allow_lossy)
+
+    def reset_costs(self) -> None:
+        """Forget the costs (the hardware under them changed: another layout or thread count); acceptance,
+        a property of the draft and the text, is kept."""
+        self.profile = None
+        self.verify_points.clear()
+        self._sums = [0.0] * 5
+        self.draft_token_s = None
+        self.transfer_s = 0.0
+        self.shared = SharedPassCost()
+
+    def seed_costs(self, model: CostModel, weight: int = 2) -> None:
+        """Start the learned costs from a measured model (placement's probes): its verify line as points at
+        block lengths 1 and 9, `weight` times each, and its draft cost. Rounds then refine them, and gamma auto
+        needs no exploration rounds. A profile, when given, stays the model."""
+        for k in (0, 8):
+            for _ in range(weight):
+                self.observe_verify(k, model.verify(k))
+        if model.draft_token_s > 0:
+            self.draft_token_s = model.draft_token_s
+
+    def global_acceptance(self) -> float:
+        return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
+
+    def observe_verify(self, k: int, verify_s: float) -> None:
+        """One verification pass of k drafts (k + 1 tokens), whoever drafted them."""
+        if len(self.verify_points) == self.verify_points.maxlen:
+            self._add_point(*self.verify_points[0], sign=-1.0)  # the oldest leaves the window
+        self.verify_points.append((k + 1, verify_s))
+        self._add_point(k + 1, verify_s, sign=1.0)
+
+    def _add_point(self, x: float, y: float, sign: float) -> None:
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[i] += sign * v
+
+    def verify_line(self) -> tuple[float, float] | None:
+        """(verify_fixed_s, verify_per_token_s): the profile's, else fitted to the passes seen so far (None
+        until they have two distinct block lengths). O(1): asked every round, so from running sums."""
+        if self.profile is not None:
+            return self.profile.verify_fixed_s, self.profile.verify_per_token_s
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx  # 0 when every point has the same block length
+        if n < 2 or spread < 0.5:
+            return None
+        c1 = (n * sxy - sx * sy) / spread
+        c0 = (sy - c1 * sx) / n
+        return max(c0, 0.0), max(c1, 0.0)
+
+    def model(self) -> CostModel | None:
+        """The profile, else the costs learned so far (None until verify_line is known and the draft has
+        been timed)."""
+        if self.profile is not None:
+            return self.profile
+        line = self.verify_line()
+        if line is None or self.draft_token_s is None:
+            return None
+        return CostModel(line[0], line[1], self.draft_token_s, self.transfer_s)
+
+
+@dataclass
+class StreamControl:
+    """One stream's part of the controller. `fixed`: a configured integer gamma (no choice made)."""
+
+    fixed: int | None = None
+    early_stop: bool = False
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    choices: Counter = field(default_factory=Counter)
+    reason: str = ""
+    gamma: int = 0  # this round's gamma, before the room left (0: none)
+    probing: bool = False  # this round re-probes after rounds at gamma 0
+    stopped_early: int = 0
+    _round: int = 0
+    _off_since: float | None = None  # engine-wide tested tokens when gamma 0 was last chosen afresh
+    _off_rounds: int = 0
+    _off_rate: float = 0.0
+    _off_a: float = 0.0
+
+
+class Controller:
+    """See the module docstring. layout: the cost model's round ("in_process": draft then verify;
+    "two_process": the worker drafts while the target verifies). batch_blocks: the target verifies rows with
+    blocks of different lengths in one pass (else one pass per drafting row)."""
+
+    def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput"):
+        self.tuning, self.layout, self.batch_blocks, self.mode = tuning, layout, batch_blocks, mode
+        self.last_plan = ""
+        self.last_rates: tuple[float, float] | None = None  # (speculating, one shared pass): predicted tok/s
+        self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
+
+    def stream(self, gamma: int | str, early_stop: bool = False) -> StreamControl:
+        return StreamControl(fixed=gamma if isinstance(gamma, int) else None, early_stop=early_stop)
+
+    def estimate(self, sc: StreamControl) -> float:
+        """A stream's acceptance, starting from the engine-wide estimate."""
+        return sc.acceptance.rate(self.tuning.global_acceptance(), self.tuning.prior_weight)
+
+    # -- 1) plan -------------------------------------------------------------------------------------------
+    def plan(self, streams: list[StreamControl], rooms: list[int], chooses_gamma: bool = False) -> list[int]:
+        """This round's draft length per stream (0: none), at most room - 1 (room: the tokens it may still
+        commit: max_new_tokens and the context). chooses_gamma: the draft source picks each strategy's gamma
+        itself (draft selection), so an auto stream gets the largest allowed."""
+        size, left = self._plain
+        if len(streams) > 1 and size == len(streams) and left > 0:
+            self._plain = (size, left - 1)
+            for sc in streams:
+                sc.probing, sc.gamma = False, 0
+                sc.choices[0] += 1
+            return [0] * len(streams)
+        ks = []
+        for sc, room in zip(streams, rooms):
+            sc.gamma = (G_MAX if sc.fixed is None else sc.fixed) if chooses_gamma else self._choose(sc)
+            ks.append(max(0, min(sc.gamma, room - 1)))
+        if len(streams) > 1 and all(sc.fixed is None for sc in streams):
+            together = not chooses_gamma and self.layout == "in_process"
+            ks = self.plan_batch(ks, [self.estimate(sc) for sc in streams], together)
+            if not any(ks):
+                for sc in streams:
+                    sc.gamma = 0
+        return ks
+
+    def _choose(self, sc: StreamControl) -> int:
+        """A stream's gamma as if it ran alone: the best predicted goodput, 0 when nothing beats the target
+        alone; a re-probe now and then (the module docstring)."""
+        sc.probing = False
+        if sc.fixed is not None:
+            return sc.fixed
+        sc._round += 1
+        t = self.tuning
+        model = t.model()
+        if model is None:
+            g = EXPLORE[(sc._round - 1) % len(EXPLORE)]
+            sc.reason = "exploring: no profile and too few measurements for a cost model yet"
+        else:
+            if sc._off_since is not None and t.acceptance.tested == sc._off_since and sc._off_rounds < 32:
+                # off, and nothing was tested since (gamma 0 rounds test nothing): the answer has not changed,
+                # so do not pay the search every round (about 0.1 ms, 2-3 % of a target step here)
+                g, rate, a = 0, sc._off_rate, sc._off_a
+                sc._off_rounds += 1
+            else:
+                a = self.estimate(sc)
+                g, rate = model.best_gamma(a, self.layout, G_MAX)
+                sc._off_since, sc._off_rounds = (t.acceptance.tested, 0) if g == 0 else (None, 0)
+                sc._off_rate, sc._off_a = rate, a
+            if g == 0:
+                t.rounds_off += 1
+                if t.rounds_off >= t.probe_every:
+                    g, t.rounds_off, sc.probing = PROBE_GAMMA, 0, True
+            if g or sc._off_rounds == 0:  # the reason is built only when the choice was made afresh
+                sc.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {g} (E="
+                             f"{expected_tokens(a, g):.2f}, round {model.round_time(g, a, self.layout) * 1e3:.2f} "
+                             "ms)" + (f"; re-probe (every {t.probe_every} rounds off)" if sc.probing else ""))
+        sc.choices[g] += 1
+        return g
+
+    def plan_batch(self, ks: list[int], acceptances: list[float], together: bool = False) -> list[int]:
+        """Rows' own choices (speculate), or all 0 (one shared pass), by predicted committed tokens/s.
+        together: the drafting rows step together (one draft run per token for all)."""
+        b = len(ks)
+        model, shared = self.tuning.model(), self.tuning.shared
+        self.last_rates: tuple[float, float] | None = None
+        if b < 2 or not any(ks):
+            self.last_plan = "one row" if b < 2 else "no row drafts"
+            return ks
+        plain_s = shared.cost(b, model)
+        spec_s = self._spec_time(ks, model, together)
+        if plain_s is None or spec_s is None:
+            self.last_plan = "costs not measured yet: the rows' own choices"
+            return ks
+        spec_rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks)) / spec_s
+        plain_rate = b / plain_s
+        self.last_rates = (spec_rate, plain_rate)
+        if spec_rate > plain_rate:
+            self.last_plan = (f"batch of {b}: speculation predicts {spec_rate:.0f} tok/s against {plain_rate:.0f} "
+                              "for one shared pass")
+            return ks
+        self.last_plan = (f"batch of {b}: one shared pass predicts {plain_rate:.0f} tok/s against "
+                          f"{spec_rate:.0f} speculating")
+        self._plain = (b, PLAIN_HOLD)
+        return [0] * b
+
+    def _spec_time(self, ks: list[int], model: CostModel | None, together: bool) -> float | None:
+        """Predicted seconds of a speculating round of the batch: drafting (in turn, or stepping together:
+        max k steps, each scaled like a shared target pass) and verifying (one padded pass where the backend
+        can, else one pass per drafting row plus one shared pass for the rest). The worker drafts while the
+        target verifies, so its drafting is not added."""
+        if model is None:
+            return None
+        shared = self.tuning.shared
+        draft_s = 0.0 if self.layout == "two_process" else sum(ks) * model.draft_token_s
+        drafting = sum(1 for k in ks if k > 0)
+        if together and drafting > 1 and self.layout == "in_process":
+            one, many = shared.cost(1, model), shared.cost(drafting, model)
+            if one and many:
+                draft_s = max(ks) * model.draft_token_s * many / one
+        if self.batch_blocks:
+            verify_s = shared.cost(len(ks) * (max(ks) + 1), model)
+            return None if verify_s is None else draft_s + verify_s
+        alone = sum(model.verify(k) for k in ks if k > 0)
+        rest = sum(1 for k in ks if k == 0)
+        joint = 0.0 if rest == 0 else (model.verify(0) if rest == 1 else shared.cost(rest, model))
+        return None if joint is None else draft_s + alone + joint
+
+    def min_confidence(self, sc: StreamControl, k: int) -> float | None:
+        """speculation.early_stop: the draft probability below which the block ends (None: no early stop).
+        The break-even is what a drafted token costs (draft + verify per token) times the current goodput."""
+        if not sc.early_stop or k <= 0:
+            return None
+        stop, model = self.tuning.early_stop, self.tuning.model()
+        if model is not None:
+            stop.break_even = ((model.draft_token_s + model.verify_per_token_s)
+                               * model.goodput(k, self.estimate(sc), "in_process"))
+        return stop.threshold()
+
+    def wait_budget(self, k: int, default_s: float) -> float:
+        """How long the target may wait for k draft tokens from a draft in another process: what drafting them
+        costs, never more than one target step (waiting longer would be slower than decoding alone). Before
+        any cost is known: half of `default_s` (the prefill's time, say)."""
+        model = self.tuning.model()
+        cap = model.verify(0) if model is not None else default_s
+        d = self.tuning.draft_token_s
+        if d is None:
+            return 0.5 * cap
+        return min(cap, (k * d + self.tuning.transfer_s) * 1.5 + 0.0005)
+
+    def may_join(self, batch: int) -> bool:
+        """serving.mode latency: whether one more request may join a batch of `batch` (throughput: always)."""
+        if self.mode != "latency" or batch == 0:
+            return True
+        model, shared = self.tuning.model(), self.tuning.shared
+        alone = model.verify(0) if model is not None else shared.cost(1, None)
+        joined = shared.cost(batch + 1, model)
+        if alone is None or joined is None:
+            return True
+        return joined <= LATENCY_SLOWDOWN * alone
+
+    # -- 5) observe ----------------------------------------------------------------------------------------
+    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None,
+                conf: list[float] | None = None) -> None:
+        """One stream's round: k drafts, n accepted; verify_s None when the pass was shared with other rows (it
+        is not this row's verify cost); conf: the drafts' confidences (early stop)."""
+        sc.acceptance.observe(k, n)
+        self.tuning.acceptance.observe(k, n)
+        if verify_s is not None:
+            self.tuning.observe_verify(k, verify_s)
+        if sc.early_stop and conf:
+            self.tuning.early_stop.observe(conf, n)
+        if sc.probing and k > 0:  # a failed probe waits twice as long for the next; a hit resets
+            t = self.tuning
+            t.probe_every = PROBE_EVERY if n > 0 else min(PROBE_EVERY_MAX, 2 * t.probe_every)
+
+    def observe_costs(self, token_s: float | None, transfer_s: float | None) -> None:
+        """The draft source's measured costs (DraftSource.costs)."""
+        if token_s is not None:
+            self.tuning.draft_token_s = token_s
+        if transfer_s is not None:
+            self.tuning.transfer_s = transfer_s
+
+    def observe_pass(self, rows: int, positions: int, all_single: bool, seconds: float) -> None:
+        """One verify_batch call over several rows: the shared-pass line learns from it when it was one pass
+        (every row one token, or a backend that shares blocks)."""
+        if rows > 1 and (self.batch_blocks or all_single):
+            self.tuning.shared.observe(positions if self.batch_blocks else rows, seconds)
+
+    def observe_shadow(self, tested: int, accepted: int) -> None:
+        """Draft tokens the source compared with tokens the target decoded alone (tested as Acceptance counts
+        them): they join the engine-wide acceptance, so a draft judged useless early can be judged again."""
+        if tested > 0:
+            self.tuning.acceptance.observe(tested, accepted)
+
+    def initial_gamma(self, sc: StreamControl) -> int:
+        """The gamma a stream starts at (a worker's first block): the configured one, or the cost model's best."""
+        if sc.fixed is not None:
+            return sc.fixed
+        model = self.tuning.model()
+        return max(1, model.best_gamma(self.estimate(sc), self.layout, G_MAX)[0]) if model else 4
+
+    def summary(self, sc: StreamControl) -> dict:
+        return {"choices": {str(g): c for g, c in sorted(sc.choices.items())}, "last_reason": sc.reason,
+                "acceptance_estimate": round(self.estimate(sc), 4)}
+
+    def early_stop_summary(self, sc: StreamControl) -> dict:
+        return {**self.tuning.early_stop.summary(), "rounds_stopped_early": sc.stopped_early}
