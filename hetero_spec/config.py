@@ -66,7 +66,7 @@ class TargetConfig(_Section):
     """onnx backend: threads for the prompt's prefill, a second ONNX Runtime session of the target bound to the
     same KV cache (it costs a second copy of the weights in memory). `auto`: in two_process, every core this
     process may use: the target decodes on its own cores, but the worker's core is mostly free while the prompt
-    is read (README, "Prefill on every core"); otherwise target.threads (no second session). A number at most
+    is read (docs/features-two-process.md, "Prefill on every core"); otherwise target.threads (no second session). A number at most
     the target's threads: no second session. Ignored by the torch backend."""
     spin: bool = False
     """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). On a
@@ -178,7 +178,7 @@ class GenerationConfig(_Section):
     """Nucleus sampling mass (1.0 = off). Applied identically to target and draft."""
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     """Seed for sampled generation, 0 <= seed < 2**64. None draws one. With speculation.sampling: coupled, a
-    seeded output equals target-only sampling with that seed in any layout (see the README)."""
+    seeded output equals target-only sampling with that seed in any layout (docs/features-sampling.md)."""
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
 
@@ -237,7 +237,7 @@ class ServingConfig(_Section):
 
 class Config(_Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
-    """The PyTorch verifier."""
+    """The target model: it verifies every block (torch or onnx backend)."""
     draft: DraftConfig = Field(default_factory=DraftConfig)
     """The proposer."""
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
@@ -415,60 +415,3 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(str(path), where, path.name, f"not valid YAML: {exc}") from None
     return build_config(raw, source=str(path), base_dir=path.parent, overrides=overrides)
-
-
-def check_paths(cfg: Config) -> None:
-    """Model directories (or GGUF files: their metadata) must exist (and the modes fit together) before anything
-    heavy loads."""
-    if cfg.runtime.mode == "two_process" and cfg.draft.kind != "onnx":
-        raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
-                          f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
-                          "use runtime.mode: in_process for ngram or none")
-    if cfg.speculation.early_stop and cfg.runtime.mode == "two_process":
-        raise ConfigError(cfg.blame("speculation.early_stop"), "speculation.early_stop", True,
-                          "confidence early stop runs in process only (the worker drafts ahead of the target: "
-                          "drafting is hidden there); use runtime.mode: in_process or auto")
-    d = cfg.draft
-    if "onnx" in d.candidates and d.kind != "onnx":
-        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
-                          "onnx among the candidates needs draft.kind: onnx and draft.model")
-    if len(set(d.candidates)) != len(d.candidates):
-        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
-                          "each strategy may appear once")
-    if cfg.target.model is None:
-        raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
-    from .gguf_source import check as check_gguf, is_gguf
-
-    if is_gguf(cfg.target.model):  # converted to a Hugging Face directory by gguf_source.resolve
-        check_gguf(cfg.target.model, cfg.blame("target.model"), "target.model", onnx=cfg.target.backend == "onnx")
-    else:
-        _check_target_dir(cfg)
-    if cfg.draft.kind == "onnx":
-        if cfg.draft.model is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
-                              "draft.kind is onnx, so a draft model is required")
-        if is_gguf(cfg.draft.model):
-            check_gguf(cfg.draft.model, cfg.blame("draft.model"), "draft.model", onnx=True)
-        elif not (cfg.draft.model / "model.onnx").is_file() and cfg.draft.precision is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
-                              "no model.onnx in this directory (make one with `hetero-spec export`)")
-
-
-def _check_target_dir(cfg: Config) -> None:
-    """target.model as a directory: a Hugging Face checkpoint, or an export the backend can run."""
-    is_export = (cfg.target.model / "model.onnx").is_file()
-    if cfg.target.backend == "torch" and is_export:
-        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                          "this is an ONNX export, which target.backend torch cannot run; set target.backend: "
-                          "onnx (or auto), or point target.model at the Hugging Face checkpoint")
-    if not is_export and not (cfg.target.model / "config.json").is_file():
-        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                          "not a Hugging Face model directory (no config.json found)")
-    if cfg.target.backend == "onnx" and not is_export:
-        from .target.export_cache import exportable
-
-        ok, why = exportable(cfg.target.model)
-        if not ok:
-            raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                              f"target.backend onnx needs an ONNX export of the target, but {why}; use "
-                              "target.backend: torch (or auto)")

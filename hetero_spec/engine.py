@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import Config, check_paths, load_config
+from .config import Config, load_config
+from .preflight import check_paths
 from .errors import ConfigError, EngineClosedError, VocabMismatchError
 from .gguf_source import resolve as resolve_gguf
 from .metrics import Stats
@@ -222,8 +223,6 @@ class Engine:
         self.controller = (self._make_controller or Controller)(self.tuning, "two_process" if config.runtime.mode == "two_process"
                                      else "in_process", self.target.batch_blocks, config.serving.mode)
         self.source = self._parts["source"] = self._make_source(config)
-        if self.source is not None and self.source.layout == "two_process":
-            self.loop_cpus = self.source.target_cpus
 
     #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
     REPLACE_MIN_TESTED = 16
@@ -388,6 +387,7 @@ class Engine:
             self._check_draft(config)
             worker = WorkerSource(config, self.target.vocab_width, context_len=self.target.context_len,
                                   max_streams=slots)
+            self.loop_cpus = worker.target_cpus
             cands = {"onnx": worker, **({"ngram": self._local(config, "ngram", slots)}
                                         if "ngram" in d.candidates else {})}
         elif d.candidates:
@@ -399,7 +399,8 @@ class Engine:
         from .draft.source import SelectingSource
 
         return SelectingSource({k: c for k, c in cands.items() if c is not None}, self.tuning.model,
-                               prior_acceptance=self.tuning.prior_acceptance)
+                               prior_acceptance=self.tuning.prior_acceptance,
+                               names=[n for n in d.candidates if n in cands])
 
     def _local(self, config: Config, kind: str, slots: int):
         if kind == "none":

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, ModelLoadError
-from .target.export_cache import EXPORTABLE, _stderr, build_once, cache_root
+from .target.export_cache import EXPORTABLE, build_once, stderr_progress, cache_root
 
 if TYPE_CHECKING:
     from .config import Config
@@ -213,7 +213,7 @@ def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", o
         return entry
 
     def convert(scratch: Path) -> None:
-        say = progress or _stderr(entry)
+        say = progress or stderr_progress(entry)
         say(f"converting {path.name} to a Hugging Face checkpoint once, into the cache {entry} "
             "(set HETERO_SPEC_CACHE to move it)")
         start = time.monotonic()

@@ -12,7 +12,7 @@ Two cache layouts, chosen per model:
   preallocated buffer per past tensor, [1, kv_heads, capacity, head_dim], bound through IO binding as both
   `past_key_values.N` and `present.N`. GroupQueryAttention writes the new positions in place, so a step copies
   no past, and rolling back is only lowering `n_past` (later writes overwrite the rolled-back positions).
-  The buffer doubles when it fills, up to the context. Measured on the demo target (README, "ONNX decoder
+  The buffer doubles when it fills, up to the context. Measured on the demo target (docs/benchmarks.md, "ONNX decoder
   cost"): 25 % less per step at a 1000-token context.
 - copy (any other export or provider): past in, present out as fresh numpy arrays, as onnxruntime's plain
   `run` does; rolling back slices the past along its third axis.
@@ -89,7 +89,7 @@ class OnnxDecoder:
         self.session = self._load(path, providers, threads, spin, role)
         # prefill_threads > threads: a second session of the same model, used only for runs marked wide (a
         # prompt's prefill) and bound to the same KV buffers. In two processes the target decodes on one core
-        # while the worker's core is mostly free during the prompt (README, "Prefill on every core"). Its pool
+        # while the worker's core is mostly free during the prompt (docs/features-two-process.md). Its pool
         # threads never spin: after the prefill the other core is the worker's.
         self.prefill_threads = prefill_threads if prefill_threads and prefill_threads > threads else None
         self._wide = (self._load(path, providers, self.prefill_threads, False, role)

@@ -27,7 +27,6 @@ from .errors import ConfigError
 log = logging.getLogger("hetero_spec.precision")
 
 _FROM_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
 ONNX_CPU = ("fp32", "int8", "int4")
 ONNX_GPU = ("fp32", "fp16", "int8", "int4")  # the builder's precisions for a GPU provider's export
 

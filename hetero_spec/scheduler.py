@@ -32,7 +32,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,10 +45,32 @@ from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential
 from .tuning.controller import StreamControl
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .config import Config
+    from .draft.base import DraftSource
     from .target.base import Verifier
+    from .tuning.controller import Controller
 
 log = logging.getLogger("hetero_spec.scheduler")
+
+class Engine(Protocol):
+    """What the loop needs of the Engine that owns it (engine.Engine)."""
+
+    config: Config
+    target: Verifier
+    source: DraftSource | None
+    controller: Controller
+    lock: threading.Lock  # held for each round: health probes the models only when it can take it
+    loop_cpus: list[int] | None  # the loop thread's cores (two_process: the target's)
+    closed: bool
+
+    def heartbeat(self) -> None: ...
+
+    def request_done(self, stats: Stats, batched: bool) -> None: ...
+
+    def between_requests(self) -> None: ...
+
+    def release(self) -> None: ...
+
 
 DONE = object()  # the last item of a ticket's sink when the request ended normally (stats.finish_reason says how)
 

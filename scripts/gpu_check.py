@@ -289,12 +289,12 @@ def two_process(ctx: Context, add: Add) -> None:
 
 
 def _speculative(ctx: Context, add: Add, mode: str) -> None:
-    """Greedy and coupled sampling identical to the target alone, with the cost gate off (speculation cannot turn
+    """Greedy and coupled sampling identical to the target alone, at a fixed gamma (speculation cannot turn
     itself off and match trivially) and drafts proven to have run; then where a round's time goes."""
     from hetero_spec import Engine
 
     _need_refs(ctx)
-    runtime = {"mode": mode, "gate": {"enabled": False}, "pin_cpus": mode == "two_process"}
+    runtime = {"mode": mode, "pin_cpus": mode == "two_process"}
     with Engine.from_config(ctx.cfg(runtime=runtime)) as eng:
         eng.generate(ctx.prompt, max_new_tokens=4)
         out = eng.generate(ctx.prompt, max_new_tokens=ctx.tokens, gamma=4)
@@ -440,7 +440,7 @@ def onnx_cuda(ctx: Context, add: Add) -> None:
         ref = eng.generate(ctx.prompt, max_new_tokens=ctx.tokens).token_ids
     add("the provider in use", PASS if used == "CUDAExecutionProvider" else FAIL, used)
     for mode in ("in_process", "two_process"):
-        with Engine.from_config(ctx.cfg(target=target, runtime={"mode": mode, "gate": {"enabled": False}})) as eng:
+        with Engine.from_config(ctx.cfg(target=target, runtime={"mode": mode})) as eng:
             out = eng.generate(ctx.prompt, max_new_tokens=ctx.tokens, gamma=4)
         result, why = identity(ctx, out.token_ids, ref, out.stats["drafted"], greedy=False)
         add(f"{mode}: identical to its target alone", result, why)

@@ -1,4 +1,4 @@
-"""Can an ONNX target verify several requests' draft blocks in one pass, and would it pay? (issue 11)
+"""Can an ONNX target verify several requests' draft blocks in one pass, and would it pay?
 
 The builder's CPU graph uses GroupQueryAttention, which refuses a batch of several-token blocks over different
 pasts. Its other attention path, MultiHeadAttention (what it emits where GQA is not supported), takes any batch

@@ -1,6 +1,6 @@
 """Greedy identity of the real pair at fp32, on a CPU: the target alone against speculation in process and in two
-processes (the cost gate off, so speculation cannot switch itself off and match trivially; a row fails when nothing
-was drafted). The target is the converted Hugging Face checkpoint on the torch backend in fp32 (no export needed);
+processes (at a fixed gamma, so speculation cannot switch itself off and match trivially; a row fails when
+nothing was drafted). The target is the converted Hugging Face checkpoint on the torch backend in fp32 (no export needed);
 the draft is exported at fp32. Loads one engine at a time: peak memory is about the fp32 target (6.7 GB) plus the
 draft (2 GB).
 
@@ -34,7 +34,7 @@ def main() -> int:
     from hetero_spec import Engine
 
     fp32 = {"target.backend": "torch", "target.precision": "fp32", "target.device": "cpu", "target.threads": 2,
-            "draft.precision": "fp32", "speculation.gamma": 4, "runtime.gate.enabled": False}
+            "draft.precision": "fp32", "speculation.gamma": 4}
     t0 = time.monotonic()
     with Engine.from_config(args.config, overrides={**fp32, "draft.kind": "none", "draft.model": None,
                                                     "draft.precision": None}) as eng:

@@ -1,4 +1,4 @@
-"""Offline replay of draft selection on the repetitive bench's prompts (README, "Measured": the tuning
+"""Offline replay of draft selection on the repetitive bench's prompts (docs/benchmarks.md: the tuning
 scenarios). No engine runs: the target's greedy output is computed once with transformers; then, at every
 position, the n-gram lookup's proposal (and the length of the suffix it matched) and the draft's run of
 agreement with the target (teacher-forced along the target's output: exact for greedy drafting) are known,
@@ -35,17 +35,17 @@ def replay_rows(n_prompts: int, max_new: int) -> list[list[tuple]]:
     from transformers import AutoModelForCausalLM
 
     from hetero_spec.bench.prompts import heldout_prompt_ids
-    from hetero_spec.bench.tuning_bench import _repetitive_set
     from hetero_spec.config import load_config
     from hetero_spec.draft.ngram import NgramProposer
+    from tuning_scenarios import repetitive_set  # scripts/, beside this file
 
     cfgp = ROOT / "configs" / "cpu-demo.yaml"
     config = load_config(cfgp)
-    rep = _repetitive_set(config, heldout_prompt_ids(config, cfgp, 2 * (n_prompts + 2) + 8, 128), n_prompts, 2)
+    rep = repetitive_set(config, heldout_prompt_ids(config, cfgp, 2 * (n_prompts + 2) + 8, 128), n_prompts)
     target = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "target").eval()
     draft = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "draft").eval()
     out = []
-    for pi, prompt in enumerate(rep.prompts):
+    for pi, prompt in enumerate(rep):
         with torch.no_grad():
             full = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[0].tolist()
             argmax = {}
@@ -71,7 +71,7 @@ def replay_rows(n_prompts: int, max_new: int) -> list[list[tuple]]:
                 runs.append(r)
             rows.append((match, a, len(prop), *runs))
         out.append(rows)
-        print(f"prompt {pi + 1}/{len(rep.prompts)}: {len(prompt)} + {len(full) - len(prompt)} tokens", file=sys.stderr)
+        print(f"prompt {pi + 1}/{len(rep)}: {len(prompt)} + {len(full) - len(prompt)} tokens", file=sys.stderr)
     return out
 
 

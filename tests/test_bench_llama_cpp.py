@@ -1,4 +1,4 @@
-"""The llama.cpp systems of `hetero-spec bench` (bench/llama_cpp.py), against fake llama.cpp binaries.
+"""The llama.cpp systems of `hetero-spec bench` (bench/peers.py), against fake llama.cpp binaries.
 
 The fakes are small Python scripts named llama-completion and llama-speculative-simple. They check their
 arguments against the flags the real tools take (common/arg.cpp of the vendored llama.cpp), log them, and
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 
 from hetero_spec.bench import BenchSettings, run_bench
-from hetero_spec.bench import llama_cpp as lc
-from hetero_spec.bench.harness import thread_options
+from hetero_spec.bench import peers as lc
+from hetero_spec.bench.harness import cores
 from tests.test_bench import copy_config  # noqa: F401 - the same tiny copy-draft config (a fixture)
 
 PROMPTS = [[5, 17, 33, 40, 41, 99, 100, 7], [200, 201, 202, 5, 6, 7, 8, 9, 10, 11]]
@@ -143,16 +143,16 @@ common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms 
 
 
 def test_timing_lines_parse_into_the_fields():
-    t = lc.parse_completion(COMPLETION_ERR)
+    t = lc.parse_timings(COMPLETION_ERR, speculative=False)
     assert (t.prompt_tokens, t.decoded_tokens) == (18, 31)
     assert t.prefill_s == pytest.approx(0.12083) and t.decode_s == pytest.approx(0.35285)
-    s = lc.parse_speculative(SPEC_ERR)  # the target's perf lines after the summary do not count
+    s = lc.parse_timings(SPEC_ERR, speculative=True)  # the target's perf lines after the summary do not count
     assert (s.prompt_tokens, s.decoded_tokens, s.n_max, s.drafted, s.accepted) == (18, 37, 4, 29, 22)
     assert s.prefill_s == pytest.approx(0.35) and s.decode_s == pytest.approx(1.243)
     with pytest.raises(ValueError, match="decoded N tokens"):
-        lc.parse_speculative("encoded   18 tokens in    0.350 seconds, speed:   51.393 t/s\n")
+        lc.parse_timings("encoded   18 tokens in    0.350 seconds, speed:   51.393 t/s\n", speculative=True)
     with pytest.raises(ValueError, match="prompt eval time"):
-        lc.parse_completion("nothing here\n")
+        lc.parse_timings("nothing here\n", speculative=False)
 
 
 def test_generated_text_from_stdout():
@@ -166,14 +166,14 @@ def test_generated_text_from_stdout():
 
 def test_command_lines(tmp_path):
     b, m, d, f = tmp_path / "bin", Path("t.gguf"), Path("d.gguf"), Path("p.txt")
-    args = lc.completion_args(b, m, f, 64, 1, 256)
+    args = lc.llama_args(b, m, f, 64, 1, 256)
     assert args[0] == str(b / "llama-completion")
     pairs = dict(zip(args[1::2], args[2::2]))
     assert (pairs["-m"], pairs["-f"], pairs["-n"], pairs["-t"], pairs["-tb"], pairs["-c"]) == \
         ("t.gguf", "p.txt", "64", "1", "1", "256")
     assert "-no-cnv" in args and "--no-display-prompt" in args
     assert args[args.index("--temp") + 1] == "0" and args[args.index("--top-k") + 1] == "1"
-    spec = lc.speculative_args(b, m, d, f, 64, 2, 5, 300)
+    spec = lc.llama_args(b, m, f, 64, 2, 300, d, 5)
     assert spec[0] == str(b / "llama-speculative-simple")
     assert spec[spec.index("--spec-type") + 1] == "draft-simple"  # without it, it does not speculate
     assert spec[spec.index("--spec-draft-n-max") + 1] == "5" and spec[spec.index("-md") + 1] == "d.gguf"
@@ -185,16 +185,11 @@ def test_gguf_of(tmp_path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert lc.gguf_of(f) == f and lc.gguf_of(None) is None and lc.gguf_of(tmp_path / "missing.gguf") is None
-    one = tmp_path / "one"
-    one.mkdir()
-    (one / "x.gguf").write_bytes(b"GGUF")
-    assert lc.gguf_of(one) == one / "x.gguf"
-    conv = tmp_path / "conversion"  # gguf_source.py's cache entry names its source
-    conv.mkdir()
-    (conv / "hetero_spec_gguf.json").write_text(json.dumps({"gguf": str(f), "size": 4}))
-    assert lc.gguf_of(conv) == f
-    (tmp_path / "plain").mkdir()
-    assert lc.gguf_of(tmp_path / "plain") is None
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "x.gguf").write_bytes(b"GGUF")
+    assert lc.gguf_of(tmp_path / "one") == tmp_path / "one" / "x.gguf"
+    (tmp_path / "one" / "y.gguf").write_bytes(b"GGUF")
+    assert lc.gguf_of(tmp_path / "one") is None and lc.gguf_of(tmp_path / "one" / "y.gguf").name == "y.gguf"
 
 
 # -- in the bench ---------------------------------------------------------------------------------------
@@ -237,7 +232,7 @@ def test_bench_runs_the_fake_tools(tmp_path, copy_config, fake_bin, ggufs, llama
                        prompt_ids=PROMPTS)
     tok = AutoTokenizer.from_pretrained(llama_target)
     digest = hashlib.sha1(str(tok.encode(GENERATED, add_special_tokens=False)[:max_new]).encode()).hexdigest()[:12]
-    threads = thread_options()
+    threads = dict.fromkeys((1, cores()))  # one thread, every core
     for n in names:
         e = _entry(report, n)
         assert e["status"] == "ok", (n, e["reason"])

@@ -254,7 +254,7 @@ def test_worker_restarts_its_stream_when_the_target_dropped_it(worker):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and two CPUs")
 def test_pinning_moves_only_this_engines_zmq_threads_and_restores_the_decode_thread():
-    from hetero_spec.runtime.engine_side import pin_threads, pinned_thread
+    from hetero_spec.runtime.cpus import pin_threads, pinned_thread
     from hetero_spec.transport.channel import ServerContext
 
     cpus = sorted(os.sched_getaffinity(0))

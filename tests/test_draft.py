@@ -120,20 +120,38 @@ def test_a_catch_up_window_restarts_the_draft_cache_on_the_last_tokens(llama_cop
     assert d.offset == 20 and d.propose(3).ids == _drafter(llama_copy_onnx, [5, 6, 7]).propose(3).ids
 
 
-def test_a_re_probe_arms_the_window(llama_target, llama_copy_onnx):
-    from hetero_spec.metrics import Stats
-    from hetero_spec.scheduler import Request, Row
-    from hetero_spec.target.verifier import TargetModel
-    from hetero_spec.tuning.gamma import PROBE_WINDOW
+class FakeSeq:
+    """What a draft source reads of a sequence (draft/base.Seq)."""
 
-    target = TargetModel(llama_target, device="cpu", dtype="float32")
-    req = Request(prompt_ids=[1, 2, 3], max_new_tokens=4, params=SamplingParams(), gamma="auto")
-    row = Row(target, OnnxDrafter(llama_copy_onnx), req, Stats())
-    row.arm_probe_window()
-    assert row.proposer.catchup_window is None  # not probing
-    row.policy._probing = True
-    row.arm_probe_window()
-    assert row.proposer.catchup_window == PROBE_WINDOW
+    def __init__(self, ids, seq_id=1, probing=False):
+        self.id, self.ids, self.prompt_ids, self.params = seq_id, list(ids), list(ids), SamplingParams()
+        self.gamma, self.gamma_auto, self.probing, self.min_confidence = 4, True, probing, None
+
+
+def test_a_re_probe_arms_the_window(llama_copy_onnx):
+    """After rounds at gamma 0, a re-probe feeds the draft at most PROBE_WINDOW of the tokens committed meanwhile."""
+    from hetero_spec.draft.source import PROBE_WINDOW, LocalSource
+
+    src = LocalSource(OnnxDrafter(llama_copy_onnx))
+    seq = FakeSeq([1, 2, 3])
+    src.begin(seq)
+    src.propose([seq], [2])
+    src.commit(seq, 0, 5)
+    seq.ids += [5, *range(10, 85)]  # 76 tokens committed while the draft rested (the context holds 96)
+    armed = []
+    real = OnnxDrafter.limit_catchup
+    OnnxDrafter.limit_catchup = lambda self, w: armed.append(w) or real(self, w)
+    try:
+        other = FakeSeq([1, 2, 3], seq_id=2)
+        src.begin(other)
+        src.propose([other], [2])
+        assert armed == []  # not probing
+        seq.probing = True
+        src.propose([seq], [2])
+        assert armed == [PROBE_WINDOW]
+    finally:
+        OnnxDrafter.limit_catchup = real
+    assert src._props[seq.id].offset > 0  # the cache restarted on the window, not on all 76
 
 
 def test_a_catch_up_skip_feeds_only_the_end_of_a_backlog(llama_copy_onnx):
@@ -204,17 +222,12 @@ def test_a_prompt_window_starts_the_draft_cache_on_the_prompt_end(llama_target, 
     late.sync(ids)
     assert late.propose(4).ids == _drafter(llama_copy_onnx, ids[-8:]).propose(4).ids and late.offset == 32
     # a re-probe's window does not widen a prompt window that is still armed
-    from hetero_spec.metrics import Stats
-    from hetero_spec.scheduler import Request, Row
-    from hetero_spec.target.verifier import TargetModel
-    from hetero_spec.tuning.gamma import PROBE_WINDOW
+    from hetero_spec.draft.source import PROBE_WINDOW
 
-    row = Row(TargetModel(llama_target, device="cpu", dtype="float32"), OnnxDrafter(llama_copy_onnx, prompt_window=8),
-              Request(prompt_ids=ids, max_new_tokens=4, params=SamplingParams(), gamma="auto"), Stats())
-    row.proposer.begin(ids, SamplingParams())
-    row.policy._probing = True
-    row.arm_probe_window()
-    assert row.proposer.catchup_window == 8 < PROBE_WINDOW
+    armed = OnnxDrafter(llama_copy_onnx, prompt_window=8)
+    armed.begin(ids, SamplingParams())
+    armed.limit_catchup(PROBE_WINDOW)
+    assert armed.catchup_window == 8 < PROBE_WINDOW
     # a prompt within the window is read whole
     e = OnnxDrafter(llama_copy_onnx, prompt_window=64)
     e.begin(ids, SamplingParams())

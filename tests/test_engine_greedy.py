@@ -62,8 +62,8 @@ def test_prompt_window_in_process_identity(llama_target, llama_random_onnx):
     with _engine(llama_target, "onnx", llama_random_onnx, **{"draft.prompt_window": 3}) as eng:
         assert eng.source.proposer.prompt_window == 3 and eng.source.proposer.spawn().prompt_window == 3
     with _engine(llama_target, "onnx", llama_random_onnx, **{"draft.candidates": ["onnx", "ngram"]}) as eng:
-        assert eng.source.proposer.candidates["onnx"].prompt_window == 32  # auto, with a lookup next to the model
-        assert eng.source.proposer.spawn().candidates["onnx"].prompt_window == 32
+        onnx = eng.source.cands["onnx"].proposer
+        assert onnx.prompt_window == 32 and onnx.spawn().prompt_window == 32  # auto, with a lookup next to the model
         out = eng.generate(PROMPTS[1], max_new_tokens=MAX_NEW, gamma=3)
         assert out.token_ids == hf_greedy(llama_target, PROMPTS[1], MAX_NEW)
         for prompt in PROMPTS:

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from hetero_spec import Engine, gguf_source
 from hetero_spec.cli import main
-from hetero_spec.config import build_config, check_paths, load_config
+from hetero_spec.config import build_config, load_config
+from hetero_spec.preflight import check_paths
 from hetero_spec.errors import ConfigError
 from tests.conftest import _hf_model, hf_greedy
 from tests.fixtures.tiny_gguf import CHAT_TEMPLATE, DEMO_TOKENIZER, VOCAB, demo_vocab, rename_tokens, write_gguf

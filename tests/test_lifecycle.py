@@ -80,11 +80,11 @@ def test_two_curve_engines_generate_at_once_with_private_dirs(llama_target, llam
     ref = hf_greedy(llama_target, PROMPT, 24)
     engines = [Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp")) for _ in range(2)]
     try:
-        dirs = [e.runtime.sup._server.dir for e in engines]
+        dirs = [e.source.sup._server.dir for e in engines]
         assert dirs[0] != dirs[1] and all(os.stat(d).st_mode & 0o777 == 0o700 for d in dirs)
         assert all(sorted(os.listdir(d)) == ["worker-1.log"] for d in dirs)  # tcp: no socket file
         for e in engines:
-            assert e.runtime.sup.current().channel.endpoint.startswith("tcp://127.0.0.1:")
+            assert e.source.sup.current().channel.endpoint.startswith("tcp://127.0.0.1:")
         outs: dict[int, list[int]] = {}
         start = threading.Barrier(2)
 
@@ -100,7 +100,7 @@ def test_two_curve_engines_generate_at_once_with_private_dirs(llama_target, llam
         assert outs == {0: ref, 1: ref}
         # the worker's keys came over its stdin: neither argv nor the environment holds a secret
         for e in engines:
-            pid = e.runtime.sup.current().proc.pid
+            pid = e.source.sup.current().proc.pid
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             assert b"--keys-stdin" in cmdline and b"CURVE" not in environ

@@ -1,15 +1,15 @@
 """Identity with the target alone under every tuning policy, in both layouts, for greedy and coupled
-(seeded) sampling: fixed gamma, gamma auto, the goodput gate, draft selection among [onnx, ngram], and
+(seeded) sampling: fixed gamma, gamma auto (the real controller), draft selection among [onnx, ngram], and
 confidence early stop (in process). Policies change speed, never output. The two-process runs use the
 in-memory worker (test_pipelined_mem.py: deterministic scheduling, real protocol and decode loop) with the
-real gate; test_two_process.py covers real worker processes."""
+real controller; test_two_process.py covers real worker processes."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetero_spec import Engine
-from tests.test_pipelined_mem import mem_engine
+from tests.fixtures.memworker import mem_engine
 
 # the second prompt repeats itself, so the n-gram lookup finds matches
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
@@ -52,7 +52,7 @@ def test_every_policy_is_lossless(monkeypatch, llama_target, llama_copy_onnx, ll
                   "draft": {"kind": "onnx", "model": str(draft_dir)},
                   "runtime": {"mode": layout, "pin_cpus": False, "heartbeat_s": 1e6}}, POLICIES[policy])
     if layout == "two_process":
-        eng, _ = mem_engine(monkeypatch, cfg, draft_dir, gate=None)  # the real goodput gate
+        eng, _ = mem_engine(monkeypatch, cfg, draft_dir, state=None)  # the real controller
     else:
         eng = Engine.from_config(cfg)
     with eng:

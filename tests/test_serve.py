@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from hetero_spec import Engine
-from hetero_spec.batch import DONE
+from hetero_spec.scheduler import DONE
 from hetero_spec.metrics import Stats
 from hetero_spec.serve import create_app
 from hetero_spec.serve.schema import StopMatcher
@@ -155,6 +155,26 @@ def test_error_codes(served):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_full_queue_answers_429_with_retry_after(llama_target):
+    """serving.max_waiting: a request beyond the batch and the queue gets OpenAI's rate-limit error at once, with
+    Retry-After, and the queued ones still finish."""
+    from tests.test_batch import Collect, held
+
+    cfg = {**_cfg(llama_target), "serving": {"max_batch": 1, "max_waiting": 0}}
+    eng = Engine.from_config(cfg)
+    srv = Server(create_app(eng, MODEL))
+    try:
+        first = Collect()
+        with held(eng):
+            eng.submit([5, 6, 7], first, max_new_tokens=4)  # the batch's one place
+            r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "serving.max_waiting" in r.json()["error"]["message"]
+        assert len(first.wait()) == 4
+    finally:
+        srv.close()
 
 
 def test_metrics_after_requests(served):

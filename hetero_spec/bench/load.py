@@ -1,11 +1,6 @@
-"""`hetero-spec load`: aggregate throughput and per-request latency against concurrency.
-
-For target_only and hetero_spec (the config's engine), both loaded at once, and each concurrency level C: C
-client threads send the held-out prompts to one Engine, which decodes up to serving.max_batch of them together.
-The (system, level) runs are interleaved over the repeats in a rotating order (the harness's `interleave`);
-each level's throughput is paired per repeat with the first level's of the same system (absolute times drift on
-a shared machine), and every output is checked against the first level's (greedy).
-"""
+"""`hetero-spec load`: throughput and latency against concurrency for target_only and the config's engine (both
+loaded): at level C, C client threads send the held-out prompts to one Engine; the (system, level) runs rotate
+over the repeats (`interleave`), each paired per repeat with the first level's, outputs checked against it."""
 
 from __future__ import annotations
 
@@ -76,24 +71,19 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
 
         keys = [(n, c) for c in levels for n in SYSTEMS]
         runs, _ = interleave(keys, [None] * repeats, 1, run, must=keys)  # one "prompt" per repeat: rotating
-    for name in SYSTEMS:
-        report["systems"][name] = [_summarise([r[0][1] for r in runs[(name, c)]],
-                                              [r[0][1] for r in runs[(name, levels[0])]]) for c in levels]
+    for name, c in keys:  # medians over the repeats; the first level's first repeat is the outputs' reference
+        mine, base = ([r[0][1] for r in runs[(name, lv)]] for lv in (c, levels[0]))
+        same = sum(a == b for r in mine for a, b in zip(r["outputs"], base[0]["outputs"]))
+        report["systems"].setdefault(name, []).append({
+            "concurrency": c, "requests": n_requests, "tokens": mine[0]["tokens"],
+            **{k: round(statistics.median(r[k] for r in mine), 4)
+               for k in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "wall_s")},
+            "throughput_vs_first_level": round(statistics.median(r["tokens_per_s"] / b["tokens_per_s"]
+                                                                 for r, b in zip(mine, base)), 3),
+            "identical_to_first_level": f"{same}/{len(base[0]['outputs']) * len(mine)}"})
     write_report(Path(out), "load", report, render(report))
     say(f"wrote {Path(out) / 'load.json'} and {Path(out) / 'load.md'}")
     return report
-
-
-def _summarise(mine: list[dict], base: list[dict]) -> dict[str, Any]:
-    """One (system, level): medians over the repeats, the throughput over the first level's paired per repeat,
-    and how many outputs equal the first level's first repeat's."""
-    same = sum(a == b for r in mine for a, b in zip(r["outputs"], base[0]["outputs"]))
-    med = {k: round(statistics.median(r[k] for r in mine), 4)
-           for k in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "wall_s")}
-    return {"concurrency": mine[0]["concurrency"], "requests": mine[0]["requests"], "tokens": mine[0]["tokens"],
-            **med, "throughput_vs_first_level": round(statistics.median(
-                r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(mine, base)), 3),
-            "identical_to_first_level": f"{same}/{len(base[0]['outputs']) * len(mine)}"}
 
 
 def render(report: dict[str, Any]) -> str:

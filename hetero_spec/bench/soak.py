@@ -1,14 +1,7 @@
-"""`hetero-spec soak`: concurrent streams against a real `hetero-spec serve` on loopback, for a while.
-
-The server runs as a subprocess (a free 127.0.0.1 port, its output in OUT/server.log) until GET /health
-answers 200. Each of a fixed set of short prompts gets a reference answer (one greedy non-streaming
-completion: text and usage); then N client threads (standard-library HTTP) send greedy streaming completions
-with usage back to back until the deadline (each at least one). A request is lost on an HTTP or connection
-error, an error event or a stream without `data: [DONE]`; it mismatches when its text or usage differs from
-the reference. The server's VmRSS is sampled every second; growth is the largest sample after the warm-up
-over the first one after it, flat at most GROWTH_LIMIT. The goal is met with nothing lost, nothing mismatched
-and a flat RSS. The server is always stopped (SIGTERM, then SIGKILL). Writes OUT/soak.json and OUT/soak.md.
-"""
+"""`hetero-spec soak`: N concurrent greedy streams against a real `hetero-spec serve` on loopback (its log in
+OUT/server.log) until the deadline, each request checked against the prompt's non-streaming reference (text and
+usage); lost: an HTTP or connection error, an error event, no `data: [DONE]`. Flat: the server's VmRSS (each
+second) after the warm-up at most GROWTH_LIMIT above its first sample then. Writes OUT/soak.json and soak.md."""
 
 from __future__ import annotations
 
@@ -36,106 +29,55 @@ PROMPTS = ["def parse(", "import os\n", "class Stack:", "def read_lines(filename
            "while True:\n    ", "def main(argv):"]
 
 
-class StreamError(Exception):
-    """One request failed: an HTTP status other than 200, an error event, or no [DONE]."""
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def start_server(config_path: Path, port: int, log_path: Path,
-                 overrides: list[str] | dict[str, Any] | None = None) -> subprocess.Popen:
-    """`hetero-spec serve` on HOST:port; --set KEY=VALUE strings as given, or a mapping (values as JSON)."""
-    pairs = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) else overrides or []
-    cmd = [sys.executable, "-c", "from hetero_spec.cli import main; raise SystemExit(main())", "serve", "--config",
-           str(config_path), "--host", HOST, "--port", str(port), *(a for p in pairs for a in ("--set", p))]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-def _log_tail(log_path: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(log_path.read_text(errors="replace").splitlines()[-n:]) or "(the server log is empty)"
-    except OSError:
-        return "(no server log)"
-
-
 def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: float = TIMEOUT_S) -> None:
-    """Poll GET /health until it answers 200; BenchError when the server exits or the time is up."""
+    """Poll GET /health until it answers 200; a BenchError with the log's end when the server exits or the
+    time is up."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise BenchError(f"the server exited with code {proc.returncode} before it was healthy; the end of "
-                             f"{log_path}:\n{_log_tail(log_path)}")
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
-            if _request(port, "GET", "/health", timeout=10.0)[0] == 200:
-                return
-        except (OSError, http.client.HTTPException):
-            pass  # not listening yet
-        if time.monotonic() > deadline:
-            raise BenchError(f"the server was not healthy within {timeout_s:.0f} s; the end of {log_path}:\n"
-                             f"{_log_tail(log_path)}")
+            _request(port, "GET", "/health", timeout=10.0)
+            return
+        except (OSError, http.client.HTTPException, BenchError, ValueError):
+            pass  # not listening, or not healthy, yet
         time.sleep(0.5)
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:]) if log_path.is_file() else "(no log)"
+    why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"was not healthy in {timeout_s:.0f} s"
+    raise BenchError(f"the server {why}; the end of {log_path}:\n{tail}")
 
 
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
-    """SIGTERM, wait, then SIGKILL; returns the exit code."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-def _request(port: int, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S):
+def _request(port: int, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S) -> Any:
+    """A JSON request: its parsed answer; a BenchError naming the request on any status but 200."""
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
                      headers={"Content-Type": "application/json"} if body else {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
+        if (resp := conn.getresponse()).status != 200:
+            raise BenchError(f"{method} {path} {body or ''} answered HTTP {resp.status}: {resp.read()[:300]!r}")
+        return json.loads(resp.read())
     finally:
         conn.close()
 
 
-def complete(port: int, body: dict) -> tuple[str, dict]:
-    """A non-streaming completion: (text, usage)."""
-    status, raw = _request(port, "POST", "/v1/completions", {**body, "stream": False})
-    if status != 200:
-        raise StreamError(f"HTTP {status}: {raw[:300]!r}")
-    out = json.loads(raw)
-    return out["choices"][0]["text"], out["usage"]
-
-
 def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tuple[str, dict]:
-    """A streaming completion read as server-sent events: (the concatenated text, the usage chunk's usage)."""
+    """A streaming completion read as server-sent events: (the text, the usage). RuntimeError on an HTTP error,
+    an error event or no `data: [DONE]`."""
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise StreamError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        if (resp := conn.getresponse()).status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
         pieces, usage = [], {}
         while line := resp.readline():
             if not (line := line.strip()).startswith(b"data:"):
                 continue  # blank separators, comments
             if (data := line[5:].strip()) == b"[DONE]":
                 return "".join(pieces), usage
-            event = json.loads(data)
-            if "error" in event:
-                raise StreamError(f"error event: {event['error']}")
+            if "error" in (event := json.loads(data)):
+                raise RuntimeError(f"error event: {event['error']}")
             pieces += [event["choices"][0].get("text") or ""] if event.get("choices") else []
             usage = event.get("usage") or usage
-        raise StreamError("the stream ended without data: [DONE]")
+        raise RuntimeError("the stream ended without data: [DONE]")
     finally:
         conn.close()
 
@@ -156,28 +98,30 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
     """Start the server, take the references, run `streams` streams for `duration_s`, stop it; write
     OUT/soak.json and OUT/soak.md. Returns the report."""
     say = say or (lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
-    out, port = Path(out), port or free_port()
-    log_path = out / "server.log"
-    say(f"starting the server on {HOST}:{port} (log: {log_path})")
-    proc = start_server(Path(config_path), port, log_path, overrides)
-    halt, lock, threads = threading.Event(), threading.Lock(), []
+    if not port:
+        with socket.socket() as s:  # a port nothing listens on now
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+    out, sets = Path(out), [f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) \
+        else overrides or []  # --set KEY=VALUE strings, or a mapping (values as JSON)
+    say(f"starting the server on {HOST}:{port} (log: {out / 'server.log'})")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "server.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-c", "from hetero_spec.cli import main; raise SystemExit(main())",
+                                 "serve", "--config", str(config_path), "--host", HOST, "--port", str(port),
+                                 *(a for p in sets for a in ("--set", p))], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    halt, lock, threads, samples = threading.Event(), threading.Lock(), [], []
     tally: dict[str, Any] = {"ok": 0, "lost": 0, "mismatches": 0, "tokens": 0, "errors": []}
-    samples: list[list[float]] = []
     try:
-        wait_healthy(proc, port, log_path)
-        status, raw = _request(port, "GET", "/v1/models", timeout=30.0)
-        if status != 200:
-            raise BenchError(f"GET /v1/models answered HTTP {status}: {raw[:300]!r}")
-        model = json.loads(raw)["data"][0]["id"]
+        wait_healthy(proc, port, out / "server.log")
+        model = _request(port, "GET", "/v1/models", timeout=30.0)["data"][0]["id"]
         say(f"server healthy (pid {proc.pid}, model {model!r}); {len(PROMPTS)} reference completions")
         bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0} for p in PROMPTS]
-        try:
-            refs = [complete(port, b) for b in bodies]
-        except (StreamError, OSError, http.client.HTTPException) as exc:
-            raise BenchError(f"a reference completion failed: {exc}; the end of {log_path}:\n{_log_tail(log_path)}") \
-                from None
+        refs = [(r["choices"][0]["text"], r["usage"]) for r in (_request(port, "POST", "/v1/completions", b)
+                                                              for b in bodies)]
         t0 = time.monotonic()
-        deadline = t0 + duration_s
 
         def client(i: int) -> None:
             for it in itertools.count():
@@ -193,34 +137,31 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
                         tally["lost"] += 1
                         if len(tally["errors"]) < 20:  # the first few, for the report
                             tally["errors"].append(f"stream {i}, request {it}: {type(exc).__name__}: {exc}")
-                if halt.is_set() or time.monotonic() >= deadline:
+                if halt.is_set() or time.monotonic() >= t0 + duration_s:
                     return
-
-        def sample() -> None:  # every second until halted, then once more
-            while True:
-                done = halt.is_set()
-                samples.append([round(time.monotonic() - t0, 2), status_mb(proc.pid, "VmRSS")])
-                if done:
-                    return
-                halt.wait(1.0)
 
         say(f"{streams} streams for {duration_s:g} s (warm-up {warmup_s:g} s), {max_tokens} tokens per request")
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
-        sampler = threading.Thread(target=sample, daemon=True)
-        for t in [sampler, *threads]:
+        for t in threads:
             t.start()
-        while alive := [t for t in threads if t.is_alive()]:
-            alive[0].join(5.0)
-            rss = samples[-1][1] if samples else None
-            with lock:
+        while True:  # the server's RSS about every second, until the last client is done
+            samples.append([round(time.monotonic() - t0, 2), status_mb(proc.pid, "VmRSS")])
+            if not (alive := [t for t in threads if t.is_alive()]):
+                break
+            alive[0].join(1.0)
+            if len(samples) % 5 == 0:
                 say(f"{time.monotonic() - t0:5.0f} s: {tally['ok']} ok, {tally['lost']} lost, {tally['mismatches']} "
-                    f"mismatched, {tally['tokens']} tokens, server RSS " + (f"{rss:.0f} MB" if rss else "?"))
+                    f"mismatched, {tally['tokens']} tokens, server RSS {samples[-1][1]} MB")
         wall = time.monotonic() - t0
-        halt.set()
-        sampler.join()  # its last sample, while the server still runs
     finally:
         halt.set()  # on an error or Ctrl-C the clients stop after their current request
-        code = stop_server(proc)
+        if proc.poll() is None:  # SIGTERM, then SIGKILL
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for t in threads:
             t.join(5.0)
     samples = [s for s in samples if s[1] is not None]
@@ -230,7 +171,7 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         "requests_ok": tally["ok"], "requests_lost": tally["lost"], "token_mismatches": tally["mismatches"],
         "tokens": tally["tokens"], "tokens_per_s": round(tally["tokens"] / wall, 2) if wall > 0 else 0.0,
         "rss_samples": samples, **rss_summary(samples, warmup_s), "rss_growth_limit": GROWTH_LIMIT,
-        "server_pid": proc.pid, "server_exit_code": code, "errors": tally["errors"]}
+        "server_pid": proc.pid, "server_exit_code": proc.returncode, "errors": tally["errors"]}
     report["goal_met"] = report["requests_lost"] == 0 and report["token_mismatches"] == 0 and report["flat"]
     write_report(out, "soak", report, render(report))
     say(f"goal {'met' if report['goal_met'] else 'NOT met'}: {tally['ok']} ok, {tally['lost']} lost, "
@@ -245,8 +186,7 @@ def render(report: dict[str, Any]) -> str:
             ("tokens/s", f"{report['tokens_per_s']:.1f}"), ("wall (s)", f"{report['wall_s']:.1f}"),
             (f"RSS after warm-up ({report['warmup_s']:g} s) (MB)", mb(report["rss_after_warmup_mb"])),
             ("RSS max after warm-up (MB)", mb(report["rss_max_after_warmup_mb"])),
-            ("RSS at the end (MB)", mb(report["rss_end_mb"])),
-            ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
+            ("RSS at the end (MB)", mb(report["rss_end_mb"])), ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
             (f"RSS flat (<= {report['rss_growth_limit'] * 100:.0f} %)", "yes" if report["flat"] else "no"),
             ("goal met", "yes" if report["goal_met"] else "no")]
     lines = [f"# hetero-spec soak: {report['streams']} streams for {report['duration_s']:g} s, "

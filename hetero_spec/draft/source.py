@@ -122,19 +122,23 @@ class SelectingSource:
     name = "select"
     chooses_gamma = True
 
-    def __init__(self, candidates: dict[str, DraftSource], model_fn, prior_acceptance: float = 0.5):
+    def __init__(self, candidates: dict[str, DraftSource], model_fn, prior_acceptance: float = 0.5,
+                 names: list[str] | None = None):
+        """names: the strategies the choice is among (default: every candidate); a candidate left out (the worker
+        when draft.candidates names only the n-gram lookup) still runs and hears every commit."""
         if not candidates:
             raise ValueError("draft selection needs at least one candidate")
         self.cands = candidates
+        names = list(candidates) if names is None else names
         self.layout = "two_process" if any(c.layout == "two_process" for c in candidates.values()) else "in_process"
         self.lookups = [n for n in candidates if n in LOOKUPS]
         if self.lookups:
             for name, c in candidates.items():
                 if name not in LOOKUPS and isinstance(c, LocalSource):
                     c.catchup_skip = CATCHUP_SKIP
-        self.chooser = StrategyChooser(list(candidates), model_fn, prior_acceptance=prior_acceptance,
-                                       layouts={n: c.layout for n, c in candidates.items()},
-                                       cost_fns={n: c.costs for n, c in candidates.items()})
+        self.chooser = StrategyChooser(names, model_fn, prior_acceptance=prior_acceptance,
+                                       layouts={n: candidates[n].layout for n in names},
+                                       cost_fns={n: candidates[n].costs for n in names})
         self._chosen: dict[int, tuple[str | None, int]] = {}
 
     def begin(self, seq: Seq) -> None:
@@ -147,7 +151,7 @@ class SelectingSource:
         for seq, k in zip(seqs, ks):
             found = {n: self.cands[n].propose([seq], [k], budget_s)[0] if k > 0 else Draft(ids=[])
                      for n in self.lookups}
-            avail = [n for n in self.cands if n not in self.lookups or found[n].ids]
+            avail = [n for n in self.chooser.names if n not in self.lookups or found[n].ids]
             name, g = self.chooser.choose(k, avail)
             draft = Draft(ids=[])
             for n, c in self.cands.items():

@@ -320,7 +320,7 @@ class DraftLink:
         toks, probs = self.buf.usable(ids)
         # after a correction the worker drafts the stream afresh while the target waits: verify as soon as its
         # first token is here (the worker sends it alone, at once: Worker.should_flush), not after a whole block
-        # (README, "Corrections"); the tokens drafted meanwhile make the next block
+        # (docs/features-two-process.md); the tokens drafted meanwhile make the next block
         want = 1 if self.buf.redrafting else k
         deadline = self.clock() + budget_s * want / k
         while True:

@@ -51,9 +51,7 @@ class ServeMetrics:
             if v is not None:
                 self.stage.labels(stage=st).observe(v)
         extra = stats.get("extra", {})
-        gate = extra.get("gate")
-        on = gate.get("on") if gate else drafted > 0
-        self.speculation_on.set(1 if on else 0)
+        self.speculation_on.set(1 if drafted > 0 else 0)
         self.dropped.inc(extra.get("dropped_messages", 0) + extra.get("rejected_messages", 0))
 
     def observe_batches(self, sizes: list[int]) -> None:

@@ -111,7 +111,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         return entry
 
     def export(scratch: Path) -> None:
-        say = progress or _stderr(entry)
+        say = progress or stderr_progress(entry)
         say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache "
             f"{entry} (set HETERO_SPEC_CACHE to move it)")
         export_draft(model_dir, scratch, precision, execution_provider, progress=say)
@@ -140,7 +140,7 @@ def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[P
     return entry
 
 
-def _stderr(entry: Path) -> Callable[[str], None]:
+def stderr_progress(entry: Path) -> Callable[[str], None]:
     start = time.monotonic()
 
     def say(text: str) -> None:

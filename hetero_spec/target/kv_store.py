@@ -5,7 +5,7 @@ dequantizes on read, so attention computes in the model's dtype.
 A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass
 stores exactly what one-token steps store: speculative output stays identical to the target decoding alone with
 the same cache dtype (tested), while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4.
-Dequantizing the whole cache each pass costs time: this trades speed for memory (README, "Precision").
+Dequantizing the whole cache each pass costs time: this trades speed for memory (docs/features-precision.md).
 """
 
 from __future__ import annotations
@@ -15,13 +15,6 @@ from transformers.cache_utils import DynamicLayer
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def bytes_per_value(kind: str, head_dim: int, compute_bytes: int = 4) -> float:
-    """Stored bytes per cached value (a scale per head_dim values for int8/fp8)."""
-    if kind in _QMAX:
-        return 1.0 + 4.0 / head_dim
-    return {"fp16": 2.0, "bf16": 2.0}.get(kind, float(compute_bytes))
 
 
 class StoredKVLayer(DynamicLayer):

@@ -2,7 +2,7 @@
 run by the shared `OnnxDecoder` on a builder-exported target (`hetero-spec export --model HF_DIR`).
 
 On a CPU, ONNX Runtime's kernels are about 3x faster than transformers' eager forward for the same fp32
-weights (see the README's bench). Never imports torch: an edge box can run both sides on ONNX Runtime.
+weights (docs/benchmarks.md). Never imports torch: an edge box can run both sides on ONNX Runtime.
 
 Cache invariant, as in the PyTorch verifier: the cache holds every committed token except the last one,
 which is fed at the start of the next pass together with the draft block.

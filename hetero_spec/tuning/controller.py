@@ -35,7 +35,6 @@ EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
 PROBE_EVERY_MAX = 512
 PROBE_GAMMA = 2
-PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
 LATENCY_SLOWDOWN = 1.5
 #: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while the
@@ -161,7 +160,7 @@ class StreamControl:
     probing: bool = False  # this round re-probes after rounds at gamma 0
     stopped_early: int = 0
     _round: int = 0
-    _off_since: float | None = None  # engine-wide tested tokens when gamma 0 was last chosen afresh
+    _off_since: tuple | None = None  # (engine-wide tested tokens, draft costs) when gamma 0 was chosen afresh
     _off_rounds: int = 0
     _off_rate: float = 0.0
     _off_a: float = 0.0
@@ -222,15 +221,16 @@ class Controller:
             g = EXPLORE[(sc._round - 1) % len(EXPLORE)]
             sc.reason = "exploring: no profile and too few measurements for a cost model yet"
         else:
-            if sc._off_since is not None and t.acceptance.tested == sc._off_since and sc._off_rounds < 32:
-                # off, and nothing was tested since (gamma 0 rounds test nothing): the answer has not changed,
-                # so do not pay the search every round (about 0.1 ms, 2-3 % of a target step here)
+            key = (t.acceptance.tested, t.draft_token_s, t.transfer_s)
+            if sc._off_since is not None and key == sc._off_since and sc._off_rounds < 32:
+                # off, and nothing was tested since (gamma 0 rounds test nothing) nor the draft's costs moved: the
+                # answer has not changed, so do not pay the search every round (about 0.1 ms, 2-3 % of a step)
                 g, rate, a = 0, sc._off_rate, sc._off_a
                 sc._off_rounds += 1
             else:
                 a = self.estimate(sc)
                 g, rate = model.best_gamma(a, self.layout, G_MAX)
-                sc._off_since, sc._off_rounds = (t.acceptance.tested, 0) if g == 0 else (None, 0)
+                sc._off_since, sc._off_rounds = (key, 0) if g == 0 else (None, 0)
                 sc._off_rate, sc._off_a = rate, a
             if g == 0:
                 t.rounds_off += 1

@@ -1,0 +1,301 @@
+"""The peers, greedy: transformers' assisted generation, ONNX Runtime GenAI and llama.cpp (target alone and own
+speculation). llama.cpp runs a process per prompt on GGUF files, timed by its own clock (prefill + decode); its
+speculative tool decodes past -n, so its decode time is scaled to the tokens compared and its output cut. It
+reads and writes text, through the target's tokenizer (counts may differ by a token); a GGUF is another
+quantization, so llama_cpp_spec is also compared with llama_cpp_target_only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+from .harness import SEED, WARMUP_TOKENS, BenchContext, RunOutput, System, cores, tune
+
+COMPLETION, SPECULATIVE = "llama-completion", "llama-speculative-simple"
+CTX_MARGIN = 64  # llama.cpp's context beyond prompt + max_new: its tokenization may differ a little
+_NUM = r"([0-9]+(?:\.[0-9]*)?)"
+_PROMPT_EVAL = re.compile(rf"prompt eval time =\s*{_NUM} ms /\s*(\d+) tokens")
+_EVAL = re.compile(rf"(?<!prompt )eval time =\s*{_NUM} ms /\s*(\d+) runs")
+_ENCODED = re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUM} seconds")
+_DECODED = re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds")
+# lines may carry llama.cpp's log prefix ("0.02.424.071 I n_drafted = 29"); \b...\s*= keeps n_draft off n_drafted
+_COUNTS = {key: re.compile(rf"\b{key}\s*=\s*(\d+)") for key in ("n_draft", "n_drafted", "n_accept")}
+
+
+class Peer(System):
+    """A peer: load(ctx), then its best setting (threads, gamma) by `tune` over one thread and every core, x
+    --gammas (else the config's gamma; 8 for auto) where it drafts."""
+
+    backend = "?"
+
+    def setup(self, ctx: BenchContext) -> None:
+        self.ctx, gamma = ctx, g if isinstance(g := ctx.config.speculation.gamma, int) else 8
+        self.load(ctx)
+        self.setting = tune(self, ctx, self._run, [(t, k) for t in dict.fromkeys((1, cores()))
+                                                   for k in ((ctx.gammas or (gamma,)) if self.speculative else (None,))])
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        t, k = self.setting
+        return {"backend": self.backend, "layout": "in_process" + (" (draft and verify in turn)" if k else ""),
+                "target_threads": t, "draft_threads": t if k else None, "gamma": k}
+
+
+class HfAssisted(Peer):
+    """transformers assisted generation on the fp32 checkpoints of the target and the draft (--draft-hf), a
+    constant num_assistant_tokens calibrated. Only when named in --systems (fp32 copies of both models)."""
+
+    name, opt_in, backend = "hf_assisted", True, "transformers (fp32)"
+
+    @classmethod
+    def unavailable(cls, ctx: BenchContext) -> str | None:
+        ok = ctx.draft_hf is not None and (Path(ctx.draft_hf) / "config.json").is_file()
+        return None if ok else f"no Hugging Face draft checkpoint at {ctx.draft_hf} (pass --draft-hf DIR)"
+
+    def load(self, ctx: BenchContext) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model, self.assistant = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32).eval()
+                                      for m in (ctx.config.target.model, ctx.draft_hf))
+        gc = self.assistant.generation_config
+        gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = "constant", 0.0  # a pure constant
+
+    def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
+        import torch
+
+        torch.set_num_threads(setting[0])
+        self.assistant.generation_config.num_assistant_tokens = setting[1]
+        ids, gc = torch.tensor([prompt_ids], dtype=torch.long), self.model.generation_config
+        eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                      min_new_tokens=0, do_sample=False, num_beams=1, assistant_model=self.assistant,
+                                      pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else eos or 0)
+        return RunOutput(out[0, len(prompt_ids):].tolist())
+
+
+# -- ONNX Runtime GenAI ---------------------------------------------------------------------------------------
+def _place(src: Path, dst: Path) -> None:
+    """Hard-link (or copy) src to dst unless the same file is there already."""
+    if not dst.is_file() or (dst.stat().st_size, dst.stat().st_mtime_ns) != (src.stat().st_size, src.stat().st_mtime_ns):
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+
+class OrtGenaiTargetOnly(Peer):
+    """ONNX Runtime GenAI's target alone: the target's ONNX export at target.precision (the onnx backend's, or
+    --ort-target), linked into OUT/ort_models/."""
+
+    name, speculative, backend = "ort_genai_target_only", False, "onnxruntime-genai"
+    peer_reference = name
+
+    @classmethod
+    def unavailable(cls, ctx: BenchContext) -> str | None:
+        return "onnxruntime-genai is not installed" if importlib.util.find_spec("onnxruntime_genai") is None else None
+
+    def load(self, ctx: BenchContext) -> None:
+        import onnxruntime_genai as og
+
+        from ..target.backends import precision_of
+        from ..target.export_cache import SOURCE_NAME, cached_export
+
+        precision, self.og, self.models = precision_of(ctx.config.target), og, {}
+        self.dir = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for f in (Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)).iterdir():
+            if f.is_file() and f.name != SOURCE_NAME:
+                _place(f, self.dir / f.name)
+        if self.speculative:  # ORT GenAI refuses model paths outside the target's folder: the draft goes inside
+            (self.dir / "draft").mkdir(exist_ok=True)
+            for f in Path(ctx.config.draft.model).iterdir():
+                if f.name.startswith("model.onnx"):  # model.onnx and its external data, names kept
+                    _place(f, self.dir / "draft" / f.name)
+        eos = json.loads((self.dir / "genai_config.json").read_text())["model"].get("eos_token_id", [])
+        self.eos = {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+
+    def _model(self, setting: tuple):
+        """The model loaded with these threads, warmed up once (max_draft_tokens is set per generator)."""
+        if (threads := setting[0]) not in self.models:
+            k = setting[1]
+            overlay: dict[str, Any] = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
+            if k:
+                draft = json.loads((Path(self.ctx.config.draft.model) / "genai_config.json").read_text())
+                block = {**draft["model"]["decoder"], "filename": "draft/model.onnx"}
+                block["session_options"] = {**block.get("session_options", {}), "intra_op_num_threads": threads}
+                overlay = {"model": {**overlay["model"], "draft": block}, "speculative": {"max_draft_tokens": k}}
+            cfg = self.og.Config(str(self.dir))
+            cfg.overlay(json.dumps(overlay))
+            self.models[threads] = self.og.Model(cfg)
+            self._run(setting, self.ctx.prompts[0], min(WARMUP_TOKENS, self.ctx.max_new))
+        return self.models[threads]
+
+    def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
+        og, model, n0 = self.og, self._model(setting), len(prompt_ids)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=n0 + max_new, do_sample=False)
+        if setting[1]:
+            params.set_speculative_options(max_draft_tokens=setting[1])  # onnxruntime-genai 0.18
+        gen = og.Generator(model, params)
+        gen.append_tokens(prompt_ids)
+        while not gen.is_done() and gen.token_count() - n0 < max_new:
+            gen.generate_next_token()
+        ids = [int(t) for t in gen.get_sequence(0)[n0:n0 + max_new]]
+        if gen.is_done() and len(ids) < max_new and (last := int(gen.get_next_tokens()[0])) in self.eos:
+            ids.append(last)  # ORT GenAI drops the stop token; the others keep it
+        s = gen.get_speculative_stats() if setting[1] else {}
+        return RunOutput(ids, {"drafted": s.get("draft_tokens_proposed"), "accepted": s.get("draft_tokens_accepted"),
+                               "rounds": s.get("rounds"), "effective_k": s.get("effective_k")} if s else None)
+
+    def setup(self, ctx: BenchContext) -> None:
+        super().setup(ctx)
+        self.models = {self.setting[0]: self.models[self.setting[0]]}  # free the others
+
+
+class OrtGenaiSpec(OrtGenaiTargetOnly):
+    """ONNX Runtime GenAI's speculative decoding with the config's ONNX draft (its max_draft_tokens calibrated)."""
+
+    name, speculative = "ort_genai_spec", True
+
+    @classmethod
+    def unavailable(cls, ctx: BenchContext) -> str | None:
+        d = ctx.config.draft
+        if d.kind != "onnx" or d.model is None or not (Path(d.model) / "genai_config.json").is_file():
+            return "needs an ONNX draft exported by the model builder (draft.kind onnx, with genai_config.json)"
+        return super().unavailable(ctx)
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------------
+# one llama.cpp run by its own clock; decoded_tokens: what the decode phase produced
+Timings = namedtuple("Timings", "prompt_tokens prefill_s decoded_tokens decode_s drafted accepted n_max",
+                     defaults=(None, None, None))
+
+
+def _last(pattern: re.Pattern, text: str, what: str) -> tuple[str, ...]:
+    if not (found := pattern.findall(text)):
+        raise ValueError(f"no {what!r} line in llama.cpp's output")
+    return found[-1]
+
+
+def parse_timings(stderr: str, speculative: bool) -> Timings:
+    """llama-completion's perf lines (the prompt's eval, which yields the first token, then one run per token), or
+    llama-speculative-simple's summary (the encoded / decoded lines and the draft counts)."""
+    if not speculative:
+        (p_ms, p_n), (e_ms, e_n) = _last(_PROMPT_EVAL, stderr, "prompt eval time"), _last(_EVAL, stderr, "eval time")
+        return Timings(int(p_n), float(p_ms) / 1e3, int(e_n), float(e_ms) / 1e3)
+    (e_n, e_s), (d_n, d_s) = _last(_ENCODED, stderr, "encoded N tokens"), _last(_DECODED, stderr, "decoded N tokens")
+    c = {k: int(m[-1]) if (m := p.findall(stderr)) else None for k, p in _COUNTS.items()}
+    return Timings(int(e_n), float(e_s), int(d_n), float(d_s), c["n_drafted"], c["n_accept"], c["n_draft"])
+
+
+def llama_args(bin_dir: Path, target: Path, prompt_file: Path, max_new: int, threads: int, ctx_size: int,
+               draft: Path | None = None, n_max: int | None = None) -> list[str]:
+    """Greedy llama-completion (-no-cnv: no chat template; --no-display-prompt: stdout is the new text), or with a
+    draft llama-speculative-simple (--spec-type draft-simple: without it, it does not speculate; the draft on
+    the target's threads)."""
+    common = ["-f", str(prompt_file), "-n", str(max_new), "-t", str(threads), "-tb", str(threads),
+              "-c", str(ctx_size), "--temp", "0", "--top-k", "1", "-s", str(SEED)]
+    if draft is None:
+        return [str(Path(bin_dir) / COMPLETION), "-m", str(target), *common, "-no-cnv", "--no-display-prompt"]
+    return [str(Path(bin_dir) / SPECULATIVE), "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple",
+            "--spec-draft-n-max", str(n_max), *common, "-td", str(threads), "-tbd", str(threads)]
+
+
+def gguf_of(model: Path | None) -> Path | None:
+    """The GGUF a model is: a .gguf file, or a directory's only .gguf."""
+    if model is None or not (model := Path(model)).exists():
+        return None
+    found = [model] if model.suffix == ".gguf" else sorted(model.glob("*.gguf")) if model.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def generated_text(stdout: str, prompt_text: str | None) -> tuple[str, bool]:
+    """(the new text, stopped on EOS) from a tool's stdout. llama-completion prints the new text, ` [end of
+    text]\\n` on EOS, then `\\n\\n`; llama-speculative-simple prints `\\n\\n`, the prompt's pieces, the new text,
+    then `\\n\\n\\n\\n` (prompt_text: where the prompt's echo ends; its EOS shows in the counts instead)."""
+    if prompt_text is not None:
+        if (at := stdout.find(prompt_text)) < 0:
+            raise ValueError("the prompt's echo is not in llama-speculative-simple's output")
+        text = stdout[at + len(prompt_text):]
+        return (text[:-4] if text.endswith("\n\n\n\n") else text), False
+    text = stdout[:-2] if stdout.endswith("\n\n") else stdout
+    eos = text.endswith(" [end of text]\n")
+    return (text[:-len(" [end of text]\n")] if eos else text), eos
+
+
+class LlamaCppTargetOnly(Peer):
+    """llama.cpp's target alone (llama-completion) on the target's GGUF; needs --llama-cpp."""
+
+    name, speculative, backend, tool = "llama_cpp_target_only", False, "llama.cpp", COMPLETION
+    peer_reference = name
+
+    @classmethod
+    def unavailable(cls, ctx: BenchContext) -> str | None:
+        hint = "scripts/build-llama-cpp.sh builds them"
+        if ctx.llama_cpp is None:
+            return f"no --llama-cpp BIN_DIR (the folder with {COMPLETION} and {SPECULATIVE}; {hint})"
+        if not (path := Path(ctx.llama_cpp) / cls.tool).is_file():
+            return f"{path} not found (--llama-cpp names the folder with llama.cpp's binaries; {hint})"
+        for role, gguf in (("target", ctx.llama_cpp_target), ("draft", ctx.llama_cpp_draft if cls.speculative else 0)):
+            if gguf is None:
+                return f"no GGUF of the {role}: {role}.model is not a .gguf (pass --llama-cpp-{role} FILE.gguf)"
+            if gguf and not Path(gguf).is_file():
+                return f"the GGUF {gguf} does not exist"
+        return None
+
+    def load(self, ctx: BenchContext) -> None:
+        from .prompts import load_tokenizer
+
+        self.tok, self._dir = load_tokenizer(ctx.config.target.model), tempfile.TemporaryDirectory(prefix="llama-cpp-")
+        self.eos_id = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, int) else None
+
+    def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
+        (threads, k), path, c = setting, Path(self._dir.name) / "prompt.txt", self.ctx
+        text = self.tok.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        path.write_bytes((text + "\n").encode("utf-8"))  # -f drops one trailing newline: keep the prompt's own
+        n_ctx, t0 = len(prompt_ids) + max_new + CTX_MARGIN, time.perf_counter()
+        proc = subprocess.run(llama_args(c.llama_cpp, c.llama_cpp_target, path, max_new, threads, n_ctx,
+                                         c.llama_cpp_draft if k else None, k), stdin=subprocess.DEVNULL,
+                              capture_output=True)
+        out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.tool} exited with {proc.returncode}: " + " | ".join(err.strip().splitlines()[-5:]))
+        if not k:
+            t, (gen, eos) = parse_timings(err, False), generated_text(out, None)
+            decode_s, counted = t.decode_s, t.decoded_tokens
+        else:
+            t, (gen, _) = parse_timings(err, True), generated_text(out, text)
+            eos, counted = t.decoded_tokens <= max_new, min(t.decoded_tokens, max_new)  # fewer: it met EOS
+            decode_s = t.decode_s * counted / t.decoded_tokens if t.decoded_tokens else t.decode_s
+        ids = [int(i) for i in self.tok.encode(gen, add_special_tokens=False)][:max_new]
+        ids += [self.eos_id] if eos and self.eos_id is not None and len(ids) < max_new else []
+        stats = {"prompt_tokens": t.prompt_tokens, "prefill_s": t.prefill_s, "decode_s": decode_s,
+                 "decoded_tokens": t.decoded_tokens, "counted_tokens": counted, "eos": eos,
+                 "process_wall_s": round(time.perf_counter() - t0, 4),
+                 **({"drafted": t.drafted, "accepted": t.accepted, "n_max": t.n_max} if k else {})}
+        return RunOutput(ids, stats, own_wall_s=t.prefill_s + decode_s)
+
+    def describe(self, ctx: BenchContext) -> dict[str, Any]:
+        return {**super().describe(ctx), "target_gguf": str(ctx.llama_cpp_target), "timing": "llama.cpp's own clock",
+                **({"draft_gguf": str(ctx.llama_cpp_draft)} if self.speculative else {})}
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+class LlamaCppSpec(LlamaCppTargetOnly):
+    """llama.cpp's speculative decoding (llama-speculative-simple --spec-type draft-simple) with the draft's
+    GGUF, its --spec-draft-n-max calibrated; needs --llama-cpp."""
+
+    name, speculative, tool = "llama_cpp_spec", True, SPECULATIVE

@@ -1,0 +1,236 @@
+"""The speculation controller (tuning/controller.py) on constructed costs, and the worker link's waiting, driven
+by an injected clock: every decision here is a pure function of the inputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hetero_spec.tuning.controller import (EXPLORE, PROBE_EVERY, PROBE_GAMMA, Controller, Tuning)
+from hetero_spec.tuning.cost_model import CostModel
+
+
+def _tuned(acceptance: float, draft_token_s: float = 0.0006, weight: float = 1e9) -> Tuning:
+    """A Tuning whose cost model is known: verify 5 ms + 0.4 ms per token, acceptance as given."""
+    t = Tuning(prior_acceptance=acceptance, prior_weight=weight)
+    t.observe_verify(2, 0.005 + 0.0004 * 3)
+    t.observe_verify(8, 0.005 + 0.0004 * 9)
+    t.draft_token_s = draft_token_s
+    return t
+
+
+def test_it_explores_then_follows_the_model_and_learns_across_streams():
+    t = Tuning(prior_acceptance=0.7)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    sc = ctl.stream("auto")
+    assert [ctl.plan([sc], [100])[0] for _ in range(3)] == list(EXPLORE) and "exploring" in sc.reason
+    for k, n, v in zip(EXPLORE, (1, 1, 3), (0.006, 0.007, 0.009)):
+        ctl.observe(sc, k, n, v)
+    ctl.observe_costs(0.0005, None)
+    g = ctl.plan([sc], [100])[0]
+    a = ctl.estimate(sc)
+    assert g == t.model().best_gamma(a, "in_process")[0] and f"a={a:.3f}" in sc.reason
+    # the next stream starts from what this one learned (the engine-wide estimate), not from the prior
+    other = ctl.stream("auto")
+    assert ctl.estimate(other) == pytest.approx(t.global_acceptance()) != pytest.approx(0.7)
+    fixed = ctl.stream(5)
+    assert ctl.plan([fixed], [100]) == [5] and ctl.plan([fixed], [3]) == [2]  # the room left: max_new, context
+    want = {str(e): 1 for e in EXPLORE}
+    want[str(g)] = 1 + (g in EXPLORE)
+    assert ctl.summary(sc)["choices"] == want
+
+
+def test_streams_keep_their_own_state():
+    """One controller serves every stream: a new stream resets nothing of another's, and one stream's rejections
+    lower its own estimate more than the engine-wide one the others start from."""
+    t = _tuned(0.8, weight=4.0)
+    ctl = Controller(t, "two_process", batch_blocks=False)
+    a, b = ctl.stream("auto"), ctl.stream("auto")
+    for _ in range(5):
+        ctl.observe(a, 4, 0, None)
+    ga = ctl.plan([a], [100])[0]
+    before = (ctl.estimate(a), dict(a.choices))
+    c = ctl.stream("auto")  # a third request begins
+    assert (ctl.estimate(a), dict(a.choices)) == before
+    assert ctl.estimate(a) < ctl.estimate(b) == pytest.approx(ctl.estimate(c))
+    assert ga == 0 and ctl.plan([b], [100])[0] > 0  # a is off; b, with the shared estimate, is not
+
+
+def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
+    """gamma 0 (the target alone): one probe round every probe_every rounds; a failed probe doubles the period
+    (kept across streams, on the Tuning), one with an accepted token resets it."""
+    t = Tuning(profile=CostModel(0.005, 0.0005, 0.001), prior_acceptance=0.0, prior_weight=1e6)  # never pays
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    probes_at = []
+    sc = ctl.stream("auto")
+    for r in range(1, 16 * PROBE_EVERY):
+        if r % 200 == 0:
+            sc = ctl.stream("auto")  # a new request: the period carries over
+        g = ctl.plan([sc], [1000])[0]
+        if g:
+            assert g == PROBE_GAMMA and sc.probing and "re-probe" in sc.reason
+            probes_at.append(r)
+        ctl.observe(sc, g, 0, 0.005)  # every probe fails
+    gaps = [b - a for a, b in zip([0, *probes_at], probes_at)]
+    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    while not ctl.plan([sc], [1000])[0]:
+        ctl.observe(sc, 0, 0, 0.005)
+    ctl.observe(sc, PROBE_GAMMA, 1, 0.005)  # this probe hits
+    assert t.probe_every == PROBE_EVERY
+
+
+def test_never_slower_than_the_target_alone_by_prediction():
+    """Draft blocks dearer than a verify, but accepted often: speculation pays and stays; with acceptance near zero,
+    or a draft slower than verification in two processes, no gamma beats the target alone: 0."""
+    for a, d, layout, on in ((0.85, 0.0006, "in_process", True), (0.02, 0.0006, "in_process", False),
+                             (0.85, 0.012, "two_process", True), (0.85, 0.030, "in_process", False)):
+        t = _tuned(a, d)
+        ctl = Controller(t, layout, batch_blocks=False)
+        sc = ctl.stream("auto")
+        g = ctl.plan([sc], [100])[0]
+        model = t.model()
+        assert (g > 0) is on, (a, d, layout)
+        if g:
+            assert model.goodput(g, ctl.estimate(sc), layout) > 1 / model.verify(0)
+
+
+def test_a_slow_worker_turns_speculation_off_and_fast_timings_bring_it_back():
+    """Two processes: the worker's proposals report its cost per token (WorkerSource.costs); at 30 ms a token
+    against a 6 ms step nothing pays, and once it drafts fast again (it keeps drafting in the background) the next
+    plan speculates. No probe round is needed: the costs come with the proposals."""
+    t = _tuned(0.6)
+    ctl = Controller(t, "two_process", batch_blocks=False)
+    sc = ctl.stream("auto")
+    ctl.observe_costs(0.030, 0.0001)
+    assert ctl.plan([sc], [100]) == [0]
+    ctl.observe_costs(0.001, 0.0001)
+    assert ctl.plan([sc], [100])[0] > 0
+
+
+def test_the_wait_budget_is_what_the_drafts_cost_capped_at_one_step():
+    t = Tuning()
+    ctl = Controller(t, "two_process", batch_blocks=False)
+    assert ctl.wait_budget(4, default_s=0.010) == pytest.approx(0.005)  # nothing measured: half the default
+    t.draft_token_s = 0.001  # still no verify line: capped by the default
+    assert ctl.wait_budget(4, default_s=0.004) == pytest.approx(0.004)
+    t = _tuned(0.8, 0.001)
+    t.transfer_s = 0.0002
+    ctl = Controller(t, "two_process", batch_blocks=False)
+    assert ctl.wait_budget(2, 1.0) == pytest.approx((2 * 0.001 + 0.0002) * 1.5 + 0.0005)
+    assert ctl.wait_budget(16, 1.0) == pytest.approx(t.model().verify(0))  # never more than one step
+
+
+def test_local_source_times_drafting_without_the_catch_up():
+    """A round whose first draft step also fed the prompt (or a backlog) is timed without that step: one slow
+    prefill must not make the controller believe the draft is slow (it once chose gamma 0 for a request)."""
+    from hetero_spec.draft.base import Draft
+    from hetero_spec.draft.ngram import NgramProposer
+    from hetero_spec.draft.source import LocalSource
+
+    src = LocalSource(NgramProposer())
+    src._observe(0.004, [SimpleNamespace(last_catchup_s=0.0)], [Draft(ids=[1] * 8)], [False])
+    assert src.costs().token_s == pytest.approx(0.0005)
+    src = LocalSource(NgramProposer())
+    src._observe(0.0335, [SimpleNamespace(last_catchup_s=0.030)], [Draft(ids=[1] * 8)], [True])
+    assert src.costs().token_s == pytest.approx(0.0005) and src.costs().catchup_s == 0.0  # the prompt: not catch-up
+    src._observe(0.030, [SimpleNamespace(last_catchup_s=0.030)], [Draft(ids=[1])], [False])
+    assert src.costs().token_s == pytest.approx(0.0005) and src.costs().catchup_s > 0  # one token: no sample
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class _Chan:
+    """A worker channel of the target side that delivers only what the test puts in."""
+
+    def __init__(self, clock):
+        self.clock, self.inbox, self.sent, self.closed, self.dropped = clock, [], [], False, 0
+
+    def send(self, msg, *arrays):
+        self.sent.append((msg, arrays))
+        return True
+
+    def recv(self, timeout_s):
+        if self.inbox:
+            return self.inbox.pop(0)
+        self.clock.t += timeout_s or 0.0
+        return None
+
+    def reject(self, why):
+        self.dropped += 1
+
+
+def _link(clk, gamma=4, params=None, vocab=100):
+    from hetero_spec.runtime.pipelined import DraftLink, LinkCosts
+    from hetero_spec.sampling import SamplingParams
+
+    ch = _Chan(clk)
+    w = SimpleNamespace(channel=ch)
+    sup = SimpleNamespace(current=lambda: w, check=lambda w: True, heard=lambda w, m: None, fail=lambda w, r: None)
+    link = DraftLink(sup, 1, params or SamplingParams(), gamma, 2 * gamma + 1, LinkCosts(), {}, None, vocab,
+                     clock=clk)
+    return link, ch
+
+
+def _proposal(link, clk, epoch, start, toks, probs=None):
+    from hetero_spec.transport.protocol import Proposal
+
+    arrays = [np.asarray(toks, np.int32)] + ([probs] if probs is not None else [])
+    return (Proposal(req_id=link.req_id, epoch=epoch, base=start, start=start, draft_s=0.001 * len(toks),
+                     draft_t0=0.0, sent=clk.t, timed=len(toks)), arrays)
+
+
+def test_after_a_correction_the_target_verifies_the_new_streams_first_token_without_waiting_for_a_block():
+    """A correction drops the worker's stream; the worker drafts a new one and sends its first token alone. The
+    target verifies as soon as that token is here (the tokens drafted meanwhile make the next block) instead of
+    waiting out the budget for a whole block."""
+    clk = Clock()
+    link, ch = _link(clk)
+    prompt = [5, 6, 7]
+    link.begin(prompt)
+    ch.inbox.append(_proposal(link, clk, 0, 3, [1, 2, 3, 4]))
+    ids = list(prompt)
+    assert link.gather(ids, 4, 0.010).ids == [1, 2, 3, 4]
+    ids += [1, 9]  # the target accepted 1 and corrected 2 -> 9
+    link.sync(ids)
+    t = clk.t
+    ch.inbox.append(_proposal(link, clk, 1, 5, [11]))  # the new stream's first token, sent alone
+    assert link.gather(ids, 4, 0.010).ids == [11]
+    assert clk.t == t  # not one empty wait: a whole block would have waited out the budget
+    ch.inbox.append(_proposal(link, clk, 1, 6, [12, 13, 14, 15]))
+    ids += [11, 12]  # the next round: back to whole blocks
+    t = clk.t
+    assert link.gather(ids, 4, 0.010).ids == [13, 14, 15]
+    assert clk.t > t  # waited (in vain) for a 4th token
+    assert link.costs.draft_tok_s.value == pytest.approx(0.001)  # what the proposals said drafting cost
+
+
+@pytest.mark.parametrize("bad,why", [
+    (np.full((2, 100), np.nan, np.float32), "NaN"),
+    (np.full((2, 100), -0.01, np.float32), "negative"),
+    (np.full((2, 100), 0.02, np.float32), "do not sum to 1"),
+    (np.full((2, 50), 0.02, np.float32), "shape"),
+    (np.full((1, 100), 0.01, np.float32), "1 distributions for 2 tokens"),
+])
+def test_draft_distributions_from_the_wire_are_checked(bad, why):
+    """Rejection sampling divides by q: a NaN, a negative, an unnormalized or a misshaped q from the wire is
+    refused and counted, and the target verifies nothing from it (it decodes alone)."""
+    from hetero_spec.sampling import SamplingParams
+
+    clk = Clock()
+    link, ch = _link(clk, gamma=2, params=SamplingParams(temperature=1.0, seed=1, sampling="rejection"))
+    link.begin([5, 6, 7])
+    ch.inbox.append(_proposal(link, clk, 0, 3, [1, 2], bad))
+    draft = link.gather([5, 6, 7], 2, 0.0)
+    assert draft.ids == [] and link.rejected == 1 and ch.dropped == 1
+    good = np.full((2, 100), 0.01, np.float32)
+    ch.inbox.append(_proposal(link, clk, 0, 3, [1, 2], good))
+    draft = link.gather([5, 6, 7], 2, 0.0)
+    assert draft.ids == [1, 2] and draft.probs.shape == (2, 100)
