@@ -171,6 +171,8 @@ class Engine:
             self.placement["switches"] = []
         # Held by the scheduler's loop for each round: health probes the models only when it can take it
         self.lock = threading.Lock()
+        # Held while a re-placement swaps the models: a caller validating a request waits for the new target
+        self._swap = threading.Lock()
         self.closed = False
         # What close() releases; also released when the Engine is garbage-collected or at exit.
         self._parts: dict[str, Any] = {}
@@ -246,7 +248,7 @@ class Engine:
         if self.closed:
             return
         try:
-            with self.lock:
+            with self.lock, self._swap:
                 self._maybe_replace()
         except Exception:  # noqa: BLE001 - no request is waiting on this; the next one hears if the Engine broke
             log.exception("placement: re-placement failed")
@@ -519,6 +521,10 @@ class Engine:
                  stop_token_ids: list[int] | None, gamma: int | None) -> Request:
         """Validate a request (each argument like the config field it overrides; None takes the config's
         value) and tokenize its prompt. RequestError names the argument and the value."""
+        with self._swap:
+            return self._resolve(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma)
+
+    def _resolve(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma) -> Request:
         self._check_open()
         g = self.config.generation
         a = request_args(self.config, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -664,7 +670,8 @@ class Engine:
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt becomes (validated like a request's)."""
-        return prompt_token_ids(prompt, self.tokenizer, self.target.vocab_width, self.target.model_dir)
+        with self._swap:
+            return prompt_token_ids(prompt, self.tokenizer, self.target.vocab_width, self.target.model_dir)
 
     def close(self, wait_s: float = 10.0) -> None:
         """Release the draft; in two_process mode shut the worker down cleanly (no orphans). Running requests

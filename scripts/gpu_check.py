@@ -380,7 +380,7 @@ def together(eng, prompts: list[list[int]], tokens: int) -> list[list[int]]:
                 done[i].set()
         return put
 
-    with eng._lock:
+    with eng.lock:
         for i, p in enumerate(prompts):
             eng.submit(p, sink(i), max_new_tokens=tokens)
     for ev in done:

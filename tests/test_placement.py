@@ -155,7 +155,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
     accepted; once that is measured (or the gate has turned speculation off for a whole request), the Engine
     re-places itself between requests: in process, every core for the target (gamma auto then picks 0).
     Outputs stay identical to the target alone, before and after."""
-    from tests.fixtures.memworker import FixedGate
+    from tests.fixtures.memworker import FixedController
 
     monkeypatch.setattr(placement, "allowed_cpus", lambda: 2)
     prof = tmp_path / "p.yaml"
@@ -168,14 +168,14 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
            "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
     with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
         refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
-    with Engine.from_config(cfg) as eng:
+    # the controller held on, waiting for every block: whether a draft arrives within a verification's time
+    # depends on the machine's load; here every round tests its block, so the acceptance is measured after the
+    # same rounds on any machine
+    with Engine.from_config(cfg, controller=FixedController.factory("on", budget_s=60.0)) as eng:
         assert eng.placement["chosen"]["mode"] == "two_process" and eng.source.layout == "two_process"
-        # the gate held on, waiting for every block: whether a draft arrives within a verification's time, or
-        # the gate turns off or probes at a request's end, depends on the machine's load; here every round
-        # tests its block, so the acceptance is measured after the same rounds on any machine
-        eng.runtime.make_gate = lambda: FixedGate("on", budget_s=60.0)
         for _ in range(6):
             assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+            assert eng.wait_idle(120)  # a re-placement runs between requests, after the caller heard DONE
             if eng.placement["switches"]:
                 break
         sw = eng.placement["switches"]
@@ -214,6 +214,7 @@ def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkey
     with Engine.from_config(cfg) as eng:
         assert eng.placement["chosen"]["mode"] == "in_process" and eng.source.layout == "in_process"
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
+        assert eng.wait_idle(120)
         sw = eng.placement["switches"]
         assert len(sw) == 1 and sw[0]["to"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
         assert eng.source.layout == "two_process"
@@ -267,11 +268,11 @@ def test_the_engine_leaves_a_layout_it_observes_to_be_slow_and_drops_the_cached_
         cache = eng.placement["cache_file"]
         first = Layout(**eng.placement["chosen"])
         assert cache and json.loads(open(cache).read())["corun"]  # two processes were measured side by side
-        eng.observe_request(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=True)
-        eng.observe_request(Stats(new_tokens=8, time_total_s=20.0, time_prefill_s=4.0), batched=False)
+        eng.request_done(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=True)
+        eng.request_done(Stats(new_tokens=8, time_total_s=20.0, time_prefill_s=4.0), batched=False)
         assert eng._observed == {}  # batched, or too short: no observation
-        eng.observe_request(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=False)  # 2 tok/s
-        eng._maybe_replace()
+        eng.request_done(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=False)  # 2 tok/s
+        eng.between_requests()
         sw = eng.placement["switches"]
         assert len(sw) == 1 and Layout(**sw[0]["from"]) == first and Layout(**sw[0]["to"]) != first
         assert "against 2.0 (observed)" in sw[0]["why"]

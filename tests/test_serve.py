@@ -222,8 +222,8 @@ class SlowEngine:
         self.real, self.config, self.target = real, real.config, real.target
         self.cancelled = threading.Event()
 
-    def _decode_text(self, ids):
-        return self.real._decode_text(ids)
+    def decode_text(self, ids):
+        return self.real.decode_text(ids)
 
     def submit(self, prompt, sink, stats: Stats, cancel: threading.Event, **kwargs):
         """As the request scheduler does: token chunks to the sink from another thread, then DONE."""

@@ -29,7 +29,7 @@ def test_short_soak_loses_nothing_and_stops_the_server(tmp_path, llama_target):
                                    "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}}))
     out = tmp_path / "out"
     lines: list[str] = []
-    report = run_soak(cfg, streams=4, duration_s=3, max_tokens=8, warmup_s=1, out=out, say=lines.append)
+    report = run_soak(cfg, streams=4, duration_s=2, max_tokens=8, warmup_s=1, out=out, say=lines.append)
     assert report["requests_lost"] == 0, report["errors"]
     assert report["token_mismatches"] == 0
     assert report["requests_ok"] >= 4 and report["tokens"] > 0

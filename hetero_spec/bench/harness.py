@@ -79,8 +79,7 @@ class RunOutput:
 
 @dataclass
 class BenchContext:
-    """What every system sees: the pass's config (--set, --sampling, CPU fp32, its precisions resolved) and the
-    prompts; the settings' fields (gammas, max_new, out, ...) read through."""
+    """What a system sees: the pass's resolved config, the prompts, and the settings' fields (gammas, out, ...)."""
 
     settings: BenchSettings
     config: Config
@@ -205,8 +204,8 @@ def per_prompt(runs: list) -> list[dict[str, Any]]:
 
 
 def pair(ours: Sequence[dict], ref: Sequence[dict]) -> dict[str, Any] | None:
-    """Two systems' per_prompt results from one pass, prompt by prompt: the median of ours' tokens/s over ref's
-    (with equal token counts, ref's time over ours), its range, the prompts ours won, identical outputs."""
+    """Two systems' per_prompt results of one pass, prompt by prompt: median, range and wins of ours' tokens/s over
+    ref's (ref's time over ours with equal token counts), and identical outputs."""
     if len(ours) != len(ref) or not ours:
         return None
     r = [b["wall_s"] / a["wall_s"] if (n := a["new_tokens"]) == (m := b["new_tokens"]) or not n * m
@@ -275,8 +274,11 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
         proc_state(baseline)
 
         def run(name: str, prompt: list[int]) -> RunOutput:
-            proc_state(live[name][1])
-            return live[name][0].run(prompt, ctx.max_new)
+            system, state, setup_s = live[name]
+            proc_state(state)
+            out = system.run(prompt, ctx.max_new)
+            live[name] = (system, proc_state(), setup_s)  # a placement that moved re-pinned: its next run keeps that
+            return out
 
         runs, failed = interleave(live, ctx.prompts, repeats, run, must=(REFERENCE,), say=say)
         for name, (system, state, setup_s) in live.items():
@@ -293,8 +295,8 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
 
 
 def with_references(entries: list[dict], sampled: bool) -> None:
-    """speedup_vs_<ref> and identical_to_<ref> (prompts) of each entry against target_only, its peer_reference
-    and, for our speculative systems when sampled, hetero_spec_target_only."""
+    """speedup_vs_<ref>, identical_to_<ref> (prompts) against target_only, a peer's own reference, and (sampled)
+    hetero_spec_target_only."""
     ok = {e["name"]: e for e in entries if e["status"] == "ok"}
     for e in entries:
         cls = SYSTEMS[e["name"]]
@@ -323,8 +325,7 @@ def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
 
 # -- the run --------------------------------------------------------------------------------------------------
 def _prompts(s: BenchSettings, config: Config, given: list[list[int]] | None) -> tuple[list[list[int]], dict]:
-    """(the prompts, where they came from: {"kind": given | file | humaneval | held-out, ...})."""
-    from . import prompts as P
+    from . import prompts as P  # -> (the prompts, where they came from)
 
     if given is not None:
         ids, source = given[:s.n_prompts], {"kind": "given", "available": len(given)}
@@ -415,7 +416,7 @@ def machine() -> dict[str, Any]:  # the platform, the CPU and the versions that 
     from importlib.metadata import distributions
 
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    have = {d.metadata["Name"].lower(): d.version for d in distributions()}
+    have = {(d.metadata["Name"] or "").lower(): d.version for d in distributions()}
     return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": next(
         (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.processor() or None),
             "versions": {"python": platform.python_version(), **{p: have.get(p) for p in (
@@ -447,7 +448,7 @@ def _pass_markdown(p: dict[str, Any]) -> list[str]:
         x, n = e["extra"], len(e["per_prompt"])
         notes = [f"{e['status']}: {e['reason']}"] * (e["status"] != "ok") + [
             f"{fmt(e[f'speedup_vs_{k[13:]}'], '.2f')}x {k[13:]}, identical on {v} of {n} prompts"
-            for k, v in e.items() if k.startswith("identical_to_") and k != "identical_to_target_only" and v is not None]
+            for k, v in e.items() if k.startswith("identical_to_") and k[13:] != REFERENCE and v is not None]
         if x.get("changed_between_repeats"):
             notes.append(f"output changed between repeats on {x['changed_between_repeats']} prompt(s) (int8/int4)")
         threads = fmt(x.get("target_threads"), "") + (f" + {x['draft_threads']}" if x.get("draft_threads") else "")

@@ -61,7 +61,8 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
         engines = {}
         for name, over in SYSTEMS.items():
             say(f"{name}: loading")
-            engines[name] = stack.enter_context(Engine.from_config(config_path, overrides={**(overrides or {}), **over}))
+            engines[name] = stack.enter_context(Engine.from_config(config_path, overrides={**(overrides or {}),
+                                                                                             **over}))
             engines[name].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
             report["layouts"][name] = engines[name].config.runtime.mode
 

@@ -40,8 +40,8 @@ class Peer(System):
     def setup(self, ctx: BenchContext) -> None:
         self.ctx, gamma = ctx, g if isinstance(g := ctx.config.speculation.gamma, int) else 8
         self.load(ctx)
-        self.setting = tune(self, ctx, self._run, [(t, k) for t in dict.fromkeys((1, cores()))
-                                                   for k in ((ctx.gammas or (gamma,)) if self.speculative else (None,))])
+        gammas = (ctx.gammas or (gamma,)) if self.speculative else (None,)
+        self.setting = tune(self, ctx, self._run, [(t, k) for t in dict.fromkeys((1, cores())) for k in gammas])
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
         t, k = self.setting
@@ -86,7 +86,7 @@ class HfAssisted(Peer):
 # -- ONNX Runtime GenAI ---------------------------------------------------------------------------------------
 def _place(src: Path, dst: Path) -> None:
     """Hard-link (or copy) src to dst unless the same file is there already."""
-    if not dst.is_file() or (dst.stat().st_size, dst.stat().st_mtime_ns) != (src.stat().st_size, src.stat().st_mtime_ns):
+    if not dst.is_file() or any(getattr(dst.stat(), k) != getattr(src.stat(), k) for k in ("st_size", "st_mtime_ns")):
         dst.unlink(missing_ok=True)
         try:
             os.link(src, dst)
@@ -114,7 +114,8 @@ class OrtGenaiTargetOnly(Peer):
         precision, self.og, self.models = precision_of(ctx.config.target), og, {}
         self.dir = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        for f in (Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)).iterdir():
+        src = Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)
+        for f in src.iterdir():
             if f.is_file() and f.name != SOURCE_NAME:
                 _place(f, self.dir / f.name)
         if self.speculative:  # ORT GenAI refuses model paths outside the target's folder: the draft goes inside
@@ -270,7 +271,7 @@ class LlamaCppTargetOnly(Peer):
                               capture_output=True)
         out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:
-            raise RuntimeError(f"{self.tool} exited with {proc.returncode}: " + " | ".join(err.strip().splitlines()[-5:]))
+            raise RuntimeError(f"{self.tool} exited with {proc.returncode}: {' | '.join(err.splitlines()[-5:])}")
         if not k:
             t, (gen, eos) = parse_timings(err, False), generated_text(out, None)
             decode_s, counted = t.decode_s, t.decoded_tokens

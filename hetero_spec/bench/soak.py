@@ -23,15 +23,14 @@ from .harness import BenchError, table, write_report
 from .memory import status_mb
 
 HOST, GROWTH_LIMIT, TIMEOUT_S = "127.0.0.1", 0.10, 600.0  # the first start may export a model
-PROMPTS = ["def parse(", "import os\n", "class Stack:", "def read_lines(filename):", "for i in range(",
+PROMPTS = ["def parse(", "import os\n", "class Stack:", "def read_lines(filename):", "for i in range(", "try:\n    ",
            "from typing import", "def __init__(self,", "if __name__ == \"__main__\":", "with open(path) as f:",
-           "try:\n    ", "def fib(n):", "import json\n\ndef load(", "class Node:\n    def __init__(", "return sorted(",
-           "while True:\n    ", "def main(argv):"]
+           "def fib(n):", "import json\n\ndef load(", "class Node:\n    def __init__(", "return sorted(",
+           "def main(argv):", "while True:\n    "]
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: float = TIMEOUT_S) -> None:
-    """Poll GET /health until it answers 200; a BenchError with the log's end when the server exits or the
-    time is up."""
+    """Poll GET /health until it answers 200; a BenchError with the log's end if the server exits or times out."""
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -59,8 +58,7 @@ def _request(port: int, method: str, path: str, body: dict | None = None, timeou
 
 
 def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tuple[str, dict]:
-    """A streaming completion read as server-sent events: (the text, the usage). RuntimeError on an HTTP error,
-    an error event or no `data: [DONE]`."""
+    """A streaming completion's (text, usage); RuntimeError on an HTTP error, an error event, no `data: [DONE]`."""
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
@@ -186,7 +184,8 @@ def render(report: dict[str, Any]) -> str:
             ("tokens/s", f"{report['tokens_per_s']:.1f}"), ("wall (s)", f"{report['wall_s']:.1f}"),
             (f"RSS after warm-up ({report['warmup_s']:g} s) (MB)", mb(report["rss_after_warmup_mb"])),
             ("RSS max after warm-up (MB)", mb(report["rss_max_after_warmup_mb"])),
-            ("RSS at the end (MB)", mb(report["rss_end_mb"])), ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
+            ("RSS at the end (MB)", mb(report["rss_end_mb"])),
+            ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
             (f"RSS flat (<= {report['rss_growth_limit'] * 100:.0f} %)", "yes" if report["flat"] else "no"),
             ("goal met", "yes" if report["goal_met"] else "no")]
     lines = [f"# hetero-spec soak: {report['streams']} streams for {report['duration_s']:g} s, "
