@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/hetero-spec generate --config configs/cpu-demo-pipelined.yaml --prompt "$(PROMPT)" --max-new-tokens 96
-	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec,hetero_spec_onnx_pipelined,ort_genai_spec,ort_genai_spec_all_cores
+	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --quick --out bench-out/demo --systems target_only,hetero_spec,hetero_spec_two_process,ort_genai_target_only,ort_genai_spec
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import asyncio
 import logging
 import queue
 import secrets
-import statistics
 import threading
 import time
 import weakref
@@ -159,16 +157,15 @@ class Engine:
         #: "switches" lists the re-placements made once the draft's acceptance was known (_replace)
         self.placement: dict[str, Any] = {}
         self._auto_config = config if config.runtime.mode == "auto" or config.runtime.cpus == "auto" else None
-        self._tested_at_switch = 0.0
-        self._observed: dict[Any, list[float]] = {}  # Layout -> decoding goodputs of its last requests
-        self._last_drafted: int | None = None  # draft tokens of the last finished request (re-placement)
+        self._replacer = None  # runtime.mode / runtime.cpus auto: tuning/placement.Replacer
         self._progress_at = time.monotonic()  # the request loop's last sign of life (health while busy)
         if self._auto_config is not None:
-            from .tuning.placement import resolve
+            from .tuning.placement import Replacer, resolve
 
             config, self.placement = resolve(config, self.tuning.prior_acceptance)
             self._seed_tuning()
             self.placement["switches"] = []
+            self._replacer = Replacer(self._auto_config, self.placement)
         # Held by the scheduler's loop for each round: health probes the models only when it can take it
         self.lock = threading.Lock()
         # Held while a re-placement swaps the models: a caller validating a request waits for the new target
@@ -226,12 +223,8 @@ class Engine:
                                      else "in_process", self.target.batch_blocks, config.serving.mode)
         self.source = self._parts["source"] = self._make_source(config)
 
-    #: tested draft tokens before the acceptance may move the placement, and the predicted gain it needs
-    REPLACE_MIN_TESTED = 16
-    REPLACE_GAIN = 1.10
     #: a request decoded alone, with at least this many new tokens, tells the placement the layout's real goodput
     OBSERVE_MIN_TOKENS = 16
-    OBSERVE_LAST = 3  # a layout's observed goodput: the median of its last few requests
 
     # -- what the scheduler's loop calls ------------------------------------------------------------------
     def heartbeat(self) -> None:
@@ -258,54 +251,23 @@ class Engine:
         return self._scheduler.wait_idle(timeout_s)
 
     def request_done(self, stats: Stats, batched: bool) -> None:
-        """A finished request's decoding goodput (new tokens over the time after its prefill), kept per layout for
-        the re-placement (tuning/placement.replacement). Requests that shared rounds say little about one layout."""
-        self._last_drafted = stats.drafted
-        if self._auto_config is None or batched or stats.new_tokens < self.OBSERVE_MIN_TOKENS:
-            return
-        seconds = stats.time_total_s - stats.time_prefill_s
-        if seconds <= 0 or "chosen" not in self.placement:
-            return
-        from .tuning.placement import Layout
-
-        runs = self._observed.setdefault(Layout(**self.placement["chosen"]), [])
-        runs.append(stats.new_tokens / seconds)
-        del runs[:-self.OBSERVE_LAST]
+        """A finished request: what the re-placement learns from it (tuning/placement.Replacer)."""
+        if self._replacer is not None:
+            self._replacer.observe(stats.new_tokens, stats.time_total_s - stats.time_prefill_s, stats.drafted,
+                                   batched, self.OBSERVE_MIN_TOKENS)
 
     def _maybe_replace(self) -> None:
-        """Placement by measurement, continued: the first choice assumed an acceptance (the profile's, or the
-        prior). Once the draft's acceptance is measured, a layout predicted REPLACE_GAIN x faster replaces the
-        current one between requests (a draft that never agrees ends with the target alone on every core).
-        The learned verify line belongs to the old thread count, so it starts afresh; acceptance is kept."""
-        if self._auto_config is None or self.placement.get("costs") is None:
+        """Apply the layout the placement asks for, between requests. The learned verify line belongs to the old
+        thread count, so it starts afresh; acceptance is kept. A layout that will not start: back to the old."""
+        if self._replacer is None:
             return
-        # two processes, and the last request drafted nothing: the target is decoding alone, on fewer cores
-        gate_off = self.config.runtime.mode == "two_process" and self._last_drafted == 0
+        move = self._replacer.decide(self.config.runtime.mode, self.tuning.acceptance.tested,
+                                     self.tuning.global_acceptance())
+        if move is None:
+            return
+        best, why, rows = move
         from .tuning import placement as pl
 
-        costs = pl.Costs.from_dict(self.placement["costs"])
-        a = self.tuning.global_acceptance()
-        now = pl.Layout(**self.placement["chosen"])
-        if now.target_threads not in costs.verify or now.draft_threads not in costs.draft_token_s:
-            return
-        g_now, rate_now = pl.predict(costs, now, a)
-        # a draft worker holds cores, and at this acceptance gamma auto drafts nothing (so no more tokens will be
-        # tested; waiting for REPLACE_MIN_TESTED of them would keep the target on its share of cores for good)
-        idle_worker = now.mode == "two_process" and g_now == 0
-        if (self.tuning.acceptance.tested - self._tested_at_switch < self.REPLACE_MIN_TESTED and not gate_off
-                and not idle_worker and now not in self._observed):
-            return
-        layouts = [lay for lay in pl.candidates(self._auto_config, pl.allowed_cpus())
-                   if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s]
-        if not layouts:
-            return
-        observed = {lay: statistics.median(r) for lay, r in self._observed.items() if r}
-        best, why, stale = pl.replacement(costs, layouts, now, a, observed, self.REPLACE_GAIN, gate_off)
-        if stale:
-            self._drop_stale_costs(now, observed[now], pl.predict(costs, now, a)[1])
-        if best is None:
-            return
-        _, rows = pl.choose(costs, layouts, a)
         log.info("placement: switching layout; %s", why)
         old = self.config
         self._teardown()  # the old target goes first: never two targets in memory
@@ -313,26 +275,13 @@ class Engine:
         try:
             self._build(pl.apply(self._auto_config, best))
         except Exception:  # the new layout would not start: back to the one that ran
-            log.exception("placement: %s failed to start; keeping %s", best.label(), now.label())
+            log.exception("placement: %s failed to start; keeping the layout that ran", best.label())
             self._teardown()
             self._build(old)
             self._seed_tuning()
             return
-        self._tested_at_switch = self.tuning.acceptance.tested
-        self.placement["switches"].append({"from": self.placement["chosen"], "to": dataclasses.asdict(best),
-                                           "why": why})
-        self.placement.update(chosen=dataclasses.asdict(best), candidates=rows)
+        self._replacer.switched(best, why, rows, self.tuning.acceptance.tested)
         self._seed_tuning()
-
-    def _drop_stale_costs(self, now, observed: float, predicted: float) -> None:
-        """The layout decodes far below its prediction: the cached measurement was made under other conditions
-        (another job on the machine, say). Drop it, so the next Engine measures again instead of keeping it."""
-        path = self.placement.get("cache_file")
-        if path and Path(path).is_file():
-            Path(path).unlink(missing_ok=True)
-            log.info("placement: %s decodes at %.1f tok/s against %.1f predicted; dropped the cached "
-                     "measurement %s", now.label(), observed, predicted, path)
-            self.placement["cache_dropped"] = path
 
     def _seed_tuning(self) -> None:
         """The placement measured the chosen layout's costs: gamma auto starts from them (no exploration)."""

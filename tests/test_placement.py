@@ -152,7 +152,7 @@ def test_demo_config_end_to_end(monkeypatch, tmp_path):
 def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tmp_path, llama_target,
                                                                   llama_random_onnx):
     """The first placement assumed the profile's acceptance (0.9: two processes pay). The random draft is never
-    accepted; once that is measured (or the gate has turned speculation off for a whole request), the Engine
+    accepted; once that is measured (or speculation has been off for a whole request), the Engine
     re-places itself between requests: in process, every core for the target (gamma auto then picks 0).
     Outputs stay identical to the target alone, before and after."""
     from tests.fixtures.memworker import FixedController
@@ -207,7 +207,7 @@ def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkey
     target = {"model": str(llama_target), "dtype": "float32", "device": "cpu"}
     cfg = {"target": target, "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
            "speculation": {"gamma": 4, "profile": str(prof)},
-           # the gate held on: on a loaded machine a slow transfer could turn it off and move the layout back
+           # gamma 4 fixed: the controller cannot turn speculation off and move the layout back
            "runtime": {"mode": "auto", "cpus": "auto", "heartbeat_s": 120.0}}
     with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
         refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
@@ -270,7 +270,7 @@ def test_the_engine_leaves_a_layout_it_observes_to_be_slow_and_drops_the_cached_
         assert cache and json.loads(open(cache).read())["corun"]  # two processes were measured side by side
         eng.request_done(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=True)
         eng.request_done(Stats(new_tokens=8, time_total_s=20.0, time_prefill_s=4.0), batched=False)
-        assert eng._observed == {}  # batched, or too short: no observation
+        assert eng._replacer.observed == {}  # batched, or too short: no observation
         eng.request_done(Stats(new_tokens=32, time_total_s=20.0, time_prefill_s=4.0), batched=False)  # 2 tok/s
         eng.between_requests()
         sw = eng.placement["switches"]

@@ -345,7 +345,7 @@ STALE_SHARE = 0.7
 
 
 def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: float,
-                observed: dict[Layout, float], gain: float, gate_off: bool = False
+                observed: dict[Layout, float], gain: float, spec_off: bool = False
                 ) -> tuple[Layout | None, str, bool]:
     """(the layout to move to or None, why, whether the costs look stale) between requests.
 
@@ -359,13 +359,85 @@ def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: fl
         return predict(costs, lay, acceptance)[1], "predicted"
 
     rate_now, how_now = rate(now)
-    if gate_off and now not in observed:  # what runs now is the target alone
-        rate_now, how_now = 1.0 / costs.model(now).verify(0), "predicted, gate off"
+    if spec_off and now not in observed:  # what runs now is the target alone
+        rate_now, how_now = 1.0 / costs.model(now).verify(0), "predicted, speculation off"
     best = max(layouts, key=lambda lay: rate(lay)[0])
     rate_best, how_best = rate(best)
     stale = now in observed and observed[now] < STALE_SHARE * predict(costs, now, acceptance)[1]
     if best == now or rate_best < gain * rate_now:
         return None, "", stale
-    why = (f"measured acceptance {acceptance:.3f}{' and the gate off' if gate_off else ''}: {best.label()} "
+    why = (f"measured acceptance {acceptance:.3f}{' and speculation off' if spec_off else ''}: {best.label()} "
            f"{rate_best:.1f} tok/s ({how_best}) against {rate_now:.1f} ({how_now}) for {now.label()}")
     return best, why, stale
+
+
+class Replacer:
+    """Placement by measurement, continued, between requests. The first choice assumed an acceptance (the
+    profile's, or the prior). Once the draft's acceptance is measured, or a request decoded alone shows a layout's
+    real goodput, a layout predicted (or observed) `gain` x faster is returned for the Engine to apply (a draft
+    that never agrees ends with the target alone on every core)."""
+
+    MIN_TESTED = 16  # tested draft tokens since the last switch before the acceptance may move the placement
+    GAIN = 1.10
+    OBSERVE_MIN_TOKENS = 16  # a request decoded alone with at least this many tokens shows its layout's goodput
+    OBSERVE_LAST = 3  # a layout's observed goodput: the median of its last few requests
+
+    def __init__(self, config, placement: dict[str, Any]):
+        self.config, self.placement = config, placement  # the auto config, and the Engine's placement record
+        self.observed: dict[Layout, list[float]] = {}
+        self.tested_at_switch = 0.0
+        self.last_drafted: int | None = None
+
+    def observe(self, new_tokens: int, decode_s: float, drafted: int, batched: bool, min_tokens: int) -> None:
+        """A finished request: its decoding goodput, kept per layout (requests that shared rounds say little)."""
+        self.last_drafted = drafted
+        if batched or new_tokens < min_tokens or decode_s <= 0 or "chosen" not in self.placement:
+            return
+        runs = self.observed.setdefault(Layout(**self.placement["chosen"]), [])
+        runs.append(new_tokens / decode_s)
+        del runs[:-self.OBSERVE_LAST]
+
+    def decide(self, mode_now: str, tested: float, acceptance: float) -> tuple[Layout, str, list] | None:
+        """(the layout to move to, why, every candidate's prediction), or None to stay."""
+        import statistics
+
+        if self.placement.get("costs") is None:
+            return None
+        costs = Costs.from_dict(self.placement["costs"])
+        now = Layout(**self.placement["chosen"])
+        if now.target_threads not in costs.verify or now.draft_threads not in costs.draft_token_s:
+            return None
+        # two processes, and the last request drafted nothing: the target is decoding alone, on fewer cores
+        spec_off = mode_now == "two_process" and self.last_drafted == 0
+        # a draft worker holds cores, and at this acceptance gamma auto drafts nothing (so no more tokens will be
+        # tested; waiting for MIN_TESTED of them would keep the target on its share of cores for good)
+        idle_worker = now.mode == "two_process" and predict(costs, now, acceptance)[0] == 0
+        if (tested - self.tested_at_switch < self.MIN_TESTED and not spec_off and not idle_worker
+                and now not in self.observed):
+            return None
+        layouts = [lay for lay in candidates(self.config, allowed_cpus())
+                   if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s]
+        if not layouts:
+            return None
+        observed = {lay: statistics.median(r) for lay, r in self.observed.items() if r}
+        best, why, stale = replacement(costs, layouts, now, acceptance, observed, self.GAIN, spec_off)
+        if stale:
+            self._drop_stale_costs(now, observed[now], predict(costs, now, acceptance)[1])
+        if best is None:
+            return None
+        return best, why, choose(costs, layouts, acceptance)[1]
+
+    def switched(self, best: Layout, why: str, rows: list, tested: float) -> None:
+        self.tested_at_switch = tested
+        self.placement["switches"].append({"from": self.placement["chosen"], "to": asdict(best), "why": why})
+        self.placement.update(chosen=asdict(best), candidates=rows)
+
+    def _drop_stale_costs(self, now: Layout, observed: float, predicted: float) -> None:
+        """The layout decodes far below its prediction: the cached measurement was made under other conditions
+        (another job on the machine, say). Drop it, so the next Engine measures again instead of keeping it."""
+        path = self.placement.get("cache_file")
+        if path and Path(path).is_file():
+            Path(path).unlink(missing_ok=True)
+            log.info("placement: %s decodes at %.1f tok/s against %.1f predicted; dropped the cached "
+                     "measurement %s", now.label(), observed, predicted, path)
+            self.placement["cache_dropped"] = path
