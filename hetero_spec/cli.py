@@ -132,7 +132,7 @@ def _add_serve(sub) -> None:
                                    "POST /v1/chat/completions (when the tokenizer has a chat template), GET "
                                    "/v1/models, GET /health (probes the target and the draft worker; 503 when "
                                    "either is down or hung) and GET /metrics (Prometheus). Streaming is "
-                                   "server-sent events (stream: true). Requests take turns on the Engine. "
+                                   "server-sent events (stream: true). Requests are batched by the Engine. "
                                    "Binds loopback unless --host says otherwise.",
                        epilog="examples:\n"
                               "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"

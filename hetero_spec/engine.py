@@ -128,8 +128,8 @@ class Detokenizer:
 class Engine:
     """Speculative decoding engine: a target (PyTorch or ONNX Runtime backend) verifying proposals of a draft.
 
-    Thread-safe: `generate`/`stream` may be called from many threads; requests queue and run one at
-    a time. `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
+    Thread-safe: `generate`/`stream` may be called from many threads; requests queue and are decoded
+    together (serving.max_batch). `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
     """
 
     def __init__(self, config: Config, controller=None):
@@ -451,7 +451,7 @@ class Engine:
             t = time.perf_counter()
             state = self.target.new_state()
             try:
-                self.target.forward(state, [0])
+                self.target.verify(state, 0, [], True)  # a one-token pass on an empty cache
             finally:
                 self.target.release_state(state)
             return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),

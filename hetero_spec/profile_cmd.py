@@ -20,9 +20,11 @@ from .tuning.profile import (median_s, batch_points, decoder_token_s, recommende
 def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of the Engine's onnx draft (0.0 for a lookup or none)."""
     from .draft.onnx_drafter import OnnxDrafter
+    from .draft.source import LocalSource
 
-    p = getattr(eng.source, "proposer", None)
-    return decoder_token_s(p.decoder, prompt, reps) if isinstance(p, OnnxDrafter) else 0.0
+    if isinstance(eng.source, LocalSource) and isinstance(eng.source.proposer, OnnxDrafter):
+        return decoder_token_s(eng.source.proposer.decoder, prompt, reps)
+    return 0.0
 
 
 def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:

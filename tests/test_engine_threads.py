@@ -1,5 +1,5 @@
 """A thread-safe Engine: generate/stream from several threads at once; requests go to the request scheduler
-(decoded together in process, one at a time in two processes), and each output equals its sequential run.
+(decoded together, in process and in two processes), and each output equals its sequential run.
 health() during a request does not disturb it."""
 
 from __future__ import annotations

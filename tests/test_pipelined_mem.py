@@ -2,8 +2,7 @@
 in-memory channels (tests/fixtures/memworker.py) with a ticking clock. No second process, no threads
 in the data path, no wall-clock outcomes: every count asserted here is a pure function of the inputs.
 
-Covers: identity; branches taken on the demo pair; the worker dying in every state (speculating, off,
-probing; during Begin; during a branch; mid-block) with identical output and a restart; a fuzz of 1000
+Covers: identity; branches taken on the demo pair; the worker dying in every state (speculating, off; during Begin; during a branch; mid-block) with identical output and a restart; a fuzz of 1000
 malformed frames, all dropped and counted, with identical output.
 """
 
@@ -217,7 +216,7 @@ def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llam
 # -- one worker, several requests taking turns --------------------------------------------------------
 def test_requests_batched_on_one_worker_with_joins_and_a_cancel(monkeypatch, llama_target, llama_copy_onnx):
     """Four requests start together (fixed gammas 1-4 and auto, greedy and seeded sampling), a fifth joins after
-    the first's 2nd round, the third is cancelled after its 3rd: they take turns, a round each, and the one worker
+    the first's 2nd round, the third is cancelled after its 3rd: they run as one batch, and the one worker
     drafts for all of them (a stream each, with its own epochs). Each output equals its solo run; every stream
     is closed at the end."""
     from tests.test_batch import PROMPTS as BATCH_PROMPTS

@@ -124,7 +124,7 @@ class StreamBuffer:
         self.redrafting = True
 
     def shadow(self, ids: list[int]) -> tuple[int, int]:
-        """While the target decodes alone (gate off, probing): compare the stream's tokens with the committed
+        """While the target decodes alone (speculation off): compare the stream's tokens with the committed
         ones they cover, as a verification would have, for free; (tested, accepted) as `Acceptance.observe`
         counts them (greedy and coupled requests, where acceptance is token equality). The compared part is
         dropped; a mismatch drops the stream (the worker re-bases on the Sync, one epoch on)."""
@@ -181,7 +181,7 @@ class DraftLink:
 
     Every exchange with the worker goes through `_worker` (which (re)starts the request on a new
     worker) and `_send` (which treats a failed send as a possible death). Whatever state the request
-    is in (speculating, gate off, probing, mid-Begin, mid-branch), a dead worker only sets `self.w` to
+    is in (speculating, off, mid-Begin, mid-branch), a dead worker only sets `self.w` to
     None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,

@@ -89,7 +89,7 @@ class CostModel:
 
     def best_gamma(self, a: float, layout: str, g_max: int = 16, a_first: float | None = None) -> tuple[int, float]:
         """(gamma in 0..g_max with the highest predicted goodput, that goodput); 0 means do not speculate; the
-        smallest gamma among equals. Asked every round (gamma auto, the gate, draft selection), so goodput's
+        smallest gamma among equals. Asked every round (gamma auto, the batch plan, draft selection), so goodput's
         formulas are inlined here, term for term (the same floats; tests compare it with `goodput`)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
