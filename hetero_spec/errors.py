@@ -38,6 +38,10 @@ class EngineClosedError(HeteroSpecError):
     """A request reached an Engine after close()."""
 
 
+class BenchError(HeteroSpecError):
+    """`hetero-spec bench` cannot run as asked; the message names the bad value."""
+
+
 class QueueFullError(HeteroSpecError):
     """serving.max_waiting requests already wait for a place in the batch: try again later."""
 

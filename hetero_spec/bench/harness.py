@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import Config, load_config
 from ..preflight import check_paths
-from ..errors import HeteroSpecError
+from ..errors import BenchError
 
 REFERENCE, SAMPLED_REFERENCE = "target_only", "hetero_spec_target_only"
 DEFAULT_PROMPTS, DEFAULT_MAX_NEW, QUICK_PROMPTS, QUICK_MAX_NEW = 12, 128, 4, 64
@@ -28,10 +28,6 @@ DEFAULT_PROMPT_TOKENS, WARMUP_TOKENS, SEED = 128, 16, 0
 DEFAULT_GAMMAS = (4, 6, 8, 10, 12)
 PRECISIONS = ("fp32", "int8", "int4")
 CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}  # every system computes in fp32 on the CPU
-
-
-class BenchError(HeteroSpecError):
-    """The benchmark cannot run as asked; the message names the bad value."""
 
 
 @dataclass
@@ -350,7 +346,6 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     from ..gguf_source import resolve as resolve_gguf
     from ..precision import resolve_draft
     from .memory import child_peaks, memory_report
-    from .peers import gguf_of
 
     s, names = settings, resolve_systems(settings.systems, settings.temperature)
     base = {**s.overrides, **({"speculation.sampling": s.sampling} if s.sampling else {}), **CPU_FP32}
@@ -490,3 +485,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines + ["", f"Peak memory (RSS high-water mark): bench process "
                                   f"{report['memory']['peak_rss_mb']:,.0f} MB (every system in it, loaded together); "
                                   f"child processes, each its own peak: {kids}."]) + "\n"
+
+
+def gguf_of(model: Path | None) -> Path | None:
+    """The GGUF a model is: a .gguf file, or a directory's only .gguf."""
+    if model is None or not (model := Path(model)).exists():
+        return None
+    found = [model] if model.suffix == ".gguf" else sorted(model.glob("*.gguf")) if model.is_dir() else []
+    return found[0] if len(found) == 1 else None

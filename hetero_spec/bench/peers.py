@@ -18,7 +18,7 @@ from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
-from .harness import SEED, WARMUP_TOKENS, BenchContext, RunOutput, System, cores, tune
+from .harness import SEED, WARMUP_TOKENS, BenchContext, RunOutput, System, cores, gguf_of, tune  # noqa: F401
 
 COMPLETION, SPECULATIVE = "llama-completion", "llama-speculative-simple"
 CTX_MARGIN = 64  # llama.cpp's context beyond prompt + max_new: its tokenization may differ a little
@@ -211,14 +211,6 @@ def llama_args(bin_dir: Path, target: Path, prompt_file: Path, max_new: int, thr
         return [str(Path(bin_dir) / COMPLETION), "-m", str(target), *common, "-no-cnv", "--no-display-prompt"]
     return [str(Path(bin_dir) / SPECULATIVE), "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple",
             "--spec-draft-n-max", str(n_max), *common, "-td", str(threads), "-tbd", str(threads)]
-
-
-def gguf_of(model: Path | None) -> Path | None:
-    """The GGUF a model is: a .gguf file, or a directory's only .gguf."""
-    if model is None or not (model := Path(model)).exists():
-        return None
-    found = [model] if model.suffix == ".gguf" else sorted(model.glob("*.gguf")) if model.is_dir() else []
-    return found[0] if len(found) == 1 else None
 
 
 def generated_text(stdout: str, prompt_text: str | None) -> tuple[str, bool]:

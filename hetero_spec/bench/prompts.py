@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 from ..config import Config
-from .harness import BenchError
+from ..errors import BenchError
 
 
 def load_tokenizer(model: Path):
