@@ -64,7 +64,6 @@ def test_configuration_md_documents_every_field():
 
     from hetero_spec.config import Config
 
-    ref = _load_config_reference()
     text = (DOCS / "configuration.md").read_text()
 
     def walk(model: type[BaseModel], prefix: str):

@@ -27,17 +27,14 @@ uses it.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from ..errors import ConfigError
-from .cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
 from .controller import Tuning
+from .cost_model import CostModel
 
 
 def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
