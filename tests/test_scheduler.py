@@ -147,3 +147,15 @@ def test_a_sync_for_a_stream_the_worker_does_not_have_is_counted():
     w = Worker(ch, Drafter(), parent_pid=1)
     w.handle(Sync(req_id=7, pos=3, epoch=0), [np.asarray([1, 2], np.int32)])
     assert ch.dropped == 1 and "request 7" in ch.why[0]
+
+
+def test_acceptance_has_one_definition_also_for_rounds_cut_short(llama_target, llama_copy_onnx):
+    """A round cut short by max_new_tokens tests only the drafts it verified: the copy draft (always accepted) has
+    acceptance 1.0 in the stats and in the profile's calibration, whatever max_new_tokens leaves of a block."""
+    from hetero_spec.profile_cmd import _acceptance
+
+    with Engine.from_config(_cfg(llama_target, llama_copy_onnx)) as eng:
+        out = eng.generate(PROMPTS[0], max_new_tokens=11, gamma=8)  # rounds of 8 drafts, the last one cut to 1
+        assert out.stats["tested"] == out.stats["accepted"] == out.stats["drafted"] > 0
+        a, info = _acceptance(eng, PROMPTS[:2], max_new=11, gamma=8)
+    assert a == 1.0 and info["rejections"] == 0
