@@ -89,6 +89,8 @@ def main() -> None:
         real = dec.session
         with tempfile.TemporaryDirectory() as tmp:
             dec.session = _profiled_session(a.model, a.threads, str(Path(tmp) / "p"))
+            state = dec.new_state()  # a state's binding belongs to the session it was made with
+            dec.append(state, prompt)
             splits = {}
             for k in ks:
                 block = rng.integers(100, 20000, k + 1).tolist()
@@ -98,7 +100,7 @@ def main() -> None:
             path = Path(dec.session.end_profiling())
             events = json.loads(path.read_text())
             # one profile for all k: split it back by run (each run is a "model_run" event, in order)
-            runs = [e for e in events if e.get("name") == "model_run"]
+            runs = [e for e in events if e.get("name") == "model_run"][1:]  # after the prompt's
             for i, k in enumerate(ks):
                 window = runs[3 * i:3 * i + 3]
                 t0, t1 = window[0]["ts"], window[-1]["ts"] + window[-1]["dur"]
