@@ -349,8 +349,7 @@ class Engine:
             return cands["onnx"]
         from .draft.source import SelectingSource
 
-        return SelectingSource({k: c for k, c in cands.items() if c is not None}, self.tuning.model,
-                               prior_acceptance=self.tuning.prior_acceptance,
+        return SelectingSource({k: c for k, c in cands.items() if c is not None}, self.controller.selection,
                                names=[n for n in d.candidates if n in cands])
 
     def _local(self, config: Config, kind: str, slots: int):

@@ -234,3 +234,32 @@ def test_draft_distributions_from_the_wire_are_checked(bad, why):
     ch.inbox.append(_proposal(link, clk, 0, 3, [1, 2], good))
     draft = link.gather([5, 6, 7], 2, 0.0)
     assert draft.ids == [1, 2] and draft.probs.shape == (2, 100)
+
+
+def test_draft_selection_re_probes_on_the_controllers_one_schedule():
+    """A strategy left unchosen is re-probed after Tuning.probe_every rounds, the period gamma probes use; a
+    re-probe that gets nothing accepted doubles it for both, one that gets a token accepted resets it."""
+    from hetero_spec.draft.base import DraftCosts
+
+    t = _tuned(0.5)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    sel = ctl.selection(["onnx", "ngram"], {"onnx": "in_process", "ngram": "in_process"},
+                        {"onnx": lambda: DraftCosts(0.0006), "ngram": lambda: DraftCosts(1e-6)})
+    for _ in range(4):  # each strategy explored twice
+        name = sel.choose(8)[0]
+        assert sel.reason.startswith("exploring")
+        sel.observe_round(name, 4, 4 if name == "onnx" else 0)
+    reprobes = []
+    for r in range(600):
+        name, g = sel.choose(8)
+        if sel.reason.startswith("re-probing"):
+            reprobes.append((r, name))
+        if name:
+            sel.observe_round(name, g, g if name == "onnx" else 0)  # the n-gram never agrees
+    assert reprobes and all(n == "ngram" for _, n in reprobes)
+    gaps = [b - a for (a, _), (b, _) in zip(reprobes, reprobes[1:])]
+    assert gaps[0] < gaps[1] < gaps[2] and t.probe_every > PROBE_EVERY  # doubled by the failed re-probes
+    name = sel.choose(8)[0]
+    sel._probing = "ngram"  # a re-probe that hits
+    sel.observe_round("ngram", 3, 2)
+    assert t.probe_every == PROBE_EVERY

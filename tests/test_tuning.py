@@ -277,11 +277,11 @@ def test_draft_selection_is_lossless_and_prefers_what_pays(llama_target, llama_r
 
 def _chooser(model, costs, layouts=None):
     from hetero_spec.draft.base import DraftCosts
-    from hetero_spec.draft.select import StrategyChooser
+    from hetero_spec.tuning.controller import StrategyChooser
 
     fns = {n: (lambda n=n: costs[n] if isinstance(costs[n], DraftCosts) else DraftCosts(costs[n])) for n in costs}
-    ch = StrategyChooser(list(costs), lambda: model, layouts or {n: "in_process" for n in costs}, fns,
-                         explore_rounds=0)
+    ch = StrategyChooser(list(costs), Tuning(profile=model), layouts or {n: "in_process" for n in costs}, fns,
+                         prior_acceptance=0.5, explore_rounds=0)
     for st in ch.stats.values():
         st.last_round = 10 ** 6  # not stale
     ch._round = 10 ** 6
@@ -340,8 +340,11 @@ def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     sel.layouts["onnx"] = "two_process"
     assert sel.predict(model, "onnx", 8)[0] > dear
     # a model candidate next to a lookup feeds at most CATCHUP_SKIP tokens of the lookup's text; alone, all
+    from hetero_spec.tuning.controller import Controller
+
+    selection = Controller(Tuning(profile=model), "in_process", False).selection
     both = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx)), "ngram": LocalSource(NgramProposer())},
-                           lambda: model)
+                           selection)
     assert both.cands["onnx"].catchup_skip == CATCHUP_SKIP
-    alone = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx))}, lambda: model)
+    alone = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx))}, selection)
     assert alone.cands["onnx"].catchup_skip is None

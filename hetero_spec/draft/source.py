@@ -1,6 +1,7 @@
 """Draft sources in this process (draft/base.py has the interface): one proposer kind for every sequence, and
 the per-round selection among several sources (draft.candidates), which serves both layouts: its candidates may
-be local sources or the worker source (runtime/worker_source.py)."""
+be local sources or the worker source (runtime/worker_source.py). Which one drafts is the speculation
+controller's choice (tuning/controller.StrategyChooser), given to SelectingSource."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
 from .onnx_drafter import OnnxDrafter
-from .select import CATCHUP_SKIP, LOOKUPS, StrategyChooser
+from .select import CATCHUP_SKIP, LOOKUPS
 
 ALPHA = 0.2  # the moving average of the draft's cost per token
 PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
@@ -122,9 +123,9 @@ class SelectingSource:
     name = "select"
     chooses_gamma = True
 
-    def __init__(self, candidates: dict[str, DraftSource], model_fn, prior_acceptance: float = 0.5,
-                 names: list[str] | None = None):
-        """names: the strategies the choice is among (default: every candidate); a candidate left out (the worker
+    def __init__(self, candidates: dict[str, DraftSource], selection, names: list[str] | None = None):
+        """selection(names, layouts, cost_fns): the controller's chooser (tuning/controller.Controller.selection).
+        names: the strategies the choice is among (default: every candidate); a candidate left out (the worker
         when draft.candidates names only the n-gram lookup) still runs and hears every commit."""
         if not candidates:
             raise ValueError("draft selection needs at least one candidate")
@@ -136,9 +137,8 @@ class SelectingSource:
             for name, c in candidates.items():
                 if name not in LOOKUPS and isinstance(c, LocalSource):
                     c.catchup_skip = CATCHUP_SKIP
-        self.chooser = StrategyChooser(names, model_fn, prior_acceptance=prior_acceptance,
-                                       layouts={n: candidates[n].layout for n in names},
-                                       cost_fns={n: candidates[n].costs for n in names})
+        self.chooser = selection(names, {n: candidates[n].layout for n in names},
+                                 {n: candidates[n].costs for n in names})
         self._chosen: dict[int, tuple[str | None, int]] = {}
 
     def begin(self, seq: Seq) -> None:

@@ -20,16 +20,23 @@ cycle through a few short gammas (EXPLORE) so that the verify line gets distinct
 
 **One probe schedule:** after `Tuning.probe_every` rounds at gamma 0 (across streams), one round drafts
 PROBE_GAMMA tokens (acceptance may have risen). A probe that gets nothing accepted doubles the period (up to
-PROBE_EVERY_MAX), one that does resets it, so a useless draft costs almost nothing.
+PROBE_EVERY_MAX), one that does resets it, so a useless draft costs almost nothing. Draft selection
+(`draft.candidates`: `StrategyChooser`, below) re-probes a strategy left unchosen on the same period.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from ..draft.select import LOOKUPS
 from .cost_model import Acceptance, CostModel, expected_tokens, fit_line
 from .early_stop import ConfidenceStop
+
+if TYPE_CHECKING:
+    from ..draft.base import DraftCosts
 
 EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short: the draft may be useless)
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
@@ -352,6 +359,11 @@ class Controller:
         if rows > 1 and (self.batch_blocks or all_single):
             self.tuning.shared.observe(positions if self.batch_blocks else rows, seconds)
 
+    def selection(self, names: list[str], layouts: dict[str, str],
+                  cost_fns: dict[str, Callable[[], DraftCosts]]) -> StrategyChooser:
+        """The choice among draft strategies (draft.candidates), on this controller's costs and probe schedule."""
+        return StrategyChooser(names, self.tuning, layouts, cost_fns, prior_acceptance=self.tuning.prior_acceptance)
+
     def observe_shadow(self, tested: int, accepted: int) -> None:
         """Draft tokens the source compared with tokens the target decoded alone (tested as Acceptance counts
         them): they join the engine-wide acceptance, so a draft judged useless early can be judged again."""
@@ -371,3 +383,103 @@ class Controller:
 
     def early_stop_summary(self, sc: StreamControl) -> dict:
         return {**self.tuning.early_stop.summary(), "rounds_stopped_early": sc.stopped_early}
+
+
+@dataclass
+class StrategyStats:
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    rounds: int = 0
+    last_round: int = 0
+
+
+class StrategyChooser:
+    """The choice among named strategies (see the module docstring).
+
+    The costs are the engine's (tuning.model(): its verify line; None until known: candidates are cycled).
+    layouts[name] is the layout the strategy drafts in; cost_fns[name]() its measured costs (DraftSource.costs:
+    seconds per draft token, None until measured, and the catch-up per round). A strategy not chosen for
+    tuning.probe_every rounds is re-probed: the controller's one probe schedule (a failed re-probe doubles it)."""
+
+    def __init__(self, names: list[str], tuning: Tuning, layouts: dict[str, str],
+                 cost_fns: dict[str, Callable[[], DraftCosts]], prior_acceptance: float = 0.5,
+                 prior_weight: float = 8.0, explore_rounds: int = 2):
+        if not names:
+            raise ValueError("draft selection needs at least one candidate")
+        self.names, self.tuning = list(names), tuning
+        self.prior, self.weight = prior_acceptance, prior_weight
+        self.explore_rounds = explore_rounds
+        self.layouts, self.cost_fns = layouts, cost_fns
+        self.stats = {n: StrategyStats() for n in self.names}
+        self.reason = ""
+        self._round = 0
+        self._probing: str | None = None  # the strategy this round re-probes
+
+    def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
+        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup (n-gram) is right
+        in runs (a copy continues once it starts), so its acceptance is run-aware: the first token's rate, and
+        the rate after an accepted token (cost_model.expected_tokens)."""
+        acc = self.stats[name].acceptance
+        layout = self.layouts.get(name, "in_process")
+        c = self.cost_fns[name]()
+        m = CostModel(model.verify_fixed_s, model.verify_per_token_s,
+                      c.token_s if c.token_s is not None else model.draft_token_s, model.transfer_s,
+                      c.catchup_s if layout == "in_process" else 0.0)
+        if name in LOOKUPS:
+            g, rate = m.best_gamma(acc.next_rate(self.prior, self.weight), layout, g_max,
+                                   a_first=acc.first_rate(self.prior, self.weight))
+        else:
+            g, rate = m.best_gamma(acc.rate(self.prior, self.weight), layout, g_max)
+        return rate, g
+
+    def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
+        """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed,
+        `available` the strategies that can draft now (default: all)."""
+        self._round += 1
+        names = [n for n in self.names if available is None or n in available]
+        if not names or k <= 0:
+            self.reason = "none: no strategy can draft now"
+            return None, 0
+        unexplored = [n for n in names if self.stats[n].rounds < self.explore_rounds]
+        model = self.tuning.model()
+        self._probing = None
+        if unexplored or model is None:
+            name = unexplored[0] if unexplored else names[self._round % len(names)]
+            self.reason = f"exploring {name}" if unexplored else f"no cost model yet: cycling ({name})"
+            return name, k
+        stale = [n for n in names if self._round - self.stats[n].last_round >= self.tuning.probe_every]
+        if stale:
+            self.reason = f"re-probing {stale[0]} (every {self.tuning.probe_every} rounds)"
+            self._probing = stale[0]
+            return stale[0], k
+        preds = {n: self.predict(model, n, k) for n in names}
+        best = max(preds, key=lambda n: preds[n][0])
+        alone = 1.0 / model.verify(0)
+        rate, g = preds[best]
+        if g == 0 or rate <= alone:
+            self.reason = f"none: best {best} predicts {rate:.1f} tok/s <= target alone {alone:.1f}"
+            return None, 0
+        self.reason = f"{best}: predicts {rate:.1f} tok/s at gamma {g} (target alone {alone:.1f})"
+        return best, g
+
+    def observe_round(self, name: str, drafted: int, accepted: int) -> None:
+        """A round `name` drafted: its acceptance (drafted tokens, of which accepted)."""
+        st = self.stats[name]
+        st.rounds += 1
+        st.last_round = self._round
+        st.acceptance.observe(drafted, accepted)
+        if name == self._probing and drafted:  # the one probe schedule: a miss doubles it, a hit resets it
+            t = self.tuning
+            t.probe_every = PROBE_EVERY if accepted else min(PROBE_EVERY_MAX, 2 * t.probe_every)
+            self._probing = None
+
+    def summary(self) -> dict:
+        out = {}
+        for n, st in self.stats.items():
+            c, acc = self.cost_fns[n](), st.acceptance
+            out[n] = {"rounds": st.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
+                      "first_token_acceptance": round(acc.first_rate(self.prior, self.weight), 4),
+                      "acceptance_after_accepted": round(acc.next_rate(self.prior, self.weight), 4),
+                      "tested": acc.tested,
+                      "draft_ms_per_token": None if c.token_s is None else round(c.token_s * 1e3, 4),
+                      "catchup_ms_per_round": round(c.catchup_s * 1e3, 4)}
+        return {"strategies": out, "last_reason": self.reason}
