@@ -127,9 +127,9 @@ class DraftConfig(_Section):
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)
-    """Strategies chosen among each round by predicted goodput (draft/select.py), e.g. [onnx, ngram] (onnx
-    uses draft.model). two_process: the n-gram lookup runs on the target side while the worker keeps
-    drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in
+    """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g.
+    [onnx, ngram] (onnx uses draft.model). two_process: the n-gram lookup runs on the target side while the
+    worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in
     stats.extra.draft_selection."""
 
     @field_validator("prompt_window", mode="before")
