@@ -16,9 +16,6 @@ Two cache layouts, chosen per model:
   cost"): 25 % less per step at a 1000-token context.
 - copy (any other export or provider): past in, present out as fresh numpy arrays, as onnxruntime's plain
   `run` does; rolling back slices the past along its third axis.
-
-`fork` gives a second state that shares the first n positions' values but not their storage, so drafting
-a branch never disturbs the stream it branched from.
 """
 
 from __future__ import annotations
@@ -287,25 +284,6 @@ class OnnxDecoder:
             if not self.shared:
                 state.kv = [p[:, :, :n, :] for p in state.kv]
             state.n_past = n
-
-    def fork(self, state: DecoderState, n: int) -> DecoderState:
-        """A new state holding the first n cached positions of `state`, which later appends to either
-        never change in the other (copy layout: free slices of immutable arrays; shared: a copy)."""
-        if n > state.n_past:
-            raise ValueError(f"cannot fork at {n}; cache holds {state.n_past}")
-        new = DecoderState()
-        if not state.kv or n == 0:
-            return new
-        if not self.shared:
-            new.kv, new.n_past = [p[:, :, :n, :] for p in state.kv], n
-            return new
-        cap = max(n, min(max(self.initial_capacity, state.capacity), self.context_len))
-        kv = [np.zeros((1, self.kv_shape[1], cap, self.kv_shape[3]), dtype=self.kv_dtype) for _ in state.kv]
-        for dst, src in zip(kv, state.kv):
-            dst[:, :, :n] = src[:, :, :n]
-        self._bind(new, kv)
-        new.n_past = n
-        return new
 
     def fit_width(self, logits: np.ndarray) -> np.ndarray:
         """Make the logits as wide as vocab_width (-inf where the model has no column)."""

@@ -1,6 +1,6 @@
 """The shared ONNX decoder runner (onnx_decoder.py): the in-place shared-buffer layout computes exactly what
-the copy layout does through appends, rollbacks at every position of a block, buffer growth and forks, and so
-do its one-token steps, whose buffers stay bound; a fork never disturbs the state it came from."""
+the copy layout does through appends, rollbacks at every position of a block and buffer growth, and so
+do its one-token steps, whose buffers stay bound."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_builder_exports_declare_the_shared_layout(model_dir):
     assert OnnxDecoder(model_dir).layout == "shared"  # the default on the CPU provider
 
 
-def test_shared_layout_equals_copy_layout_through_growth_rollback_and_fork(model_dir):
+def test_shared_layout_equals_copy_layout_through_growth_and_rollback(model_dir):
     shared, copy = _pair(model_dir)
     rng = np.random.default_rng(0)
     s, c = shared.new_state(), copy.new_state()
@@ -45,21 +45,6 @@ def test_shared_layout_equals_copy_layout_through_growth_rollback_and_fork(model
                                    err_msg=f"step {step}")
         assert s.n_past == c.n_past
     assert s.capacity >= s.n_past > 16  # grew from 4 several times
-
-
-def test_fork_leaves_the_original_state_intact(model_dir):
-    for dec in _pair(model_dir):
-        a = dec.new_state()
-        dec.append(a, PROMPT)
-        b = dec.fork(a, 6)
-        dec.append(b, [70, 71, 72, 73, 74, 75, 76, 77])  # overwrites positions 6.. in b only
-        ref = dec.new_state()
-        dec.append(ref, PROMPT)
-        np.testing.assert_allclose(dec.append(a, [3, 4]), dec.append(ref, [3, 4]), rtol=1e-5, atol=1e-5)
-        alone = dec.new_state()
-        dec.append(alone, PROMPT[:6])
-        np.testing.assert_allclose(dec.append(b, [9]), dec.append(alone, [70, 71, 72, 73, 74, 75, 76, 77, 9])[-1:],
-                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
@@ -84,7 +69,7 @@ def test_rollback_after_a_rejection_at_every_position_of_a_block(model_dir, shar
 
 def test_one_token_steps_keep_their_buffers_bound_and_equal_the_copy_layout(model_dir):
     """One-token steps rewrite buffers bound once (DecoderState.step): through several-token runs (which rebind
-    those names), rewinds, buffer growth, a fork and a KV pool's growth, every step's logits equal the copy
+    those names), rewinds, buffer growth and a KV pool's growth, every step's logits equal the copy
     layout's, and logits already returned are never overwritten by a later step."""
     shared, copy = _pair(model_dir)
     pool = shared.new_pool(2)
@@ -115,10 +100,6 @@ def test_one_token_steps_keep_their_buffers_bound_and_equal_the_copy_layout(mode
     assert pool.capacity > 16  # the pool grew too (every slot rebound)
     for got, snapshot in kept:
         np.testing.assert_array_equal(got, snapshot)
-    forked = shared.fork(states[0], states[0].n_past - 2)
-    ref = copy.fork(refs[0], refs[0].n_past - 2)
-    assert forked.step is None
-    np.testing.assert_allclose(shared.append(forked, [3]), copy.append(ref, [3]), rtol=1e-5, atol=1e-5)
 
 
 class _CountingSession:

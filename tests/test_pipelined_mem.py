@@ -2,7 +2,8 @@
 in-memory channels (tests/fixtures/memworker.py) with a ticking clock. No second process, no threads
 in the data path, no wall-clock outcomes: every count asserted here is a pure function of the inputs.
 
-Covers: identity; branches taken on the demo pair; the worker dying in every state (speculating, off; during Begin; during a branch; mid-block) with identical output and a restart; a fuzz of 1000
+Covers: identity; corrections on the demo pair, repeated exactly; the worker dying in every state (speculating,
+off; during Begin; mid-block) with identical output and a restart; a fuzz of 1000
 malformed frames, all dropped and counted, with identical output.
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 from hetero_spec import Engine
 
-from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync
+from hetero_spec.transport.protocol import Begin, End, Proposal, Sync
 from tests.conftest import hf_greedy
 from tests.fixtures.fuzz import fuzz_frames
 from tests.fixtures.memworker import mem_engine, worker_of
@@ -108,11 +109,10 @@ def test_mem_coupled_sampling_equals_target_only_with_the_same_seed(monkeypatch,
                 assert out.stats["drafted"] > 0
 
 
-def test_demo_pair_takes_branches_deterministically(monkeypatch, demo_draft_int4):
-    """The shipped pair accepts most tokens but not all. The worker pre-drafts correction branches when
-    idle; a busy worker ("lazy": it runs only while the target waits) has not answered the target's
-    Sync when the target looks again, so the target takes the branch itself, and the worker adopts the
-    same one. The output is the target's own, and every count repeats exactly."""
+def test_demo_pair_corrections_repeat_exactly(monkeypatch, demo_draft_int4):
+    """The shipped pair accepts most tokens but not all; a busy worker ("lazy": it runs only while the target
+    waits) has not answered the target's Sync when the target looks again, so corrections meet stale streams.
+    The output is the target's own, and every count repeats exactly."""
     cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
            "draft": {"kind": "onnx", "model": str(demo_draft_int4)},
            "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6}}
@@ -123,14 +123,12 @@ def test_demo_pair_takes_branches_deterministically(monkeypatch, demo_draft_int4
     eng, launcher = mem_engine(monkeypatch, cfg, demo_draft_int4, schedule="lazy")
     with eng:
         a = eng.generate(ids, max_new_tokens=64, gamma=8)
-        worker_hits = launcher.workers[-1].worker.branch_hits
         b = eng.generate(ids, max_new_tokens=64, gamma=8)
     assert a.token_ids == hf_greedy(ROOT / "models/target", list(ids), 64)[:len(a.token_ids)]
     assert a.stats["rounds"] > a.stats["accept_hist"][-1]  # some blocks were corrected
-    assert a.stats["extra"]["branch_hits"] >= 1 and worker_hits >= a.stats["extra"]["branch_hits"]
     for key in ("rounds", "drafted", "accepted", "accept_hist"):  # deterministic, run to run
         assert a.stats[key] == b.stats[key]
-    assert a.stats["extra"]["branch_hits"] == b.stats["extra"]["branch_hits"]
+    assert a.stats["extra"]["stale_proposals"] == b.stats["extra"]["stale_proposals"]
 
 
 # -- the worker dies, in every state ------------------------------------------------------------------
@@ -171,25 +169,6 @@ def test_worker_death_in_every_state(monkeypatch, llama_target, llama_random_onn
         assert worker_of(eng).sup.current() is w and launcher.workers[-1].alive
 
 
-def test_worker_death_during_a_branch(monkeypatch, demo_draft_int4):
-    """The worker dies right after offering a correction branch (demo pair: branches are drafted)."""
-    cfg = {"target": {"model": str(ROOT / "models/target"), "dtype": "float32", "device": "cpu"},
-           "draft": {"kind": "onnx", "model": str(demo_draft_int4)},
-           "runtime": {"mode": "two_process", "pin_cpus": False, "heartbeat_s": 1e6, "restart_backoff_s": 0.01}}
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(ROOT / "models/target/tokenizer.json")).encode("import os\nimport sys\n").ids
-    eng, launcher = mem_engine(monkeypatch, cfg, demo_draft_int4)
-    with eng:
-        launcher.kill_when(lambda d, m: isinstance(m, Branch))
-        out = eng.generate(ids, max_new_tokens=48, gamma=8)
-        assert launcher.killed == [("to_target", "Branch")]
-        assert out.token_ids == hf_greedy(ROOT / "models/target", list(ids), 48)[:len(out.token_ids)]
-        assert len(out.token_ids) == 48 or out.finish_reason == "stop"
-        assert out.stats["extra"]["draft_failures"] == 1
-
-
-# -- fuzz ---------------------------------------------------------------------------------------------
 def test_fuzz_1000_frames_dropped_counted_and_output_identical(monkeypatch, llama_target, llama_copy_onnx):
     eng, launcher = mem_engine(monkeypatch, _cfg(llama_target, llama_copy_onnx), llama_copy_onnx)
     ref = hf_greedy(llama_target, PROMPT, 30)

@@ -1,6 +1,6 @@
 """Two-process runtime with real worker processes: identity, crash recovery without orphans (with the
 controller held on or off), garbage frames, clean shutdown. Nothing here asserts a wall-clock outcome: the
-deterministic protocol tests (overlap, branches, every death state, fuzz) are in test_pipelined_mem.py,
+deterministic protocol tests (overlap, corrections, every death state, fuzz) are in test_pipelined_mem.py,
 the controller's decisions in test_controller.py, and speed in `hetero-spec bench`."""
 
 from __future__ import annotations

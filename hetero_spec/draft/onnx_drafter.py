@@ -1,6 +1,6 @@
 """Draft model: a builder-exported decoder (`hetero-spec export`) run by the shared `OnnxDecoder`
 (onnx_decoder.py), with the stream logic of the proposer on top: propose/commit in process, and
-extend/truncate/branch/adopt for the pipelined worker. Never imports torch.
+extend/truncate for the pipelined worker. Never imports torch.
 """
 
 from __future__ import annotations
@@ -19,17 +19,6 @@ from .base import Draft
 
 log = logging.getLogger(__name__)
 
-
-
-def _alternatives(logits: np.ndarray, top: int) -> tuple[float, tuple[int, int]]:
-    """The draft's top-1 probability and its 2nd and 3rd choices, for branch pre-drafting."""
-    rest = logits.copy()  # three argmax passes beat argpartition on a vocabulary row
-    rest[top] = -np.inf
-    second = int(np.argmax(rest))
-    rest[second] = -np.inf
-    third = int(np.argmax(rest))
-    z = float(np.exp(logits - logits[top]).sum())
-    return 1.0 / z, (second, third)
 
 
 class OnnxDrafter:
@@ -127,8 +116,6 @@ class OnnxDrafter:
         #: probe then costs a short prefill; RoPE attention only sees relative positions, so a restarted cache is
         #: the same model on a shorter context). Proposals never change the output, only its speed.
         self.catchup_window: int | None = None
-        # position -> (top-1 probability, (2nd, 3rd choice)) of the draft there (greedy only)
-        self.alts: dict[int, tuple[float, tuple[int, int]]] = {}
         #: draft.prompt_window: the first feed of a stream reads at most the last prompt_window tokens of the text
         #: (the cache starts there): the prompt's end, or, when another strategy drafted first (selection), the
         #: end of the text then. None: everything. See begin.
@@ -185,7 +172,6 @@ class OnnxDrafter:
         self._restart(0)
         self.catchup_window = self.prompt_window
         self._proposed = []
-        self.alts = {}
 
     def _backlog(self) -> tuple[int, list[int]]:
         """(start, tokens): what to feed before the next draft token, ids[start:]: the committed tokens not
@@ -262,24 +248,19 @@ class OnnxDrafter:
         return 1.0 / float(np.exp(logits - logits[tok]).sum())  # tok is the argmax
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
-    def extend(self, n: int, stop=None) -> Draft:
-        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted.
-        `stop()` (optional) is asked before every token after the first; True ends the run early."""
+    def extend(self, n: int) -> Draft:
+        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
         n = min(n, self.context_len - len(self.ids))
         out: list[int] = []
         probs: list[np.ndarray] = []
         self.last_catchup_s = 0.0
-        for i in range(max(n, 0)):
-            if i and stop is not None and stop():
-                break
+        for _ in range(max(n, 0)):
             start, pending = self._backlog()
             t0 = time.perf_counter() if len(pending) > 2 else 0.0
             logits = self._feed(start, pending)[-1]
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids))
-            if self.params.greedy and logits.shape[-1] > 3:  # for branch pre-drafting
-                self.alts[len(self.ids)] = _alternatives(logits, tok)
             self.ids.append(tok)
             out.append(tok)
             if q is not None:
@@ -293,32 +274,6 @@ class OnnxDrafter:
             self._restart(length)
         else:
             self._keep_below(length)
-
-    def branch(self, position: int, token: int, n: int, stop=None) -> tuple:
-        """Draft n tokens after ids[:position] + [token] without disturbing the current stream.
-        Returns (tokens, state, alts) for `adopt`. The branch drafts on a fork of the cache (decoder.fork),
-        so the stream's own cache stays valid."""
-        saved = (list(self.ids), self.state, self.alts, self._at, self._base)
-        keep = bisect.bisect_left(self._at, position)
-        self.state = self.decoder.fork(self.state, keep)
-        self._at = self._at[:keep]
-        if not self._at:
-            self._base = min(self._base, position)
-        del self.ids[position:]
-        self.ids.append(token)
-        self.alts = {}
-        tokens = self.extend(n, stop=stop).ids
-        result = (tokens, self.state, self.alts, self._at, self._base)
-        self.ids[:], self.state, self.alts, self._at, self._base = saved
-        return result
-
-    def adopt(self, position: int, token: int, branch: tuple) -> None:
-        """Replace the stream from `position` on by a pre-drafted branch that starts with `token`."""
-        tokens, state, alts, self._at, self._base = branch
-        self.ids[position:] = [token, *tokens]
-        self.state = state
-        self.alts = {p: a for p, a in self.alts.items() if p < position}
-        self.alts.update(alts)
 
     def limit_catchup(self, window: int) -> None:
         """The next feed reads at most the last `window` of the committed tokens not cached yet (a re-probe after

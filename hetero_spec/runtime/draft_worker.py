@@ -7,9 +7,8 @@ new epoch, and drafts on from the corrected context.
 
 One worker drafts for several requests at once: each Begin opens a stream (its own draft state on the one
 loaded model, its own epoch, rollback and send batching), keyed by req_id; End closes it. Streams take turns a
-token at a time, so a stream the target is about to verify is never far behind. Pre-drafted correction
-branches use the idle time of a lone stream only. At most `max_streams` streams are kept: a Begin beyond that
-closes the stream heard of least recently (its request then decodes alone).
+token at a time, so a stream the target is about to verify is never far behind. At most `max_streams` streams
+are kept: a Begin beyond that closes the stream heard of least recently (its request then decodes alone).
 
 Never imports torch. Exits by itself when the target process goes away (its parent pid changes; checked
 every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM. It ignores SIGINT: Ctrl-C at a
@@ -39,9 +38,7 @@ import numpy as np
 from ..draft.onnx_drafter import OnnxDrafter
 from ..sampling import SamplingParams
 from ..transport.channel import Channel
-from ..transport.protocol import (Begin, Branch, Control, End, Failure, Ping, Pong, Proposal, Ready,
-                                  Shutdown, Sync)
-from .branches import BranchPlanner
+from ..transport.protocol import Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown, Sync
 
 log = logging.getLogger("hetero_spec.draft_worker")
 
@@ -59,9 +56,6 @@ class _Request:
     epoch: int = 0
     base: int = 0       # first position of the current stream that the worker drafted itself
     sent: int = 0       # stream positions below this have been sent
-    # the target's first Sync has come: until then it is reading the prompt, on this worker's core too when
-    # target.prefill_threads spans it, so the worker pre-drafts no branch before (see Worker.can_branch)
-    synced: bool = False
     # the stream was rebased on a correction: its first token goes out alone, at once (the target waits for it)
     rush: bool = False
 
@@ -72,9 +66,6 @@ class _Stream:
 
     req: _Request
     drafter: OnnxDrafter
-    # (position, token) -> pre-drafted continuation if the target puts token there
-    branches: dict = field(default_factory=dict)
-    plan_exhausted: bool = False  # nothing worth pre-drafting until the next message or token
     unsent_t0: float | None = None
     unsent_s: float = 0.0
     unsent_timed: int = 0
@@ -108,20 +99,18 @@ def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
 
 class Worker:
     """The worker's protocol side. `step()` does one unit of work; `loop()` runs it until Shutdown.
-    `clock` is a seam for tests (the send-batching deadline). `req`, `drafter`, `branches` and the unsent-token
+    `clock` is a seam for tests (the send-batching deadline). `req`, `drafter` and the unsent-token
     bookkeeping are those of the current stream (`cur`: the last one begun, handled or drafted for)."""
 
     req = _stream_attr("req")
     drafter = _stream_attr("drafter")
-    branches = _stream_attr("branches")
-    plan_exhausted = _stream_attr("plan_exhausted")
     unsent_t0 = _stream_attr("unsent_t0")
     unsent_s = _stream_attr("unsent_s")
     unsent_timed = _stream_attr("unsent_timed")
     unsent_probs = _stream_attr("unsent_probs")
 
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int,
-                 branches: bool = True, clock=time.monotonic, max_streams: int = MAX_STREAMS):
+                 clock=time.monotonic, max_streams: int = MAX_STREAMS):
         self.ch, self.parent_pid = channel, parent_pid
         self.model = drafter  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.clock = clock
@@ -129,13 +118,10 @@ class Worker:
         self.cur: _Stream | None = None
         self.max_streams = max(1, max_streams)
         # what the attributes above read when no stream is open
-        self._idle = {"req": None, "drafter": drafter, "branches": {}, "plan_exhausted": False,
-                      "unsent_t0": None, "unsent_s": 0.0, "unsent_timed": 0, "unsent_probs": []}
+        self._idle = {"req": None, "drafter": drafter, "unsent_t0": None, "unsent_s": 0.0, "unsent_timed": 0,
+                      "unsent_probs": []}
         self._turn = 0  # round-robin position among the streams that want to draft
         self.running = True
-        self.use_branches = branches
-        self.branch_hits = 0
-        self.planner = BranchPlanner()
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
@@ -166,8 +152,6 @@ class Worker:
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
-        for st in self.streams.values():
-            st.plan_exhausted = False
         if isinstance(msg, Begin):
             prompt = _valid_ids(arrays, self.model.vocab_width)
             if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
@@ -195,39 +179,22 @@ class Worker:
             self.ch.reject(f"{type(msg).__name__} for request {msg.req_id}, which has no stream here")
 
     def _sync(self, pos: int, tokens: list[int], epoch: int = 0) -> None:
-        """Merge committed tokens ids[pos:]; rebase the stream where it diverges (onto a pre-drafted
-        branch when the target's correction is the one the worker guessed). `epoch` is the oldest
-        stream the target still accepts: a newer one than the worker's means the target dropped the
-        worker's stream, which then starts over (re-sent from the committed length) in that epoch."""
+        """Merge committed tokens ids[pos:]; rebase the stream where it diverges. `epoch` is the oldest stream the
+        target still accepts: a newer one than the worker's means the target dropped the worker's stream, which
+        then starts over (re-sent from the committed length) in that epoch."""
         req, ids = self.req, self.drafter.ids
         if pos > req.committed:
             log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, req.committed)
             return
         diverged = False
-        branches, self.branches = self.branches, {}
-        self._learn(pos, tokens)
         for p, tok in enumerate(tokens, start=pos):
-            if p < req.committed:
+            if p < req.committed or (p < len(ids) and ids[p] == tok):
                 continue
-            if p < len(ids) and ids[p] == tok:
-                continue
-            hit = branches.get((p, tok)) if p == pos + len(tokens) - 1 else None
             diverged = True
-            if hit is not None:  # the correction is the last committed token: take the branch
-                self.drafter.adopt(p, tok, hit)
-                self.branch_hits += 1
-                break
             if p < len(ids):
                 self.drafter.truncate(p)
             ids.append(tok)
         req.committed = max(req.committed, pos + len(tokens))
-        req.synced = True
-        if not diverged and epoch <= req.epoch:
-            # branches past what is now decided still stand (the target keeps them too, until its stream
-            # changes): a branch taken by the target after a Sync that confirmed the stream is adopted here
-            self.branches = {key: b for key, b in branches.items() if key[0] >= req.committed}
-        for p in [p for p in self.drafter.alts if p < req.committed]:
-            del self.drafter.alts[p]
         if diverged or epoch > req.epoch:
             if not diverged:  # the target dropped our stream: draft it again in the new epoch
                 self.drafter.truncate(req.committed)
@@ -235,22 +202,6 @@ class Worker:
             req.base = req.sent = req.committed
             req.rush = True
             self._reset_unsent()
-
-    def _learn(self, pos: int, tokens: list[int]) -> None:
-        """Teach the branch planner from the target's verdict on the newly committed positions."""
-        ids, alts = self.drafter.ids, self.drafter.alts
-        for p, tok in enumerate(tokens, start=pos):
-            if p < self.req.committed:
-                continue
-            info = alts.get(p)
-            if info is None or p >= len(ids):
-                return
-            if ids[p] == tok:
-                self.planner.observe(info[0], True)
-                continue
-            choices = info[1]
-            self.planner.observe(info[0], False, choices.index(tok) + 2 if tok in choices else 0)
-            return
 
     # -- drafting -----------------------------------------------------------------------------------
     def want_to_draft(self) -> int:
@@ -263,7 +214,6 @@ class Worker:
 
     def draft_once(self, n: int) -> None:
         """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `loop`)."""
-        self.plan_exhausted = False  # new tokens, new places to branch
         t0 = self.clock()
         draft = self.drafter.extend(n)
         t1 = self.clock()
@@ -276,37 +226,6 @@ class Worker:
         self.unsent_timed += len(draft.ids)
         if draft.probs is not None:
             self.unsent_probs.extend(draft.probs.astype(np.float32))
-
-    def can_branch(self) -> bool:
-        """Whether the current stream may pre-draft a branch when idle: greedy, drafting, a plan not exhausted,
-        and after the target's first Sync. Before it the target is still reading the prompt, and a branch
-        then would take the core the prefill uses (target.prefill_threads) for little: measured on the demo pair
-        (int8, two processes), 10-16 branches a request were offered during the prefill and 0.1-0.5 taken."""
-        req = self.req
-        return (self.use_branches and not self.plan_exhausted and req is not None and req.drafting
-                and req.synced and self.drafter.params.greedy)
-
-    def pre_draft_branch(self) -> bool:
-        """Idle time (at max_ahead, waiting for the target): pre-draft the continuation after the most
-        likely correction (see branches.py) and offer it to the target. Greedy only."""
-        req, d = self.req, self.drafter
-        if not self.can_branch():
-            return False
-        # the block under verification and its bonus position: where the next correction will land
-        pick = self.planner.best(d.alts, req.committed, min(len(d.ids), req.committed + req.gamma + 1),
-                                 set(self.branches))
-        if pick is None:
-            self.plan_exhausted = True
-            return False
-        p, alt = pick
-        t0 = self.clock()
-        # a message (most likely the target's Sync) ends the branch early: answering it comes first
-        branch = d.branch(p, alt, req.gamma, stop=self.ch.poll)
-        self.branches[(p, alt)] = branch
-        if branch[0]:
-            self.ch.send(Branch(req_id=req.req_id, epoch=req.epoch, pos=p, token=alt,
-                                draft_s=self.clock() - t0), np.asarray(branch[0], dtype=np.int32))
-        return True
 
     def _reset_unsent(self) -> None:
         self.unsent_t0, self.unsent_s, self.unsent_timed, self.unsent_probs = None, 0.0, 0, []
@@ -333,8 +252,7 @@ class Worker:
         now = self.clock()
         self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
                               draft_s=self.unsent_s, timed=self.unsent_timed,
-                              draft_t0=self.unsent_t0 if self.unsent_t0 is not None else now, sent=now,
-                              branch=self.unsent_timed < len(toks)), *arrays)
+                              draft_t0=self.unsent_t0 if self.unsent_t0 is not None else now, sent=now), *arrays)
         self._reset_unsent()
 
     def should_flush(self, n: int) -> bool:
@@ -352,17 +270,13 @@ class Worker:
         return os.getppid() == self.parent_pid
 
     def step(self, idle_wait_s: float = 0.2) -> bool:
-        """One unit of work: handle a message, send, pre-draft a branch, or draft one token. Waits up
-        to idle_wait_s for a message only when there is nothing else to do; False when it did nothing."""
+        """One unit of work: handle a message, send, or draft one token. Waits up to idle_wait_s for a message
+        only when there is nothing else to do; False when it did nothing."""
         want = {}
         for rid, st in self.streams.items():
             self.cur = st
             want[rid] = self.want_to_draft()
-        lone = len(self.streams) == 1
-        if lone:
-            self.cur = next(iter(self.streams.values()))
-        busy = any(want.values()) or (lone and self.can_branch())
-        got = self.ch.recv(0.0 if busy else idle_wait_s)
+        got = self.ch.recv(0.0 if any(want.values()) else idle_wait_s)
         if got is not None:
             self.handle(*got)
             return True  # drain everything queued before drafting on a possibly stale stream
@@ -371,8 +285,6 @@ class Worker:
             if self.should_flush(want[rid]):
                 self.flush()
                 return True
-        if lone and not want[self.cur.req.req_id] and self.pre_draft_branch():
-            return True
         order = [rid for rid, n in want.items() if n]
         if order:
             # one token at a time, looking at the socket in between: a correction that arrives mid-block stops

@@ -7,12 +7,6 @@ rolls its KV cache back, starts a new epoch, and drafts from the corrected conte
 proposals of stale epochs and checks every proposal against what it has committed, so output stays
 token-identical to target-only decoding.
 
-With its idle time the worker also pre-drafts the continuations after the likeliest corrections
-(runtime/branches.py) and offers them as Branch messages. When the token the target commits after a
-rejection is one of them, the target verifies that branch at once instead of waiting for the worker to
-hear of the correction and draft again; the worker adopts the same branch from our Sync. A branch is
-just another draft: verification decides every token, so this changes speed, never output.
-
 The target never waits long for the draft: at most the predicted cost of the missing tokens, capped
 at one verification step (the controller's `wait_budget`); otherwise it verifies what it has, or
 decodes alone. A dead or hung worker costs the request nothing but speed.
@@ -27,7 +21,7 @@ import numpy as np
 
 from ..draft.base import Draft
 from ..sampling import SamplingParams
-from ..transport.protocol import Begin, Branch, Control, End, Proposal, Sync
+from ..transport.protocol import Begin, Control, End, Proposal, Sync
 from .supervisor import DraftSupervisor, Worker
 
 IDLE_CHECK_S = 0.05
@@ -61,17 +55,14 @@ class LinkCosts:
 
 @dataclass
 class StreamBuffer:
-    """The worker's current stream as received: tokens at absolute positions [base, base + len), plus
-    the correction branches it offered: (position, token) -> the continuation after that correction."""
+    """The worker's current stream as received: tokens at absolute positions [base, base + len)."""
 
     epoch: int = -1
     min_epoch: int = 0
     base: int = 0
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray] = field(default_factory=list)
-    branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     stale: int = 0
-    branch_hits: int = 0
     sampled: bool = False  # then every token must come with its draft distribution
     # a correction dropped the stream, or a new one has started since the target last verified: the worker
     # drafts it afresh while the target waits (DraftLink.gather then waits only for its first token)
@@ -88,7 +79,7 @@ class StreamBuffer:
             if p.start != p.base:  # a new epoch must start at its base
                 self.stale += 1
                 return
-            self.epoch, self.base, self.tokens, self.probs, self.branches = p.epoch, p.base, [], [], {}
+            self.epoch, self.base, self.tokens, self.probs = p.epoch, p.base, [], []
             self.redrafting = True
         end = self.base + len(self.tokens)
         if p.start > end:  # a gap: something in between was lost
@@ -100,9 +91,8 @@ class StreamBuffer:
         at = p.start + skip - self.base
         new = [int(t) for t in ids[skip:]]
         have = self.tokens[at:at + len(new)]
-        # within one epoch the worker only appends, so an overlap is a resend (after the worker adopted
-        # a branch we took already), which only adds what is new; or, if it differs, the worker's word
-        # over a branch it did not take, which replaces ours
+        # within one epoch the worker only appends, so an overlap is a resend, which only adds what is new;
+        # if it differs, the worker's word replaces ours
         if have == new[:len(have)]:
             self.tokens.extend(new[len(have):])
             if probs is not None:
@@ -112,15 +102,9 @@ class StreamBuffer:
             if probs is not None:
                 self.probs[at:] = list(probs[skip:])
 
-    def add_branch(self, b: Branch, ids: np.ndarray) -> None:
-        if b.epoch != self.epoch or b.epoch < self.min_epoch:
-            self.stale += 1
-            return
-        self.branches[(b.pos, b.token)] = [int(t) for t in ids]
-
     def invalidate(self) -> None:
         self.min_epoch = self.epoch + 1
-        self.tokens, self.probs, self.branches = [], [], {}
+        self.tokens, self.probs = [], []
         self.redrafting = True
 
     def shadow(self, ids: list[int]) -> tuple[int, int]:
@@ -146,22 +130,13 @@ class StreamBuffer:
             self.base = end
 
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
-        """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers.
-        Where the last committed token is a correction the worker pre-drafted a branch for, the branch
-        becomes the stream (the worker adopts the same branch when it sees our Sync: one epoch on)."""
+        """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers."""
         n = len(ids)
         end = min(n, self.base + len(self.tokens))
         for pos in range(self.base, end):
             if self.tokens[pos - self.base] != ids[pos]:
-                branch = self.branches.get((pos, ids[pos])) if pos == n - 1 else None
-                if branch is None:
-                    self.invalidate()
-                    return [], []
-                self.epoch += 1
-                self.min_epoch = self.epoch
-                self.base, self.tokens, self.probs, self.branches = n, list(branch), [], {}
-                self.branch_hits += 1
-                return self.tokens, self.probs
+                self.invalidate()
+                return [], []
         self._drop_through(end)  # the verified part
         if self.base < n:  # the stream has not reached the committed length yet
             return [], []
@@ -181,7 +156,7 @@ class DraftLink:
 
     Every exchange with the worker goes through `_worker` (which (re)starts the request on a new
     worker) and `_send` (which treats a failed send as a possible death). Whatever state the request
-    is in (speculating, off, mid-Begin, mid-branch), a dead worker only sets `self.w` to
+    is in (speculating, off, mid-Begin, mid-block), a dead worker only sets `self.w` to
     None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,
@@ -264,7 +239,7 @@ class DraftLink:
             return False
         msg, arrays = got
         self.sup.heard(w, msg)
-        if isinstance(msg, (Proposal, Branch)):
+        if isinstance(msg, Proposal):
             # another request drafted on this worker (interleaved in this thread) gets its own proposals
             link = self if msg.req_id == self.req_id else self.routes.get(msg.req_id)
             if link is not None and link.w is w:
@@ -272,21 +247,18 @@ class DraftLink:
         return True
 
     def _accept(self, w: Worker, msg, arrays: list[np.ndarray], waited: bool) -> None:
-        """A Proposal or Branch of this request's stream (transfer time sampled only when we waited for it)."""
+        """A Proposal of this request's stream (transfer time sampled only when we waited for it)."""
         why = self._check_arrays(arrays)
         if why:
             w.channel.reject(f"{type(msg).__name__}: {why}")
             self.rejected += 1
             return
-        if isinstance(msg, Proposal):
-            now = self.clock()
-            self.costs.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
-            self.heard = True
-            self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
-            if self.timeline is not None:
-                self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
-        else:
-            self.buf.add_branch(msg, arrays[0])
+        now = self.clock()
+        self.costs.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
+        self.heard = True
+        self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
+        if self.timeline is not None:
+            self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
 
     def _check_arrays(self, arrays: list[np.ndarray]) -> str:
         """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert), and a draft

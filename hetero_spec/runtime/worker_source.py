@@ -92,7 +92,7 @@ class WorkerSource:
             return {}
         link.end()
         failures0, restarts0 = self._counts.pop(seq.id, (self.sup.failures, self.sup.restarts))
-        out: dict[str, Any] = {"stale_proposals": link.buf.stale, "branch_hits": link.buf.branch_hits,
+        out: dict[str, Any] = {"stale_proposals": link.buf.stale,
                                "draft_failures": self.sup.failures - failures0,
                                "draft_restarts": self.sup.restarts - restarts0,
                                "dropped_messages": link.dropped, "rejected_messages": link.rejected}

@@ -20,7 +20,7 @@ Messages, target -> worker:
     Begin     a new request: prompt ids [n] int32 + sampling params + gamma/max_ahead
     Sync      committed tokens ids[pos:pos+len] int32 (sent after every round); the worker rebases its
               stream where it diverges and bumps its epoch
-    Control   drafting on/off (the cost gate), gamma
+    Control   drafting on/off (the speculation controller), gamma
     End       the request is over
     Ping      health probe (answered by Pong)
     Shutdown  exit cleanly
@@ -28,9 +28,6 @@ Messages, worker -> target:
     Ready     the model is loaded (sent once after connecting)
     Proposal  draft tokens at absolute positions [start, start+k) int32 of stream `epoch` whose base
               (first position not drafted by the worker) is `base`; + q [k, vocab] float32 when sampling
-    Branch    a pre-drafted correction branch: if the target commits `token` at `pos` (a rejection there),
-              these tokens [k] int32 are the draft's continuation at pos+1.. (greedy only). The target
-              may verify them at once; its Sync then makes the worker adopt the same branch
     Pong      answer to Ping
     Failure   the worker hit an error it reports before exiting
 """
@@ -113,16 +110,7 @@ class Proposal(_Msg, tag="proposal"):
     draft_s: float      # worker time spent drafting the last `timed` of these tokens
     draft_t0: float     # time.monotonic() when drafting them began (system-wide clock on Linux)
     sent: float         # time.monotonic() at send
-    timed: int = 0      # tokens that draft_s covers (the others were sent before, or drafted as a branch)
-    branch: bool = False  # the tokens come from a branch pre-drafted on the target's correction
-
-
-class Branch(_Msg, tag="branch"):
-    req_id: int
-    epoch: int          # the stream this branch forks from
-    pos: int
-    token: int
-    draft_s: float
+    timed: int = 0      # tokens that draft_s covers (the others were sent before)
 
 
 class Pong(_Msg, tag="pong"):
@@ -141,10 +129,9 @@ ARRAY_SCHEMA: dict[type, tuple[list[tuple[str, int]], int]] = {
     Begin: ([("int32", 1)], 0),
     Sync: ([("int32", 1)], 0),
     Proposal: ([("int32", 1), ("float32", 2)], 1),
-    Branch: ([("int32", 1)], 0),
 }
 
-Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Branch, Pong, Failure]
+Message = Union[Begin, Sync, Control, End, Ping, Shutdown, Ready, Proposal, Pong, Failure]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

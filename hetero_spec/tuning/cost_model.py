@@ -10,8 +10,7 @@ it accepted the ones before), g = gamma (draft tokens per round).
   - in_process (draft and verify in turn): R = g * d + V(g).
   - two_process (the draft worker drafts block n+1 while the target verifies block n): when the whole block
     was accepted (probability a^g) the next block is ready; otherwise the worker drafts it from the correction
-    while the target waits, R = V(g) + transfer + (1 - a^g) * max(0, g * d - hidden) with hidden = 0 unless a
-    pre-drafted branch covers it (not modelled: a conservative estimate).
+    while the target waits, R = V(g) + transfer + (1 - a^g) * g * d.
 - Goodput = E(a, g) / R(g) committed tokens per second; target-only's is 1 / V(0).
 """
 

@@ -1,6 +1,5 @@
-"""Correction branches and batched streaming in the two-process runtime: the planner, the target's
-stream buffer, the worker's protocol side (driven in-process with a fake channel and a frozen clock),
-and CPU pinning. The end-to-end run on the demo pair, where branches are really taken, is in
+"""Streaming in the two-process runtime: the target's stream buffer, the worker's protocol side (driven
+in-process with a fake channel and a frozen clock), and CPU pinning. The end-to-end runs are in
 test_pipelined_mem.py (deterministic, in-memory worker)."""
 
 from __future__ import annotations
@@ -14,75 +13,16 @@ import numpy as np
 import pytest
 
 from hetero_spec.draft.onnx_drafter import OnnxDrafter
-from hetero_spec.runtime.branches import BranchPlanner
 from hetero_spec.runtime.draft_worker import Worker
 from hetero_spec.runtime.pipelined import StreamBuffer
-from hetero_spec.transport.protocol import Begin, Branch, End, Proposal, Sync
+from hetero_spec.transport.protocol import Begin, End, Proposal, Sync
 
-
-
-# -- the planner ------------------------------------------------------------------------------------
-def test_planner_learns_acceptance_by_confidence_and_rank():
-    pl = BranchPlanner()
-    assert pl.p_accept(0.03) == pytest.approx(pl.p_accept(0.8))  # both at the prior
-    for _ in range(50):
-        pl.observe(0.8, True)
-        pl.observe(0.03, False, target_rank=3)
-    assert pl.p_accept(0.8) > 0.95 and pl.p_accept(0.03) < 0.1
-    assert pl.p_rank(3) > pl.p_rank(2)
-
-
-def test_planner_picks_the_likeliest_correction():
-    pl = BranchPlanner()
-    for _ in range(40):
-        pl.observe(0.8, True)
-        pl.observe(0.03, False, target_rank=2)
-    alts = {10: (0.8, (1, 2)), 11: (0.8, (3, 4)), 12: (0.03, (5, 6)), 13: (0.8, (7, 8))}
-    assert pl.best(alts, 10, 14, set()) == (12, 5)  # the unsure position, the draft's 2nd choice
-    assert pl.best(alts, 10, 14, {(12, 5)}) == (12, 6)  # next: the 3rd choice there
-    assert pl.best(alts, 10, 12, set()) is None  # sure positions are not worth the core's time
-    pl.min_score = 0.001
-    assert pl.best(alts, 10, 12, set()) == (10, 1)  # ... unless the bar is lower
-    assert pl.best({}, 10, 14, set()) is None
 
 
 # -- the target's stream buffer -------------------------------------------------------------------
 def _prop(epoch, base, start, toks, probs=None):
     return Proposal(req_id=1, epoch=epoch, base=base, start=start, draft_s=0.0, draft_t0=0.0, sent=0.0), \
         np.asarray(toks, dtype=np.int32), probs
-
-
-def test_stream_buffer_takes_a_branch_without_a_round_trip():
-    buf = StreamBuffer()
-    buf.add(*_prop(0, 10, 10, [1, 2, 3, 4]))
-    buf.add_branch(Branch(req_id=1, epoch=0, pos=11, token=9, draft_s=0.0), np.asarray([20, 21, 22], np.int32))
-    ids = list(range(10)) + [1, 9]  # the target accepted 1, then corrected 2 -> 9 at position 11
-    assert buf.usable(ids) == ([20, 21, 22], [])
-    assert (buf.epoch, buf.base, buf.branch_hits) == (1, 12, 1)
-    # the worker adopts the same branch (epoch 1) and re-sends it with more tokens: no loss, no dup
-    buf.add(*_prop(1, 12, 12, [20, 21, 22, 23]))
-    assert buf.usable(ids) == ([20, 21, 22, 23], []) and buf.stale == 0
-    buf.add(*_prop(1, 12, 12, [20, 21]))  # a shorter resend keeps what we have
-    assert buf.usable(ids)[0] == [20, 21, 22, 23]
-    # had the worker not taken the branch, its word replaces ours for the epoch
-    buf.add(*_prop(1, 12, 12, [30, 31]))
-    assert buf.usable(ids)[0] == [30, 31]
-    # once verified, a late copy of the past changes nothing
-    ids = ids + [30, 31]
-    buf.add(*_prop(1, 12, 12, [30]))
-    assert buf.usable(ids) == ([], []) and (buf.base, buf.stale) == (14, 0)
-
-
-def test_stream_buffer_without_matching_branch_invalidates():
-    buf = StreamBuffer()
-    buf.add(*_prop(0, 10, 10, [1, 2, 3]))
-    buf.add_branch(Branch(req_id=1, epoch=0, pos=11, token=9, draft_s=0.0), np.asarray([20], np.int32))
-    assert buf.usable(list(range(10)) + [1, 8]) == ([], [])  # corrected to 8: no branch for it
-    assert buf.min_epoch == 1 and buf.branch_hits == 0
-    buf.add_branch(Branch(req_id=1, epoch=0, pos=12, token=9, draft_s=0.0), np.asarray([20], np.int32))
-    assert buf.stale == 1  # a branch of a dropped stream
-    buf.add(*_prop(0, 10, 13, [4]))
-    assert buf.stale == 2  # a proposal of a dropped stream
 
 
 def test_stream_buffer_shadow_compares_what_the_target_decoded_alone():
@@ -137,13 +77,11 @@ class FakeChannel:
 
 
 def _run_until_idle(w: Worker, limit: int = 500) -> None:
-    """The worker loop's decisions, without the socket: flush, branch, draft, until nothing is left."""
+    """The worker loop's decisions, without the socket: flush, draft, until nothing is left."""
     for _ in range(limit):
         n = w.want_to_draft()
         if w.should_flush(n):
             w.flush()
-        elif not n and w.pre_draft_branch():
-            continue
         elif n:
             w.draft_once(1)
         else:
@@ -166,7 +104,7 @@ def worker(llama_target, llama_copy_onnx):
     return w, ch
 
 
-def test_worker_batches_sends_and_offers_branches(worker):
+def test_worker_batches_sends(worker):
     w, ch = worker
     prompt = [5, 17, 33, 2, 99]
     gamma = 4
@@ -178,48 +116,7 @@ def test_worker_batches_sends_and_offers_branches(worker):
     assert len(stream) == 2 * gamma + 1
     # batched: one send when the target's next block is complete, one at max_ahead
     assert [(m.start, len(a[0])) for m, a in props] == [(len(prompt), gamma), (len(prompt) + gamma, gamma + 1)]
-    assert [m.start for m, _ in props][0] == len(prompt)
-    # no branch before the target's first Sync: it is still reading the prompt (on this worker's core too)
-    assert not ch.take(Branch) and w.can_branch() is False
-    w.handle(Sync(req_id=1, pos=len(prompt), epoch=0), [np.asarray(w.drafter.ids[len(prompt):][:1], np.int32)])
-    _run_until_idle(w)
-    ch.take(Proposal)  # the token drafted to refill max_ahead
-    branches = ch.take(Branch)
-    assert branches, "idle time went unused"
-    ref = OnnxDrafter(w.drafter.model_dir)
-    for msg, arrays in branches:
-        assert msg.pos >= len(prompt) and msg.token != w.drafter.ids[msg.pos]
-        # the branch is what the draft says after the correction
-        ref.begin(w.drafter.ids[:msg.pos] + [msg.token], w.drafter.params)
-        assert ref.extend(len(arrays[0])).ids == arrays[0].tolist()
-    # the target corrects at a branch point: the worker adopts the branch and re-sends it in epoch 1
-    msg, arrays = branches[0]
-    committed = w.drafter.ids[len(prompt):msg.pos] + [msg.token]
-    w.handle(Sync(req_id=1, pos=len(prompt), epoch=1), [np.asarray(committed, np.int32)])
-    assert w.branch_hits == 1 and w.req.epoch == 1
-    assert w.drafter.ids[msg.pos + 1:msg.pos + 1 + len(arrays[0])] == arrays[0].tolist()
-    _run_until_idle(w)
-    first = ch.take(Proposal)[0][0]
-    assert (first.epoch, first.base, first.start, first.branch) == (1, msg.pos + 1, msg.pos + 1, True)
-
-
-def test_a_branch_outlives_a_sync_that_confirms_the_stream(worker):
-    """The target keeps a branch until its stream changes, so the worker must too: a Sync that only confirms
-    tokens before the branch's position keeps it, and the correction that follows is adopted."""
-    w, ch = worker
-    prompt = [5, 17, 33, 2, 99]
-    _begin(w, prompt, 4, 9)
-    n = len(prompt)
-    w.handle(Sync(req_id=1, pos=n, epoch=0), [np.asarray(w.drafter.ids[n:n + 1], np.int32)])
-    _run_until_idle(w)
-    later = [(m, a) for m, a in ch.take(Branch) if m.pos > n + 1]
-    assert later, "no branch past the next position to test with"
-    msg, arrays = later[0]
-    confirm = w.drafter.ids[n + 1:msg.pos]  # everything up to the branch's position, as drafted
-    w.handle(Sync(req_id=1, pos=n + 1, epoch=0), [np.asarray(confirm, np.int32)])
-    assert (msg.pos, msg.token) in w.branches and w.req.epoch == 0
-    w.handle(Sync(req_id=1, pos=msg.pos, epoch=1), [np.asarray([msg.token], np.int32)])
-    assert w.branch_hits == 1 and w.drafter.ids[msg.pos + 1:msg.pos + 1 + len(arrays[0])] == arrays[0].tolist()
+    assert all(m.timed == len(a[0]) for m, a in props)  # every token sent was timed as it was drafted
 
 
 def test_after_a_correction_the_first_token_goes_out_alone(worker):
@@ -287,7 +184,7 @@ def test_pinning_moves_only_this_engines_zmq_threads_and_restores_the_decode_thr
 def test_one_worker_drafts_several_streams(llama_copy_onnx):
     """Each Begin opens a stream with its own draft state; streams take turns a token at a time (step), a Sync
     rebases only its own stream, End closes one and the others go on, and beyond max_streams the stream heard
-    of least recently is closed. Correction branches are pre-drafted for a lone stream only."""
+    of least recently is closed."""
     ch = FakeChannel()
     w = Worker(ch, OnnxDrafter(llama_copy_onnx), parent_pid=os.getppid(), clock=lambda: 0.0, max_streams=2)
     prompts = {1: [5, 17, 33, 2, 99], 2: [40, 41, 42, 43]}
@@ -304,7 +201,6 @@ def test_one_worker_drafts_several_streams(llama_copy_onnx):
     for rid, p in prompts.items():  # each stream drafted alone, to max_ahead
         ref.begin(p, w.model.params)
         assert got[rid] == ref.extend(7).ids
-    assert not ch.take(Branch)  # two streams: no branches
     # request 2's target rejects at its first draft token: only stream 2 starts a new epoch
     w.handle(Sync(req_id=2, pos=4, epoch=0), [np.asarray([7], np.int32)])
     assert (w.streams[1].req.epoch, w.streams[2].req.epoch) == (0, 1)
