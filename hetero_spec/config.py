@@ -148,9 +148,6 @@ class SpeculationConfig(_Section):
     beats it (tuning/controller.py)."""
     profile: Path | None = None
     """A profile written by `hetero-spec profile` (its fitted cost model seeds `gamma: auto`)."""
-    early_stop: bool = False
-    """In process, with an onnx draft: end a block when the draft's probability of its token falls below a
-    threshold learned from the target's verdicts (tuning/early_stop.py). Output is unchanged either way."""
 
     @field_validator("gamma", mode="before")
     @classmethod

@@ -16,10 +16,6 @@ def check_paths(cfg: Config) -> None:
         raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
                           f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
                           "use runtime.mode: in_process for ngram or none")
-    if cfg.speculation.early_stop and cfg.runtime.mode == "two_process":
-        raise ConfigError(cfg.blame("speculation.early_stop"), "speculation.early_stop", True,
-                          "confidence early stop runs in process only (the worker drafts ahead of the target: "
-                          "drafting is hidden there); use runtime.mode: in_process or auto")
     d = cfg.draft
     if "onnx" in d.candidates and d.kind != "onnx":
         raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,

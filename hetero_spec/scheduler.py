@@ -180,7 +180,6 @@ class Seq:
         self.gamma = 0
         self.gamma_auto = control.fixed is None
         self.probing = False
-        self.min_confidence: float | None = None
         self.t_start = time.perf_counter()
         self.batched_rounds, self.largest_batch = 0, 1
         self.trace: list[tuple[float, float, int, int]] = []
@@ -301,8 +300,7 @@ class Scheduler:
             if ticket is None:
                 return
             req, stats = ticket.req, ticket.stats
-            seq = Seq(next(self._ids), ticket,
-                      eng.controller.stream(req.gamma, early_stop=eng.config.speculation.early_stop))
+            seq = Seq(next(self._ids), ticket, eng.controller.stream(req.gamma))
             stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
             stats.proposer = eng.source.name if eng.source is not None else "none"
             try:
@@ -327,9 +325,8 @@ class Scheduler:
         if source is not None:
             # 1) plan
             ks = ctl.plan([s.control for s in seqs], [s.room(ctx) for s in seqs], source.chooses_gamma)
-            for s, k in zip(seqs, ks):
+            for s in seqs:
                 s.gamma, s.probing = s.control.gamma, s.control.probing
-                s.min_confidence = ctl.min_confidence(s.control, k)
             # 2) propose
             budget = ctl.wait_budget(max(ks), max(0.001, max(s.stats.time_prefill_s for s in seqs)))
             t = time.perf_counter()
@@ -370,10 +367,9 @@ class Scheduler:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
         n, nxt = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), n)
-        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None, draft.conf)
+        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
-        seq.control.stopped_early += draft.stopped_early
         emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:n], nxt], req, seq.generated,
                                                eng.target.context_len, stats)
         if not stats.finish_reason and eng.source is not None:
@@ -404,8 +400,6 @@ class Scheduler:
         stats.time_total_s = time.perf_counter() - seq.t_start
         if seq.control.fixed is None and eng.source is not None:
             stats.extra["gamma_auto"] = ctl.summary(seq.control)
-        if seq.control.early_stop:
-            stats.extra["early_stop"] = ctl.early_stop_summary(seq.control)
         try:
             extra = self._release(eng, seq)
         except Exception as err:  # noqa: BLE001 - freeing what is left; the request's own outcome stands

@@ -125,7 +125,7 @@ class FakeSeq:
 
     def __init__(self, ids, seq_id=1, probing=False):
         self.id, self.ids, self.prompt_ids, self.params = seq_id, list(ids), list(ids), SamplingParams()
-        self.gamma, self.gamma_auto, self.probing, self.min_confidence = 4, True, probing, None
+        self.gamma, self.gamma_auto, self.probing = 4, True, probing
 
 
 def test_a_re_probe_arms_the_window(llama_copy_onnx):

@@ -55,13 +55,6 @@ def test_choice_goes_where_the_costs_say():
     assert rows[2]["predicted_tok_s"] < rows[0]["predicted_tok_s"]  # at lower acceptance, the target alone
 
 
-def test_early_stop_with_two_process_is_a_clear_error(llama_target, llama_copy_onnx):
-    cfg = {"target": {"model": str(llama_target)}, "draft": {"kind": "onnx", "model": str(llama_copy_onnx)},
-           "runtime": {"mode": "two_process"}, "speculation": {"early_stop": True}}
-    with pytest.raises(ConfigError, match="speculation.early_stop.*in process only"):
-        Engine.from_config(cfg)
-
-
 def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tmp_path, llama_target,
                                                                    llama_copy_onnx):
     monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path / "cache"))
@@ -99,10 +92,8 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
         prof.write_text(yaml.safe_dump({"cost_model": {"verify_fixed_s": 0.002, "verify_per_token_s": 0.0002,
                                                        "draft_token_s": 0.002}, "acceptance": {"per_token": 0.9},
                                         "placement": {"costs": _costs(0.0015, 0.0012).to_dict()}}))
-    with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto", "early_stop": True}}
-                            ) as eng:
+    with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto"}}) as eng:
         assert eng.placement["chosen"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
-        assert eng.config.speculation.early_stop is False  # in process only: off in the chosen layout
         assert eng.placement["why"].startswith("best predicted goodput at acceptance 0.900 (profile")
         assert eng.source.layout == "two_process"  # the worker runs
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs

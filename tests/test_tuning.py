@@ -209,56 +209,6 @@ def test_onnx_drafter_times_its_catch_up(llama_copy_onnx):
     assert d.last_catchup_s == 0.0  # only the last draft and the bonus token were pending: a normal step
 
 
-def test_confidence_stop_learns_its_threshold():
-    from hetero_spec.tuning.early_stop import ConfidenceStop
-
-    s = ConfidenceStop(min_samples=4)
-    s.observe([0.95, 0.15, 0.9], 1)  # 0.95 accepted, 0.15 rejected, 0.9 never tested
-    assert s.tested[9] == 1 and s.accepted[9] == 1 and s.tested[1] == 1 and s.accepted[1] == 0
-    assert s.tested[8] == 0 and s.threshold() == 0.0  # too few samples: no early stop yet
-    for _ in range(10):
-        s.observe([0.92, 0.93, 0.05], 2)  # confident tokens accepted, the unsure one rejected
-        s.observe([0.25, 0.96], 0)
-    assert s.rate(0) == 0.0 and s.rate(2) == 0.0 and s.rate(9) == 1.0
-    assert s.threshold() == pytest.approx(0.1)  # bin 1 has too few tested tokens to judge: the run ends there
-    for _ in range(3):
-        s.observe([0.15], 0)
-    assert s.threshold() == pytest.approx(0.3)  # bins 0..2 all lose: stop below 0.3
-    s.break_even = 0.0  # a token that costs nothing is always worth drafting
-    assert s.threshold() == 0.0
-
-
-def test_drafter_reports_confidence_and_stops_below_the_threshold(llama_random_onnx):
-    from hetero_spec.draft.onnx_drafter import OnnxDrafter
-    from hetero_spec.sampling import SamplingParams
-
-    d = OnnxDrafter(llama_random_onnx)
-    d.begin(PROMPTS[0], SamplingParams())
-    full = d.propose(6, min_confidence=0.0)
-    assert len(full.ids) == 6 and len(full.conf) == 6 and all(0 < c <= 1 for c in full.conf)
-    assert not full.stopped_early
-    d.commit(0, 3)
-    one = d.propose(6, min_confidence=1.01)  # nothing is that sure: one token, then stop
-    assert len(one.ids) == 1 and one.stopped_early and len(one.conf) == 1
-    d.begin(PROMPTS[0], SamplingParams())
-    assert d.propose(6).ids == full.ids and d.propose.__defaults__ == (None,)
-
-
-def test_early_stop_is_lossless_and_reports(llama_target, llama_random_onnx, reference):
-    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
-           "draft": {"kind": "onnx", "model": str(llama_random_onnx)},
-           "speculation": {"gamma": 6, "early_stop": True}}
-    with Engine.from_config(cfg) as eng:
-        eng.tuning.early_stop.min_samples = 2  # learn within this short test
-        for _ in range(3):
-            for p, ref in zip(PROMPTS, reference):
-                out = eng.generate(p, max_new_tokens=40)
-                assert out.token_ids == ref
-                es = out.stats["extra"]["early_stop"]
-                assert set(es) >= {"threshold", "acceptance_by_confidence", "rounds_stopped_early"}
-        assert sum(eng.tuning.early_stop.tested) > 0
-
-
 def test_draft_selection_is_lossless_and_prefers_what_pays(llama_target, llama_random_onnx, reference):
     """Candidates [onnx, ngram]: every output equals the target alone; each strategy is explored, and with a
     cost model the choice follows predicted goodput (per-strategy stats in stats.extra.draft_selection)."""

@@ -38,8 +38,6 @@ class Draft:
 
     ids: list[int]
     probs: np.ndarray | None = None
-    conf: list[float] | None = None  # the draft's probability of each proposed token (with a min_confidence)
-    stopped_early: bool = False  # the block ended below the confidence threshold
     #: draft tokens the source compared, for free, with tokens the target committed alone: (tested, accepted)
     shadow: tuple[int, int] | None = None
 
@@ -61,7 +59,6 @@ class Seq(Protocol):
     gamma: int  # the controller's gamma this round (before the room left)
     gamma_auto: bool  # speculation.gamma auto: the gamma changes between rounds (at most tuning's G_MAX)
     probing: bool  # this round re-probes after rounds at gamma 0
-    min_confidence: float | None  # early stop: end the block below this draft probability
 
 
 class DraftSource(Protocol):
@@ -101,7 +98,7 @@ class Proposer(Protocol):
 
     def limit_catchup(self, window: int) -> None: ...
 
-    def propose(self, k: int, min_confidence: float | None = None) -> Draft: ...
+    def propose(self, k: int) -> Draft: ...
 
     def commit(self, n_accepted: int, next_token: int) -> None: ...
 

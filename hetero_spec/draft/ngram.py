@@ -52,7 +52,7 @@ class NgramProposer:
     def limit_catchup(self, window: int) -> None:
         pass  # a lookup's catch-up is an index update: nothing to limit
 
-    def propose(self, k: int, min_confidence: float | None = None) -> Draft:
+    def propose(self, k: int) -> Draft:
         ids = self.ids
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             hit = self._index[n].get(tuple(ids[-n:]))

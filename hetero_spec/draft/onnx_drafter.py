@@ -207,9 +207,8 @@ class OnnxDrafter:
             return coupled_choice(q, exponential_noise(self.params.seed, position, q.shape[0])), None
         return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
 
-    def propose(self, k: int, min_confidence: float | None = None) -> Draft:
-        """Draft up to k tokens. min_confidence (not None): also report each token's draft probability,
-        and end the block before a token whose probability is below it (at least one token is drafted)."""
+    def propose(self, k: int) -> Draft:
+        """Draft up to k tokens."""
         k = min(k, self.context_len - len(self.ids))
         if k <= 0:
             self._proposed = []
@@ -217,8 +216,6 @@ class OnnxDrafter:
         start, pending = self._backlog()
         out: list[int] = []
         probs: list[np.ndarray] = []
-        conf: list[float] | None = [] if min_confidence is not None else None
-        stopped = False
         self.last_catchup_s = 0.0
         for i in range(k):
             t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
@@ -226,26 +223,12 @@ class OnnxDrafter:
             if t0:  # feeding the prompt or committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids) + i)
-            if conf is not None:
-                c = self._confidence(logits, tok, q)
-                if i and c < min_confidence:
-                    stopped = True
-                    break
-                conf.append(c)
             out.append(tok)
             if q is not None:
                 probs.append(q)
             start, pending = len(self.ids) + i, [tok]
         self._proposed = out
-        return Draft(ids=out, probs=np.stack(probs) if probs else None, conf=conf, stopped_early=stopped)
-
-    def _confidence(self, logits: np.ndarray, tok: int, q: np.ndarray | None) -> float:
-        """The draft's probability of tok: under q when sampling, else the softmax of the logits."""
-        if q is None and not self.params.greedy:
-            q = logits_to_probs(logits[None], self.params)[0]
-        if q is not None:
-            return float(q[tok])
-        return 1.0 / float(np.exp(logits - logits[tok]).sum())  # tok is the argmax
+        return Draft(ids=out, probs=np.stack(probs) if probs else None)
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
     def extend(self, n: int) -> Draft:

@@ -18,7 +18,7 @@ PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens 
 
 class LocalSource:
     """Drafts with one proposer per sequence, spawned from a loaded one (one model, a state per sequence).
-    Sequences drafting with the ONNX model (no early stop) step together: one run per draft token for all of
+    Sequences drafting with the ONNX model step together: one run per draft token for all of
     them (OnnxDrafter.propose_batch), each one's draft what it would be alone."""
 
     layout = "in_process"
@@ -61,14 +61,12 @@ class LocalSource:
             return drafts
         props = [self._ready(seqs[i]) for i in live]
         t = time.perf_counter()
-        together = [i for i in live if seqs[i].min_confidence is None]
-        if len(together) > 1 and isinstance(self.proposer, OnnxDrafter):
-            for i, d in zip(together, OnnxDrafter.propose_batch([self._props[seqs[i].id] for i in together],
-                                                                [ks[i] for i in together])):
+        if len(live) > 1 and isinstance(self.proposer, OnnxDrafter):
+            for i, d in zip(live, OnnxDrafter.propose_batch(props, [ks[i] for i in live])):
                 drafts[i] = d
-        for i, p in zip(live, props):
-            if i not in together or len(together) < 2 or not isinstance(self.proposer, OnnxDrafter):
-                drafts[i] = p.propose(ks[i], min_confidence=seqs[i].min_confidence)
+        else:
+            for i, p in zip(live, props):
+                drafts[i] = p.propose(ks[i])
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
         self._observe(time.perf_counter() - t, props, [drafts[i] for i in live], fresh)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 
 from ..draft.select import LOOKUPS
 from .cost_model import Acceptance, CostModel, expected_tokens, fit_line
-from .early_stop import ConfidenceStop
 
 if TYPE_CHECKING:
     from ..draft.base import DraftCosts
@@ -91,7 +90,6 @@ class Tuning:
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
     draft_token_s: float | None = None
     transfer_s: float = 0.0  # one proposal's transfer (the worker source's measurement)
-    early_stop: ConfidenceStop = field(default_factory=ConfidenceStop)
     shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
     recommended_batch: int | None = None  # the profile's recommended_max_batch (serving.max_batch: auto)
     recommended_precision: str | None = None  # the profile's (target.precision: auto with allow_lossy)
@@ -159,13 +157,11 @@ class StreamControl:
     """One stream's part of the controller. `fixed`: a configured integer gamma (no choice made)."""
 
     fixed: int | None = None
-    early_stop: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)
     choices: Counter = field(default_factory=Counter)
     reason: str = ""
     gamma: int = 0  # this round's gamma, before the room left (0: none)
     probing: bool = False  # this round re-probes after rounds at gamma 0
-    stopped_early: int = 0
     _round: int = 0
     _off_since: tuple | None = None  # (engine-wide tested tokens, draft costs) when gamma 0 was chosen afresh
     _off_rounds: int = 0
@@ -184,8 +180,8 @@ class Controller:
         self.last_rates: tuple[float, float] | None = None  # (speculating, one shared pass): predicted tok/s
         self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
 
-    def stream(self, gamma: int | str, early_stop: bool = False) -> StreamControl:
-        return StreamControl(fixed=gamma if isinstance(gamma, int) else None, early_stop=early_stop)
+    def stream(self, gamma: int | str) -> StreamControl:
+        return StreamControl(fixed=gamma if isinstance(gamma, int) else None)
 
     def estimate(self, sc: StreamControl) -> float:
         """A stream's acceptance, starting from the engine-wide estimate."""
@@ -298,17 +294,6 @@ class Controller:
         joint = 0.0 if rest == 0 else (model.verify(0) if rest == 1 else shared.cost(rest, model))
         return None if joint is None else draft_s + alone + joint
 
-    def min_confidence(self, sc: StreamControl, k: int) -> float | None:
-        """speculation.early_stop: the draft probability below which the block ends (None: no early stop).
-        The break-even is what a drafted token costs (draft + verify per token) times the current goodput."""
-        if not sc.early_stop or k <= 0:
-            return None
-        stop, model = self.tuning.early_stop, self.tuning.model()
-        if model is not None:
-            stop.break_even = ((model.draft_token_s + model.verify_per_token_s)
-                               * model.goodput(k, self.estimate(sc), "in_process"))
-        return stop.threshold()
-
     def wait_budget(self, k: int, default_s: float) -> float:
         """How long the target may wait for k draft tokens from a draft in another process: what drafting them
         costs, never more than one target step (waiting longer would be slower than decoding alone). Before
@@ -332,16 +317,13 @@ class Controller:
         return joined <= LATENCY_SLOWDOWN * alone
 
     # -- 5) observe ----------------------------------------------------------------------------------------
-    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None,
-                conf: list[float] | None = None) -> None:
+    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None) -> None:
         """One stream's round: k drafts, n accepted; verify_s None when the pass was shared with other rows (it
-        is not this row's verify cost); conf: the drafts' confidences (early stop)."""
+        is not this row's verify cost)."""
         sc.acceptance.observe(k, n)
         self.tuning.acceptance.observe(k, n)
         if verify_s is not None:
             self.tuning.observe_verify(k, verify_s)
-        if sc.early_stop and conf:
-            self.tuning.early_stop.observe(conf, n)
         if sc.probing and k > 0:  # a failed probe waits twice as long for the next; a hit resets
             t = self.tuning
             t.probe_every = PROBE_EVERY if n > 0 else min(PROBE_EVERY_MAX, 2 * t.probe_every)
@@ -380,9 +362,6 @@ class Controller:
     def summary(self, sc: StreamControl) -> dict:
         return {"choices": {str(g): c for g, c in sorted(sc.choices.items())}, "last_reason": sc.reason,
                 "acceptance_estimate": round(self.estimate(sc), 4)}
-
-    def early_stop_summary(self, sc: StreamControl) -> dict:
-        return {**self.tuning.early_stop.summary(), "rounds_stopped_early": sc.stopped_early}
 
 
 @dataclass

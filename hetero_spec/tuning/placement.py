@@ -305,9 +305,6 @@ def apply(config, layout: Layout):
     config.draft.threads = layout.draft_threads
     if layout.mode == "two_process":
         config.runtime.pin_cpus = True
-        if config.speculation.early_stop:  # in process only (config.py): the worker's drafting is hidden
-            log.info("placement: two_process chosen; speculation.early_stop applies in process only, so it is off")
-            config.speculation.early_stop = False
     return config
 
 
