@@ -327,8 +327,9 @@ class Scheduler:
             ks = ctl.plan([s.control for s in seqs], [s.room(ctx) for s in seqs], source.chooses_gamma)
             for s in seqs:
                 s.gamma, s.probing = s.control.gamma, s.control.probing
-            # 2) propose
-            budget = ctl.wait_budget(max(ks), max(0.001, max(s.stats.time_prefill_s for s in seqs)))
+            # 2) propose (only drafts made in another process are waited for)
+            budget = (ctl.wait_budget(max(ks), max(0.001, max(s.stats.time_prefill_s for s in seqs)))
+                      if source.layout == "two_process" else 0.0)
             t = time.perf_counter()
             drafts = source.propose(seqs, ks, budget)
             share = (time.perf_counter() - t) / len(seqs)

@@ -10,9 +10,9 @@ from typing import Any
 
 from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
 from .onnx_drafter import OnnxDrafter
+from ..tuning.cost_model import Ema
 from .select import CATCHUP_SKIP, LOOKUPS
 
-ALPHA = 0.2  # the moving average of the draft's cost per token
 PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
 
 
@@ -32,8 +32,8 @@ class LocalSource:
         self._props: dict[int, Proposer] = {}
         self._proposed: dict[int, bool] = {}  # drafted for the sequence this round
         self._fresh: set[int] = set()  # sequences not drafted for yet: their first catch-up is the prompt
-        self._token_s: float | None = None
-        self._catchup_s = 0.0  # feeding what other strategies committed, per drafting round (selection)
+        self._token_s = Ema(0.2)  # the draft's cost per token
+        self._catchup_s = Ema(0.2)  # feeding what other strategies committed, per drafting round (selection)
 
     def begin(self, seq: Seq) -> None:
         p = self.proposer.spawn()
@@ -79,13 +79,11 @@ class LocalSource:
         catchup = sum(p.last_catchup_s for p in props)
         later = [p.last_catchup_s for p, f in zip(props, fresh) if not f]
         if later:
-            x = sum(later) / len(later)
-            self._catchup_s = (1 - ALPHA) * self._catchup_s + ALPHA * x
+            self._catchup_s.add(sum(later) / len(later))
         tokens = sum(len(d.ids) - (1 if p.last_catchup_s else 0) for p, d in zip(props, drafts))
         if tokens <= 0 or seconds - catchup <= 0:
             return
-        x = (seconds - catchup) / tokens
-        self._token_s = x if self._token_s is None else (1 - ALPHA) * self._token_s + ALPHA * x
+        self._token_s.add((seconds - catchup) / tokens)
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
         if self._proposed.get(seq.id):
@@ -101,7 +99,7 @@ class LocalSource:
         return {}
 
     def costs(self) -> DraftCosts:
-        return DraftCosts(self._token_s, None, self._catchup_s)
+        return DraftCosts(self._token_s.value, None, self._catchup_s.value or 0.0)
 
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
         return {"draft": "in_process"}

@@ -22,21 +22,12 @@ import numpy as np
 from ..draft.base import Draft
 from ..sampling import SamplingParams
 from ..transport.protocol import Begin, Control, End, Proposal, Sync
+from ..tuning.cost_model import Ema
 from .supervisor import DraftSupervisor, Worker
 
 IDLE_CHECK_S = 0.05
 #: the most a draft probability may be off a distribution (its row's sum) before its proposal is rejected
 PROB_SUM_TOL = 1e-3
-
-
-class Ema:
-    """Exponential moving average; None until the first sample."""
-
-    def __init__(self, alpha: float = 0.3):
-        self.alpha, self.value = alpha, None
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
 @dataclass

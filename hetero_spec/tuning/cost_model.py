@@ -152,3 +152,13 @@ class Acceptance:
         """P(a draft token is accepted, given the one before it was)."""
         return ((self.accepted - self.first_accepted + prior * weight)
                 / (self.tested - self.first_tested + weight))
+
+
+class Ema:
+    """Exponential moving average; None until the first sample."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha, self.value = alpha, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
