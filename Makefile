@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,gguf,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,gguf,bench,ray]'
 	touch $@
 
 demo: $(VENV)/.installed

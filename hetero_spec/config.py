@@ -15,13 +15,24 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from .errors import ConfigError
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+def _int_or(*words: Any, hi: int | None = None, text: str) -> BeforeValidator:
+    """An int in 1..hi (a bool is not one) or one of words, else the error `must be {text}`."""
+    def check(v: Any) -> Any:
+        if v in words or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= (hi or v)):
+            return v
+        raise ValueError(f"must be {text}")
+
+    return BeforeValidator(check)
 
 
 class TargetConfig(_Section):
@@ -45,13 +56,12 @@ class TargetConfig(_Section):
     """Compute dtype, an alias of `precision` (float32 = fp32, float16 = fp16, bfloat16 = bf16). `auto` is
     float32 on CPU and bfloat16 on CUDA. Use float32 for exact greedy identity with the fp32 checkpoint."""
     precision: Literal["fp32", "fp16", "bf16", "int8", "int4", "auto"] | None = None
-    """Weight precision of the target (precision.py). `auto`: with `allow_lossy`, the precision of best predicted
-    goodput in the profile (speculation.profile; `hetero-spec profile` measures each precision this machine
-    runs); otherwise the checkpoint's own (lossless). onnx backend: the model builder's export at this precision
-    (fp32, int8 or int4 on the CPU provider), exported once on first use and cached like the fp32 one. torch
-    backend: fp32/fp16/bf16 set the dtype; int8 is PyTorch's dynamic int8 quantization of the Linear layers (CPU
-    only). Unset: from `dtype`. Quantizing changes the target itself: output stays identical to THIS target
-    decoding alone, not to the fp32 checkpoint."""
+    """Weight precision of the target (precision.py). `auto`: with `allow_lossy`, the profile's precision of best
+    predicted goodput (`hetero-spec profile` measures each one this machine runs), otherwise the checkpoint's own.
+    onnx backend: the model builder's export at this precision (fp32, int8 or int4 on the CPU provider), made once
+    and cached. torch backend: fp32/fp16/bf16 set the dtype; int8 is PyTorch's dynamic quantization of the Linear
+    layers (CPU only). Unset: from `dtype`. Quantizing changes the target itself: output stays identical to THIS
+    target decoding alone, not to the fp32 checkpoint."""
     allow_lossy: bool = False
     """Let `precision: auto` pick a quantized target (which changes the model's output); off by default."""
     kv_cache_dtype: Literal["auto", "fp16", "bf16", "fp8", "int8"] = "auto"
@@ -62,26 +72,18 @@ class TargetConfig(_Section):
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""
-    prefill_threads: int | Literal["auto"] = "auto"
-    """onnx backend: threads for the prompt's prefill, a second ONNX Runtime session of the target bound to the
-    same KV cache (it costs a second copy of the weights in memory). `auto`: in two_process, every core this
-    process may use: the target decodes on its own cores, but the worker's core is mostly free while the prompt
-    is read (docs/features-two-process.md, "Prefill on every core"); otherwise target.threads (no second session). A number at most
-    the target's threads: no second session. Ignored by the torch backend."""
+    prefill_threads: Annotated[int | Literal["auto"],
+                               _int_or("auto", text="an integer >= 1 or 'auto'")] = "auto"
+    """onnx backend: threads for the prompt's prefill, a second ONNX Runtime session of the target on the same KV
+    cache (a second copy of the weights in memory). `auto`: in two_process, every core this process may use (the
+    worker's core is mostly free while the prompt is read: docs/features-two-process.md, "Prefill on every
+    core"), otherwise target.threads. At most target.threads: no second session. Ignored by the torch backend."""
     spin: bool = False
-    """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). On a
-    machine the engine has to itself that is faster (demo target, 2 cores, in process: 1.07-1.25x decoding alone,
-    1.05-1.09x speculating with a one-thread draft); on a machine that other work keeps busy it is much slower
-    (0.62x with one core busy), so it is off by default."""
+    """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). Faster
+    on a machine the engine has to itself (demo target, 2 cores: 1.07-1.25x decoding alone), much slower on one
+    that other work keeps busy (0.62x with one core busy), so it is off by default."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
-
-    @field_validator("prefill_threads", mode="before")
-    @classmethod
-    def _check_prefill_threads(cls, v: Any) -> Any:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return v
-        raise ValueError("must be an integer >= 1 or 'auto'")
 
     @field_validator("device")
     @classmethod
@@ -116,14 +118,14 @@ class DraftConfig(_Section):
     """ONNX Runtime execution providers, in order of preference."""
     threads: int = Field(default=1, ge=1)
     """ONNX Runtime intra-op threads for the draft."""
-    prompt_window: int | Literal["auto"] | None = "auto"
-    """onnx draft: the first feed of each request reads at most the last N tokens of the text (its KV cache
-    starts there, the draft sees a shorter text): the prompt's end, or, next to the n-gram lookup, the text when
-    the model first drafts. A small draft gains little from far context, and its prompt prefill is not free: on the
-    demo pair a 170-token prompt costs the int8 draft 46 ms, about 40 draft tokens. null: the whole prompt.
-    `auto`: 32 in process when draft.candidates has the n-gram lookup next to the model (the model then
-    drafts only some rounds, so its prefill is paid for fewer tokens; draft/select.py), else the whole
-    prompt. Proposals never change the output, only its speed."""
+    prompt_window: Annotated[int | Literal["auto"] | None, _int_or(
+        "auto", None, text="an integer >= 1, 'auto' or null (the whole prompt)")] = "auto"
+    """onnx draft: the first feed of each request reads at most the last N tokens of the text (the prompt's end,
+    or, next to the n-gram lookup, the text when the model first drafts). A small draft gains little from far
+    context, and its prefill is not free (on the demo pair a 170-token prompt costs the int8 draft about 40 draft
+    tokens' time). null: the whole prompt. `auto`: 32 in process when draft.candidates has the n-gram lookup next
+    to the model (which then drafts only some rounds; draft/select.py), else the whole prompt. Proposals never
+    change the output, only its speed."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)
@@ -132,29 +134,15 @@ class DraftConfig(_Section):
     worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in
     stats.extra.draft_selection."""
 
-    @field_validator("prompt_window", mode="before")
-    @classmethod
-    def _check_prompt_window(cls, v: Any) -> Any:
-        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return v
-        raise ValueError("must be an integer >= 1, 'auto' or null (the whole prompt)")
-
 
 class SpeculationConfig(_Section):
-    gamma: int | Literal["auto"] = 4
+    gamma: Annotated[int | Literal["auto"], _int_or("auto", hi=64, text="an integer in 1..64 or 'auto'")] = 4
     """Draft tokens proposed per round (k). The target verifies k tokens plus one in one forward pass.
     `auto`: each round takes the gamma with the highest predicted goodput from the cost model (`profile`, or
     costs learned as the engine runs) and the acceptance estimated online, 0 (the target alone) when nothing
     beats it (tuning/controller.py)."""
     profile: Path | None = None
     """A profile written by `hetero-spec profile` (its fitted cost model seeds `gamma: auto`)."""
-
-    @field_validator("gamma", mode="before")
-    @classmethod
-    def _check_gamma(cls, v: Any) -> Any:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64):
-            return v
-        raise ValueError("must be an integer in 1..64 or 'auto'")
     sampling: Literal["rejection", "coupled"] = "coupled"
     """How sampled (temperature > 0) tokens are verified; both keep the target's distribution exactly.
     `coupled`: draft and target share Gumbel noise keyed by (seed, position); a draft token is accepted iff
@@ -215,13 +203,54 @@ class RuntimeConfig(_Section):
     """Record per-round draft and verify intervals in stats.extra.timeline (for overlap analysis)."""
 
 
+class RayAutoscaling(_Section):
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas Serve keeps (0: none while idle; the first request then waits for one to start)."""
+    max_replicas: int = Field(default=2, ge=1)
+    """Most replicas Serve starts."""
+    target_ongoing_requests: float = Field(default=4.0, gt=0)
+    """Requests per replica that Serve's autoscaler aims for (in flight or queued at the replica)."""
+
+    @model_validator(mode="after")
+    def _check_range(self) -> RayAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be at most max_replicas ({self.max_replicas})")
+        return self
+
+
+class RayConfig(_Section):
+    num_replicas: int = Field(default=1, ge=1)
+    """Engines Serve runs (each its own target, and in two_process its own draft worker); not with
+    `autoscaling`."""
+    autoscaling: RayAutoscaling | None = None
+    """Let Serve scale the replicas between `min_replicas` and `max_replicas` on `target_ongoing_requests`."""
+    max_ongoing_requests: int | None = Field(default=None, ge=1)
+    """Most requests Serve sends one replica at once; None: serving.max_batch (the replica's batch). At most
+    serving.max_batch + serving.max_waiting, or the replica would refuse what Serve sent it."""
+    cpus_per_replica: float | None = Field(default=None, gt=0)
+    """Ray CPUs one replica reserves, and cores it pins on its node; None: target.threads (1 if unset) plus
+    draft.threads in the two_process or auto layout."""
+    address: str | None = None
+    """Ray cluster to join (`auto`, or `ray://HOST:10001`); None starts a local Ray instance. `--address`
+    overrides it."""
+    health_check_period_s: float = Field(default=10.0, gt=0)
+    """How often Serve calls a replica's health check (the Engine's health)."""
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
+    """A health check slower than this counts as failed."""
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> RayConfig:
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set num_replicas or autoscaling, not both")
+        return self
+
+
 class ServingConfig(_Section):
     max_batch: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = 8
     """Most requests decoded together (continuous batching: they join and leave between rounds; more wait in
-    order). Their one-token steps, and on the torch backend their draft blocks, share one target pass. 1: one
-    request at a time. `auto`: the profile's recommended_max_batch (speculation.profile; `hetero-spec profile`
-    measures a shared pass against batch size), else 8. In the two_process layout the worker drafts for all
-    of them (a stream each)."""
+    order). Their one-token steps, and on the torch backend their draft blocks, share one target pass; in
+    two_process the worker drafts for all of them. 1: one request at a time. `auto`: the profile's
+    recommended_max_batch (`hetero-spec profile` measures a shared pass against batch size), else 8."""
     mode: Literal["throughput", "latency"] = "throughput"
     """The scheduler's objective for a batch. `throughput`: the most committed tokens per second over the
     batch (speculation per row only when the cost model predicts it beats one shared pass). `latency`: each
@@ -230,6 +259,8 @@ class ServingConfig(_Section):
     max_waiting: int = Field(default=256, ge=0)
     """Most requests waiting for a place in the batch. One more is refused at once (the server answers 429
     with Retry-After; the Python API raises QueueFullError) instead of waiting without bound. 0: no queue."""
+    ray: RayConfig = Field(default_factory=lambda: RayConfig())
+    """`hetero-spec serve --ray`: replicas on Ray Serve (docs/serving.md, "Replicas on Ray Serve")."""
 
 
 class Config(_Section):
@@ -255,22 +286,16 @@ class Config(_Section):
         loc = tuple(key_path.split("[")[0].split("."))
         return "--set" if _from_overrides(loc, list(self._override_keys)) else self.source
 
+    def error(self, key_path: str, value: Any, problem: str) -> ConfigError:
+        """The ConfigError for the value at key_path, blamed where it came from."""
+        return ConfigError(self.blame(key_path), key_path, value, problem)
+
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
 
 
-def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
-    cur = raw
-    for part in loc:
-        try:
-            cur = cur[part]
-        except (KeyError, IndexError, TypeError):
-            return "<missing>"
-    return cur
-
-
-_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("speculation", "profile"))  # directory paths
+_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("speculation", "profile"))
 
 
 def _section_model(parts: list[str]) -> type[BaseModel] | None:
@@ -325,9 +350,7 @@ def _resolve_paths(raw: dict, base: Path) -> None:
         section = raw.get(name)
         if isinstance(section, dict) and isinstance(section.get(key), str | PathLike):
             path = Path(os.path.expandvars(str(section[key]))).expanduser()  # ~ and $VARS, as a shell would
-            section[key] = str(path)
-            if not path.is_absolute():
-                section[key] = str((base / path).resolve())
+            section[key] = str(path if path.is_absolute() else (base / path).resolve())
 
 
 def _infer_draft_kind(raw: dict, where: str) -> None:
@@ -348,11 +371,7 @@ def _infer_draft_kind(raw: dict, where: str) -> None:
 def _from_overrides(loc: tuple[Any, ...], keys: list[str]) -> bool:
     """Whether an override wrote the value at loc (or a section around it, or a key inside it)."""
     parts = [str(p) for p in loc]
-    for key in keys:
-        k = key.split(".")
-        if parts[: len(k)] == k or k[: len(parts)] == parts:
-            return True
-    return False
+    return any(parts[:len(k)] == k or k[:len(parts)] == parts for k in (key.split(".") for key in keys))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -388,13 +407,12 @@ def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(err["loc"])
-        value = err.get("input", _lookup(raw, loc))
         if err["type"] == "extra_forbidden":
             problem = f"unknown key; {_known_keys([str(p) for p in loc[:-1]])}"
         else:
             problem = err["msg"]
         where = "--set" if _from_overrides(loc, keys) else source
-        raise ConfigError(where, _fmt_loc(loc), value, problem) from None
+        raise ConfigError(where, _fmt_loc(loc), err["input"], problem) from None
     cfg.source = source
     cfg._override_keys = tuple(keys)
     return cfg

@@ -1,24 +1,18 @@
 """GGUF files as model inputs: `target.model`, `draft.model` and `hetero-spec export --model` may name a `.gguf`.
 
-Both backends and the ONNX model builder read Hugging Face directories, so a GGUF is converted once into one and
-then used as any Hugging Face checkpoint: the target loads it with torch or exports it to ONNX, the draft exports it
-at draft.precision (int4 when unset: a GGUF is a quantized file, and an fp32 export of it would be 4-8x its size).
-Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `gguf-hf/NAME-KEY`; KEY hashes the
-file's resolved path, size and mtime_ns with the transformers version (its loader does the dequantizing) and this
-converter's version, so an edited file converts again and an unchanged one never twice. The conversion goes to a
-scratch folder renamed into place, under a file lock, as target/export_cache.py does for exports.
-
-transformers dequantizes every weight to fp32, so the directory is the GGUF's model exactly, quantization error
-included: "identical to the target alone" stays relative to the GGUF. Two things its save_pretrained would lose are
-carried over: every end-of-generation id llama.cpp stops on (generation_config.json keeps only one EOS otherwise),
-and the chat template (chat_template.jinja). Converting needs torch, transformers and the `gguf` extra (gguf,
-accelerate); metadata is read with gguf's GGUFReader before anything heavy loads, so a bad file fails at once.
+Both backends and the ONNX model builder read Hugging Face directories, so transformers' GGUF loader converts a GGUF
+once into one (fp32, dequantized: the GGUF's model exactly, quantization error included), then used as any Hugging
+Face checkpoint; the draft exports it at draft.precision (int4 when unset: an fp32 export would be 4-8x the GGUF).
+Entries live in the cache (target/export_cache.py) under `gguf-hf/NAME-KEY`; KEY hashes the file's resolved path,
+size and mtime_ns with the transformers version and this converter's, so an edited file converts again and an
+unchanged one never twice. The conversion keeps what save_pretrained would lose: every end-of-generation id
+llama.cpp stops on (generation_config.json) and the chat template. Metadata is read with gguf's GGUFReader before
+anything heavy loads, so a bad file fails at once. Converting needs torch and the `gguf` extra (gguf, accelerate).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import time
@@ -28,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, ModelLoadError
-from .target.export_cache import EXPORTABLE, build_once, stderr_progress, cache_root
+from .target.export_cache import EXPORTABLE, build_once, cache_root, stamp_key
 
 if TYPE_CHECKING:
     from .config import Config
@@ -101,14 +95,10 @@ def _read_info(path: str, size: int, mtime_ns: int) -> GGUFInfo:
 def _eog_ids(get, tokens: list[str]) -> tuple[int, ...]:
     """llama.cpp's end-of-generation ids (see _EOG_TEXT), with its two exceptions: `<|end|>` is not one next to
     `<|return|>`/`<|call|>` (o200k harmony) or `<|calls|>`/`<|flush|>`; `</s>` is not one next to `<|tool_response>`."""
-    first = {}
-    for i, text in enumerate(tokens):
-        first.setdefault(text, i)
+    first = {text: i for i, text in reversed(list(enumerate(tokens)))}  # each text's first id
     ids = {int(get(k)) for k in _EOG_KEYS if get(k) is not None}
-    for key, names in _FIM_EOG.items():
-        found = get(key)
-        if found is None:
-            found = min((first[n] for n in names if n in first), default=None)
+    for key, names in _FIM_EOG.items():  # declared, else found by text
+        found = get(key, min((first[n] for n in names if n in first), default=None))
         if found is not None:
             ids.add(int(found))
     ids |= {first[t] for t in _EOG_TEXT if t in first}
@@ -156,31 +146,31 @@ def check(path: Path, source: str, key: str, onnx: bool = False) -> None:
     source, the key and the value. A file already converted is not read again (an export of its conversion is
     checked by export_cache.exportable, as for any Hugging Face directory)."""
     path = Path(path)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(source, key, str(path), why)
+
     if not path.is_file():
-        raise ConfigError(source, key, str(path), "GGUF file not found" if not path.is_dir() else
-                          "a directory named .gguf: give the GGUF file, or a Hugging Face model directory")
+        raise bad("GGUF file not found" if not path.is_dir() else
+                  "a directory named .gguf: give the GGUF file, or a Hugging Face model directory")
     if _complete(entry_dir(path)):
-        return None
+        return
     try:
         info = read_info(path)
     except ImportError as exc:
-        raise ConfigError(source, key, str(path), f"reading a GGUF needs the gguf extra ({exc}): "
-                          "pip install 'hetero-spec[gguf]'") from None
+        raise bad(f"reading a GGUF needs the gguf extra ({exc}): pip install 'hetero-spec[gguf]'") from None
     except Exception as exc:  # GGUFReader: ValueError for a bad magic; a truncated file raises others
-        raise ConfigError(source, key, str(path), f"not a GGUF file that can be read: {exc}") from None
-    archs = convertible()
+        raise bad(f"not a GGUF file that can be read: {exc}") from None
+    arch, archs = f"general.architecture {info.architecture!r}", convertible()
     if info.architecture not in archs and _RENAMED.get(info.architecture) not in archs:
-        raise ConfigError(source, key, str(path),
-                          f"general.architecture {info.architecture!r}: transformers cannot convert this GGUF "
-                          f"architecture to a Hugging Face checkpoint (it converts: {', '.join(sorted(archs))})")
+        raise bad(f"{arch}: transformers cannot convert this GGUF architecture to a Hugging Face checkpoint "
+                  f"(it converts: {', '.join(sorted(archs))})")
     cls = hf_architecture(info)
     if cls == "":
-        raise ConfigError(source, key, str(path), f"general.architecture {info.architecture!r} is not a "
-                          "decoder-only causal language model")
+        raise bad(f"{arch} is not a decoder-only causal language model")
     if onnx and cls is not None and cls not in EXPORTABLE:
-        raise ConfigError(source, key, str(path),
-                          f"general.architecture {info.architecture!r} converts to {cls}, which the ONNX model builder "
-                          f"does not export{'; use target.backend: torch' if key == 'target.model' else ''}")
+        raise bad(f"{arch} converts to {cls}, which the ONNX model builder does not export"
+                  f"{'; use target.backend: torch' if key == 'target.model' else ''}")
 
 
 def source_stamp(path: Path) -> dict:
@@ -193,9 +183,8 @@ def source_stamp(path: Path) -> dict:
             "transformers": version("transformers"), "converter": CONVERTER}
 
 
-def entry_dir(path: Path, root: Path | None = None) -> Path:
-    key = hashlib.sha256(json.dumps(source_stamp(path), sort_keys=True).encode()).hexdigest()[:16]
-    return (root or cache_root()) / "gguf-hf" / f"{Path(path).resolve().stem}-{key}"
+def entry_dir(path: Path) -> Path:
+    return cache_root() / "gguf-hf" / f"{Path(path).resolve().stem}-{stamp_key(source_stamp(path))}"
 
 
 def _complete(entry: Path) -> bool:
@@ -208,19 +197,15 @@ def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", o
     path = Path(path)
     check(path, source, key, onnx)
     entry = entry_dir(path)
-    if _complete(entry):
-        log.info("%s: using the cached conversion %s of %s", key, entry, path)
-        return entry
 
-    def convert(scratch: Path) -> None:
-        say = progress or stderr_progress(entry)
+    def convert(scratch: Path, say: Callable[[str], None]) -> None:
         say(f"converting {path.name} to a Hugging Face checkpoint once, into the cache {entry} "
             "(set HETERO_SPEC_CACHE to move it)")
         start = time.monotonic()
         _convert(path, scratch, read_info(path), say, f"{source}: {key} = {str(path)!r}")
         say(f"converted in {time.monotonic() - start:.1f} s")
 
-    return build_once(entry, _complete, convert)
+    return build_once(entry, _complete, convert, f"{key}: using the cached conversion {entry} of {path}", progress)
 
 
 def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], where: str) -> None:
@@ -269,10 +254,8 @@ def _dequantized() -> dict:
 def _unquantize(model) -> None:
     """Make a loaded GGUF model serializable: its weights are plain fp32 tensors already, but a GGUF quantizer left
     on it makes save_pretrained raise "quantized with gguf and is not serializable"."""
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-    if "quantization_config" in vars(model.config):
-        del model.config.quantization_config
+    model.hf_quantizer = None
+    vars(model.config).pop("quantization_config", None)
 
 
 def resolve(cfg: Config) -> Config:

@@ -51,10 +51,8 @@ class Stats:
         busy = self.time_prefill_s + self.time_draft_s + self.time_verify_s
         return max(0.0, self.time_total_s - busy)
 
-
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(acceptance_rate=None if self.acceptance_rate is None else round(self.acceptance_rate, 4), tokens_per_s=round(self.tokens_per_s, 2),
-                 time_idle_s=self.time_idle_s,
-                 tokens_per_round=round((self.new_tokens / self.rounds) if self.rounds else 0.0, 3))
-        return d
+        rate = self.acceptance_rate
+        return {**asdict(self), "acceptance_rate": None if rate is None else round(rate, 4),
+                "tokens_per_s": round(self.tokens_per_s, 2), "time_idle_s": self.time_idle_s,
+                "tokens_per_round": round(self.new_tokens / self.rounds if self.rounds else 0.0, 3)}

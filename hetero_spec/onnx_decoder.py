@@ -1,21 +1,16 @@
-"""One runner for a decoder exported by onnxruntime-genai's model builder, with a rollback-able KV cache.
+"""One runner for a decoder exported by onnxruntime-genai's model builder, with a rollback-able KV cache; used by
+the ONNX drafter and the ONNX target backend. Imports onnxruntime and numpy, never torch.
 
-Used by the ONNX drafter and by the ONNX target backend. Imports onnxruntime and numpy, never torch.
-
-The exported model's inputs are `input_ids`, `attention_mask` (total length), optionally `position_ids`,
-and `past_key_values.N.key/value` [batch, kv_heads, past, head_dim]; its outputs are `logits` and
-`present.N.key/value`. The runner is stateless: each request's cache lives in a `DecoderState`, so one
-loaded model can serve several requests.
-
-Two cache layouts, chosen per model:
-- shared (the builder's `search.past_present_share_buffer: true`, CPU provider): each state owns one
-  preallocated buffer per past tensor, [1, kv_heads, capacity, head_dim], bound through IO binding as both
-  `past_key_values.N` and `present.N`. GroupQueryAttention writes the new positions in place, so a step copies
-  no past, and rolling back is only lowering `n_past` (later writes overwrite the rolled-back positions).
-  The buffer doubles when it fills, up to the context. Measured on the demo target (docs/benchmarks.md, "ONNX decoder
-  cost"): 25 % less per step at a 1000-token context.
-- copy (any other export or provider): past in, present out as fresh numpy arrays, as onnxruntime's plain
-  `run` does; rolling back slices the past along its third axis.
+Inputs: `input_ids`, `attention_mask` (total length), optionally `position_ids`, and `past_key_values.N.key/value`
+[batch, kv_heads, past, head_dim]; outputs: `logits` and `present.N.key/value`. Each request's cache lives in a
+`DecoderState`, so one loaded model serves several requests. Two cache layouts, chosen per model:
+- shared (the builder's `search.past_present_share_buffer: true`, CPU provider): one preallocated buffer per past
+  tensor, [1, kv_heads, capacity, head_dim], bound through IO binding as both `past_key_values.N` and `present.N`.
+  GroupQueryAttention writes the new positions in place, so a step copies no past, and rolling back only lowers
+  `n_past` (later writes overwrite the rolled-back positions). The buffer doubles when it fills, up to the context.
+  25 % less per step at a 1000-token context (docs/benchmarks.md, "ONNX decoder cost").
+- copy (any other export or provider): past in, present out as fresh numpy arrays (onnxruntime's plain `run`);
+  rolling back slices the past along its third axis.
 """
 
 from __future__ import annotations
@@ -66,6 +61,10 @@ class DecoderState:
     def capacity(self) -> int:
         return self.kv[0].shape[2] if self.kv else 0
 
+    @property
+    def n_cached(self) -> int:  # the verifier interface's name (target/base.py): the ONNX target's state is this
+        return self.n_past
+
 
 class OnnxDecoder:
     """A builder-exported decoder in a plain InferenceSession. `vocab_width` pads or cuts the logits to
@@ -89,8 +88,7 @@ class OnnxDecoder:
         # while the worker's core is mostly free during the prompt (docs/features-two-process.md). Its pool
         # threads never spin: after the prefill the other core is the worker's.
         self.prefill_threads = prefill_threads if prefill_threads and prefill_threads > threads else None
-        self._wide = (self._load(path, providers, self.prefill_threads, False, role)
-                      if self.prefill_threads else None)
+        self._wide = self._load(path, providers, self.prefill_threads, False, role) if self.prefill_threads else None
         self.model_dir = model_dir
         self._setup_io(model_dir)
         self.vocab_width = vocab_width or self.model_vocab
@@ -190,27 +188,28 @@ class OnnxDecoder:
             self._bind_kv(io, state.kv)
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
-        # the logits go straight into a numpy array of ours: no OrtValue wrappers, no copy out
-        logits = np.empty((1, n, self.model_vocab), dtype=self.logits_dtype)
-        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
+        logits = self._bind_logits(io, 1, n)
         session.run_with_iobinding(io)
         return logits
 
+    def _bind_logits(self, io, rows: int, n: int) -> np.ndarray:
+        """Bind the logits output [rows, n, model_vocab] to a numpy array of ours (no OrtValue, no copy out)."""
+        logits = np.empty((rows, n, self.model_vocab), dtype=self.logits_dtype)
+        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
+        return logits
+
     def _step_shared(self, state: DecoderState, token: int) -> np.ndarray:
-        """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the
-        attention mask, whose length grows, is bound anew (binding every input and the logits each step cost
-        as much as 0.1-0.2 ms of Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next
-        step's."""
+        """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the attention
+        mask, whose length grows, is bound anew (binding every input and the logits each step cost as much as 0.1-0.2
+        ms of Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
         self._make_room(state, 1)
         io = state.binding
         if state.step is None:
             ids, pos = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
-            logits = np.empty((1, 1, self.model_vocab), dtype=self.logits_dtype)
             io.bind_cpu_input("input_ids", ids)  # backed by ids' memory: what a later run reads is ids' value
             if self.has_position_ids:
                 io.bind_cpu_input("position_ids", pos)
-            io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
-            state.step = (ids, pos, logits)
+            state.step = (ids, pos, self._bind_logits(io, 1, 1))
         ids, pos, logits = state.step
         ids[0, 0] = token
         pos[0, 0] = state.n_past
@@ -221,12 +220,15 @@ class OnnxDecoder:
 
     def _grow(self, state: DecoderState, needed: int) -> None:
         """New buffers of at least `needed` positions holding the cached ones; rebinds past and present."""
-        cap = max(needed, min(max(2 * state.capacity, self.initial_capacity), self.context_len))
-        shape = (1, self.kv_shape[1], cap, self.kv_shape[3])
-        kv = [np.zeros(shape, dtype=self.kv_dtype) for _ in self.past_names]
+        kv = self._alloc(1, needed, state.capacity)
         for new, old in zip(kv, state.kv):
             new[:, :, :state.n_past] = old[:, :, :state.n_past]
         self._bind(state, kv)
+
+    def _alloc(self, rows: int, needed: int, capacity: int) -> list[np.ndarray]:
+        """Zeroed buffers [rows, kv_heads, cap, head_dim]: cap doubles `capacity` (up to the context) or is `needed`."""
+        cap = max(needed, min(max(2 * capacity, self.initial_capacity), self.context_len))
+        return [np.zeros((rows, self.kv_shape[1], cap, self.kv_shape[3]), dtype=self.kv_dtype) for _ in self.past_names]
 
     def _bind(self, state: DecoderState, kv: list[np.ndarray]) -> None:
         io = self.session.io_binding()
@@ -261,16 +263,14 @@ class OnnxDecoder:
         past = [pool.n_past(slot) for slot in range(lo, hi)]
         pool.ensure(max(past) + 1)
         ids = np.zeros((hi - lo, 1), dtype=np.int64)
-        for s, tok in zip(states, tokens):
-            ids[s.slot - lo, 0] = tok
+        ids[[s.slot - lo for s in states], 0] = tokens
         mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
         io = pool.binding(lo, hi)
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
         if self.has_position_ids:
             io.bind_cpu_input("position_ids", np.asarray(past, dtype=np.int64)[:, None])
-        logits = np.empty((hi - lo, 1, self.model_vocab), dtype=self.logits_dtype)
-        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
+        logits = self._bind_logits(io, hi - lo, 1)
         self.session.run_with_iobinding(io)
         for s in states:
             s.n_past += 1
@@ -288,9 +288,7 @@ class OnnxDecoder:
     def fit_width(self, logits: np.ndarray) -> np.ndarray:
         """Make the logits as wide as vocab_width (-inf where the model has no column)."""
         w = self.vocab_width
-        if logits.shape[-1] == w:
-            return logits
-        if logits.shape[-1] > w:
+        if logits.shape[-1] >= w:
             return logits[..., :w]
         pad = np.full((*logits.shape[:-1], w - logits.shape[-1]), -np.inf, dtype=logits.dtype)
         return np.concatenate([logits, pad], axis=-1)
@@ -341,10 +339,7 @@ class KvPool:
         """At least `needed` positions per slot; growing copies every slot's cached positions once."""
         if needed <= self.capacity:
             return
-        dec = self.decoder
-        cap = max(needed, min(max(2 * self.capacity, dec.initial_capacity), dec.context_len))
-        shape = (self.slots, dec.kv_shape[1], cap, dec.kv_shape[3])
-        kv = [np.zeros(shape, dtype=dec.kv_dtype) for _ in dec.past_names]
+        kv = self.decoder._alloc(self.slots, needed, self.capacity)
         for new, old in zip(kv, self.kv):
             new[:, :, :old.shape[2]] = old
         self.kv = kv

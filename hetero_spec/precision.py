@@ -22,7 +22,6 @@ import logging
 from pathlib import Path
 
 from .config import Config
-from .errors import ConfigError
 
 log = logging.getLogger("hetero_spec.precision")
 
@@ -49,61 +48,51 @@ def resolve_auto(cfg: Config, recommended: str | None) -> Config:
     return out
 
 
-def target_precision(cfg: Config, cuda: bool) -> str:
-    """The target's precision: target.precision, else from target.dtype (auto: bf16 on CUDA, fp32 on a CPU).
-    A dtype that contradicts the precision is an error naming both keys."""
-    t = cfg.target
-    if t.precision is None:
-        if t.dtype == "auto":
-            return "bf16" if cuda else "fp32"
-        return _FROM_DTYPE[t.dtype]
-    float_of = _FROM_DTYPE.get(t.dtype)
-    if float_of is not None and float_of != t.precision and not (t.precision in ("int8", "int4") and
-                                                                  float_of == "fp32"):
-        raise ConfigError(cfg.blame("target.precision"), "target.precision", t.precision,
-                          f"contradicts target.dtype: {t.dtype} (its alias for precision {float_of}); set one of "
-                          "them (quantized int8/int4 targets compute in float32: dtype auto or float32)")
-    return t.precision
-
-
 def check_target(cfg: Config, backend: str, cuda: bool) -> str:
-    """The precision, checked against what the backend can run here; ConfigError names the key and says why.
-    What the backend cannot run is reported before a dtype that contradicts the precision: fixing the dtype first
-    would only lead to the real reason (e.g. fp16 on the CPU export, which computes in fp32)."""
+    """The target's precision: target.precision, else from target.dtype (auto: bf16 on CUDA, fp32 on a CPU),
+    checked against what the backend can run here; ConfigError names the key and says why. What the backend
+    cannot run is reported before a dtype that contradicts the precision: fixing the dtype first would only lead
+    to the real reason (e.g. fp16 on the CPU export, which computes in fp32)."""
     t = cfg.target
-    p = t.precision or target_precision(cfg, cuda)
+    float_of = _FROM_DTYPE.get(t.dtype)
+    p = t.precision or float_of or ("bf16" if cuda else "fp32")
     _check_backend(cfg, backend, cuda, p)
-    return target_precision(cfg, cuda)
+    if t.precision is not None and float_of not in (None, t.precision) and not (
+            t.precision in ("int8", "int4") and float_of == "fp32"):
+        raise cfg.error("target.precision", t.precision,
+                        f"contradicts target.dtype: {t.dtype} (its alias for precision {float_of}); set one of "
+                        "them (quantized int8/int4 targets compute in float32: dtype auto or float32)")
+    return p
 
 
 def _check_backend(cfg: Config, backend: str, cuda: bool, p: str) -> None:
     t = cfg.target
     if backend == "onnx" and t.kv_cache_dtype != "auto":
-        raise ConfigError(cfg.blame("target.kv_cache_dtype"), "target.kv_cache_dtype", t.kv_cache_dtype,
-                          "the onnx backend keeps the export's KV cache (fp32 in the builder's CPU graph; the "
-                          "builder quantizes KV caches only for GroupQueryAttention/PagedAttention on GPU "
-                          "providers): use auto, or the torch backend")
-    if backend == "onnx":
-        is_export = t.model is not None and (Path(t.model) / "model.onnx").is_file()
-        if is_export and t.precision is not None:
-            log.info("target.precision %s: target.model is already an export (%s); it is used as it is",
-                     p, t.model)
-        first = (t.providers or ["CPUExecutionProvider"])[0]
-        if not is_export and first == "CPUExecutionProvider" and p not in ONNX_CPU:
-            raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
-                              "the ONNX model builder's CPU export computes in fp32: choose fp32, int8 or int4 for "
-                              "the CPU provider (fp16 needs a GPU provider's export: target.providers: "
-                              "[CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend on CUDA)")
-        if not is_export and first != "CPUExecutionProvider" and p not in ONNX_GPU:
-            raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
-                              f"the ONNX model builder exports fp32, fp16, int8 or int4 for {first}: choose one "
-                              "of them (bf16: the torch backend on CUDA)")
+        raise cfg.error("target.kv_cache_dtype", t.kv_cache_dtype,
+                        "the onnx backend keeps the export's KV cache (fp32 in the builder's CPU graph; the "
+                        "builder quantizes KV caches only for GroupQueryAttention/PagedAttention on GPU "
+                        "providers): use auto, or the torch backend")
+    if backend != "onnx":
+        if p == "int4" or (p == "int8" and cuda):
+            raise cfg.error("target.precision", p,
+                            f"the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); "
+                            f"{p}{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the onnx "
+                            "backend (int8, int4 on a CPU) or fp16/bf16")
         return
-    if p == "int4" or (p == "int8" and cuda):
-        raise ConfigError(cfg.blame("target.precision"), "target.precision", p,
-                          f"the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); {p}"
-                          f"{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the onnx "
-                          "backend (int8, int4 on a CPU) or fp16/bf16")
+    if t.model is not None and (Path(t.model) / "model.onnx").is_file():
+        if t.precision is not None:
+            log.info("target.precision %s: target.model is already an export (%s); it is used as it is", p, t.model)
+        return
+    first = (t.providers or ["CPUExecutionProvider"])[0]
+    if first == "CPUExecutionProvider" and p not in ONNX_CPU:
+        raise cfg.error("target.precision", p,
+                        "the ONNX model builder's CPU export computes in fp32: choose fp32, int8 or int4 for "
+                        "the CPU provider (fp16 needs a GPU provider's export: target.providers: "
+                        "[CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend on CUDA)")
+    if first != "CPUExecutionProvider" and p not in ONNX_GPU:
+        raise cfg.error("target.precision", p,
+                        f"the ONNX model builder exports fp32, fp16, int8 or int4 for {first}: choose one "
+                        "of them (bf16: the torch backend on CUDA)")
 
 
 def resolve_draft(cfg: Config) -> Config:
@@ -114,17 +103,17 @@ def resolve_draft(cfg: Config) -> Config:
         return cfg
     model = Path(d.model)
     if (model / "model.onnx").is_file():
-        raise ConfigError(cfg.blame("draft.precision"), "draft.precision", d.precision,
-                          f"draft.model ({model}) is already an ONNX export with its own precision; give the "
-                          "Hugging Face checkpoint to export it at draft.precision, or drop draft.precision")
+        raise cfg.error("draft.precision", d.precision,
+                        f"draft.model ({model}) is already an ONNX export with its own precision; give the "
+                        "Hugging Face checkpoint to export it at draft.precision, or drop draft.precision")
     if not (model / "config.json").is_file():
-        raise ConfigError(cfg.blame("draft.model"), "draft.model", str(model),
-                          "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
+        raise cfg.error("draft.model", str(model),
+                        "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
     from .target.export_cache import cached_export, exportable
 
     ok, why = exportable(model)
     if not ok:
-        raise ConfigError(cfg.blame("draft.model"), "draft.model", str(model), f"cannot export the draft: {why}")
+        raise cfg.error("draft.model", str(model), f"cannot export the draft: {why}")
     out = cfg.model_copy(deep=True)
     out.draft.model = cached_export(model, d.precision, role="draft")
     out.draft.precision = None

@@ -1,58 +1,119 @@
-"""Preflight: a config's model paths checked before anything heavy loads (the target takes seconds to minutes),
-each failure a ConfigError naming the source, the key and the value."""
+"""Preflight: a config checked before anything heavy loads (the target takes seconds to minutes): model paths,
+the worker's TCP bind address and keys, the draft's execution providers and vocabulary. Each failure is an
+error naming the source, the key and the value."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .config import Config
-from .errors import ConfigError
+from .errors import VocabMismatchError
 from .gguf_source import check as check_gguf, is_gguf
 from .target.export_cache import exportable
 
 
+def check_config(cfg: Config) -> None:
+    """Everything check_paths checks, then the worker's link and the onnx draft against the target."""
+    check_paths(cfg)
+    rt = cfg.runtime
+    if rt.mode != "in_process" and rt.transport == "tcp":
+        from .transport.channel import check_bind_host
+
+        why = check_bind_host(rt.host, rt.curve_keys is not None)
+        if why:
+            raise cfg.error("runtime.host", rt.host, why)
+    if rt.mode != "in_process" and rt.curve_keys is not None:
+        from .transport.channel import CurveKeys
+
+        try:
+            CurveKeys.load(rt.curve_keys)
+        except (OSError, ValueError) as exc:
+            raise cfg.error("runtime.curve_keys", str(rt.curve_keys), f"cannot read the CURVE keys ({exc}); "
+                            "make them with `hetero-spec keys --out DIR`") from None
+    if cfg.draft.kind == "onnx":
+        from .onnx_decoder import check_providers
+
+        check_providers(cfg.draft.providers, source=cfg.blame("draft.providers"))
+        check_vocab(cfg.target.model, cfg.draft.model, source=cfg.blame("draft.model"))
+
+
 def check_paths(cfg: Config) -> None:
-    """Model directories (or GGUF files: their metadata) must exist (and the modes fit together) before anything
-    heavy loads."""
-    if cfg.runtime.mode == "two_process" and cfg.draft.kind != "onnx":
-        raise ConfigError(cfg.blame("runtime.mode"), "runtime.mode", cfg.runtime.mode,
-                          f"two_process needs draft.kind: onnx (got {cfg.draft.kind!r}); "
-                          "use runtime.mode: in_process for ngram or none")
+    """Model directories (or GGUF files: their metadata) must exist, and the modes fit together."""
     d = cfg.draft
+    if cfg.runtime.mode == "two_process" and d.kind != "onnx":
+        raise cfg.error("runtime.mode", cfg.runtime.mode, f"two_process needs draft.kind: onnx (got {d.kind!r}); "
+                        "use runtime.mode: in_process for ngram or none")
     if "onnx" in d.candidates and d.kind != "onnx":
-        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
-                          "onnx among the candidates needs draft.kind: onnx and draft.model")
+        raise cfg.error("draft.candidates", d.candidates,
+                        "onnx among the candidates needs draft.kind: onnx and draft.model")
     if len(set(d.candidates)) != len(d.candidates):
-        raise ConfigError(cfg.blame("draft.candidates"), "draft.candidates", d.candidates,
-                          "each strategy may appear once")
+        raise cfg.error("draft.candidates", d.candidates, "each strategy may appear once")
     if cfg.target.model is None:
-        raise ConfigError(cfg.blame("target.model"), "target.model", None, "a target model directory is required")
+        raise cfg.error("target.model", None, "a target model directory is required")
     if is_gguf(cfg.target.model):  # converted to a Hugging Face directory by gguf_source.resolve
         check_gguf(cfg.target.model, cfg.blame("target.model"), "target.model", onnx=cfg.target.backend == "onnx")
     else:
         _check_target_dir(cfg)
-    if cfg.draft.kind == "onnx":
-        if cfg.draft.model is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", None,
-                              "draft.kind is onnx, so a draft model is required")
-        if is_gguf(cfg.draft.model):
-            check_gguf(cfg.draft.model, cfg.blame("draft.model"), "draft.model", onnx=True)
-        elif not (cfg.draft.model / "model.onnx").is_file() and cfg.draft.precision is None:
-            raise ConfigError(cfg.blame("draft.model"), "draft.model", str(cfg.draft.model),
-                              "no model.onnx in this directory (make one with `hetero-spec export`)")
+    if d.kind != "onnx":
+        return
+    if d.model is None:
+        raise cfg.error("draft.model", None, "draft.kind is onnx, so a draft model is required")
+    if is_gguf(d.model):
+        check_gguf(d.model, cfg.blame("draft.model"), "draft.model", onnx=True)
+    elif not (d.model / "model.onnx").is_file() and d.precision is None:
+        raise cfg.error("draft.model", str(d.model),
+                        "no model.onnx in this directory (make one with `hetero-spec export`)")
 
 
 def _check_target_dir(cfg: Config) -> None:
     """target.model as a directory: a Hugging Face checkpoint, or an export the backend can run."""
-    is_export = (cfg.target.model / "model.onnx").is_file()
+    model = cfg.target.model
+    is_export = (model / "model.onnx").is_file()
     if cfg.target.backend == "torch" and is_export:
-        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                          "this is an ONNX export, which target.backend torch cannot run; set target.backend: "
-                          "onnx (or auto), or point target.model at the Hugging Face checkpoint")
-    if not is_export and not (cfg.target.model / "config.json").is_file():
-        raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                          "not a Hugging Face model directory (no config.json found)")
+        raise cfg.error("target.model", str(model),
+                        "this is an ONNX export, which target.backend torch cannot run; set target.backend: "
+                        "onnx (or auto), or point target.model at the Hugging Face checkpoint")
+    if not is_export and not (model / "config.json").is_file():
+        raise cfg.error("target.model", str(model), "not a Hugging Face model directory (no config.json found)")
     if cfg.target.backend == "onnx" and not is_export:
-        ok, why = exportable(cfg.target.model)
+        ok, why = exportable(model)
         if not ok:
-            raise ConfigError(cfg.blame("target.model"), "target.model", str(cfg.target.model),
-                              f"target.backend onnx needs an ONNX export of the target, but {why}; use "
-                              "target.backend: torch (or auto)")
+            raise cfg.error("target.model", str(model),
+                            f"target.backend onnx needs an ONNX export of the target, but {why}; use "
+                            "target.backend: torch (or auto)")
+
+
+def _tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+
+
+def check_vocab(target_dir: Path, draft_dir: Path, source: str = "<config>") -> None:
+    """The draft must emit the same token ids as the target: same tokenizer vocabulary.
+
+    Logit widths may differ (transformers pads some vocabularies); what matters is the ids the
+    tokenizers define. A draft directory without a tokenizer.json cannot be checked and is trusted.
+    """
+    tv, dv = _tokenizer_vocab(target_dir), _tokenizer_vocab(draft_dir)
+    if tv is None or dv is None or tv == dv:
+        return
+    raise VocabMismatchError(f"{source}: draft.model = {str(draft_dir)!r}: its tokenizer differs from the one "
+                             f"of target.model ({target_dir}): {_vocab_diff(tv, dv)}; the draft must use "
+                             "the target's tokenizer")
+
+
+def _vocab_diff(tv: dict[str, int], dv: dict[str, int], examples: int = 3) -> str:
+    """Sizes when they differ, then the first few tokens (by target id) whose ids differ."""
+    out = [] if len(tv) == len(dv) else [f"the target's has {len(tv)} tokens, the draft's {len(dv)}"]
+    diffs = [f"token {tok!r} is id {i} in the target's tokenizer but "
+             + ("missing from the draft's" if dv.get(tok) is None else f"id {dv[tok]} in the draft's")
+             for tok, i in sorted(tv.items(), key=lambda kv: kv[1]) if dv.get(tok) != i]
+    diffs += [f"token {tok!r} is id {j} in the draft's tokenizer but missing from the target's"
+              for tok, j in sorted(dv.items(), key=lambda kv: kv[1]) if tok not in tv]
+    if diffs:
+        out.append(f"{len(diffs)} tokens differ, e.g. " + "; ".join(diffs[:examples]))
+    return "; ".join(out)

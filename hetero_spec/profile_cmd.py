@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .config import load_config
 from .engine import Engine
-from .errors import ConfigError
 from .tuning.cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
 from .tuning.profile import (median_s, batch_points, decoder_token_s, recommended_batch, transfer_points,
                              verify_points)
+
+IN_PROCESS = {"runtime.mode": "in_process", "runtime.cpus": None}  # every cost on its own; layouts come after
 
 
 def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
@@ -30,21 +32,29 @@ def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
 def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:
     """Per-token acceptance over calibration prompts (greedy): accepted / tested, as the controller counts it
     (tuning/cost_model.Acceptance: a round cut short by max_new_tokens tests only what it verified)."""
-    acc = tested = drafted = 0
-    for p in prompts:
-        s = engine.generate(p, max_new_tokens=max_new, gamma=gamma).stats
-        acc += s["accepted"]
-        tested += s["tested"]
-        drafted += s["drafted"]
-    a = acc / max(1, tested)
-    return a, {"accepted": acc, "drafted": drafted, "rejections": tested - acc, "prompts": len(prompts),
-               "max_new_tokens": max_new, "gamma": gamma}
+    runs = [engine.generate(p, max_new_tokens=max_new, gamma=gamma).stats for p in prompts]
+    acc, tested = sum(s["accepted"] for s in runs), sum(s["tested"] for s in runs)
+    return acc / max(1, tested), {"accepted": acc, "drafted": sum(s["drafted"] for s in runs),
+                                  "rejections": tested - acc, "prompts": len(prompts), "max_new_tokens": max_new,
+                                  "gamma": gamma}
 
 
 def _decode_goodput(stats: list[dict]) -> float:
     """Committed tokens per second of decoding (prefill excluded, as in the cost model)."""
     return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"]
                                                                for s in stats))
+
+
+def _cost_model(vpoints: list[tuple[int, float]], draft_token_s: float, transfer_s: float = 0.0) -> CostModel:
+    """The verify line fitted to (tokens, seconds) points, clipped at 0."""
+    c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
+    return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=draft_token_s,
+                     transfer_s=transfer_s)
+
+
+def _by_k(vpoints: list[tuple[int, float]]) -> dict[str, float]:
+    """Verify seconds keyed by draft tokens (a point's tokens include the one after the cached text)."""
+    return {str(x - 1): round(y, 6) for x, y in vpoints}
 
 
 def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[list[int]], max_new: int,
@@ -57,17 +67,16 @@ def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[li
     for kind, d in kinds:
         name = str(d) if d is not None else "ngram"
         say(f"draft {name}: time per token and acceptance")
-        over = {"draft.kind": kind, "draft.candidates": [], "speculation.gamma": 8}
-        if d is not None:
-            over["draft.model"] = str(d)
+        over = {"draft.kind": kind, "draft.candidates": [], "speculation.gamma": 8,
+                **({"draft.model": str(d)} if d is not None else {})}
         with Engine.from_config(config, overrides=over) as eng:
             d_tok = _draft_token_s(eng, calib[0], reps)  # 0.0: the n-gram lookup costs microseconds
             a, info = _acceptance(eng, calib, max_new)
         m = CostModel(model.verify_fixed_s, model.verify_per_token_s, d_tok, model.transfer_s)
+        best = {lay: m.best_gamma(a, lay) for lay in LAYOUTS}
         out[name] = {"kind": kind, "draft_token_s": round(d_tok, 7), "acceptance": round(a, 4),
                      "tested_tokens": info["accepted"] + info["rejections"],
-                     "best": {lay: {"gamma": m.best_gamma(a, lay)[0],
-                                    "predicted_tok_s": round(m.best_gamma(a, lay)[1], 2)} for lay in LAYOUTS}}
+                     "best": {lay: {"gamma": g, "predicted_tok_s": round(r, 2)} for lay, (g, r) in best.items()}}
     return out
 
 
@@ -88,19 +97,16 @@ def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_n
     rows: dict[str, Any] = {}
     for p in precisions_here(config):
         say(f"target precision {p}: verify line, draft cost and acceptance (exported once if needed)")
-        with Engine.from_config(config, overrides={"target.precision": p, "runtime.mode": "in_process",
-                                                   "runtime.cpus": None}) as eng:
+        with Engine.from_config(config, overrides={"target.precision": p, **IN_PROCESS}) as eng:
             vpoints = verify_points(eng.target, prompt, [0, 8], reps)
             a, _ = _acceptance(eng, calib, max_new)
             d_tok = _draft_token_s(eng, prompt, reps)
-        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
-        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok)
+        model = _cost_model(vpoints, d_tok)
         g, rate = model.best_gamma(a, "in_process")
-        rows[p] = {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints}, "draft_token_s": round(d_tok, 6),
-                   "acceptance": round(a, 4), "best_gamma": g, "predicted_tok_s": round(rate, 1),
+        rows[p] = {"verify_s": _by_k(vpoints), "draft_token_s": round(d_tok, 6), "acceptance": round(a, 4),
+                   "best_gamma": g, "predicted_tok_s": round(rate, 1),
                    "target_only_tok_s": round(1.0 / model.verify(0), 1), "lossless_vs_checkpoint": p == "fp32"}
-    recommended = max(rows, key=lambda p: rows[p]["predicted_tok_s"]) if rows else None
-    return {"candidates": rows, "recommended": recommended,
+    return {"candidates": rows, "recommended": max(rows, key=lambda p: rows[p]["predicted_tok_s"], default=None),
             "note": "used by target.precision: auto only with target.allow_lossy: true (quantizing changes "
                     "the model's output)"}
 
@@ -125,10 +131,9 @@ def _profile_placement(config, acceptance: float, calib: list[list[int]], max_ne
             row["measured_tok_s"] = round(_decode_goodput(
                 [eng.generate(p, max_new_tokens=max_new).stats for p in calib]), 2)
     measured_best = max(rows, key=lambda r: r["measured_tok_s"])
+    keys = ("mode", "target_threads", "draft_threads")
     return {"costs": costs.to_dict(), "candidates": rows,
-            "recommended": {"mode": best.mode, "target_threads": best.target_threads,
-                            "draft_threads": best.draft_threads},
-            "measured_best": {k: measured_best[k] for k in ("mode", "target_threads", "draft_threads")}}
+            "recommended": {k: getattr(best, k) for k in keys}, "measured_best": {k: measured_best[k] for k in keys}}
 
 
 def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file: Path | None = None,
@@ -138,22 +143,17 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     import yaml
 
     from .bench.prompts import heldout_prompt_ids, prompts_from_file
-    from .config import load_config
     from .gguf_source import resolve as resolve_gguf
     from .precision import resolve_draft
 
     say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
-    # every cost is measured on its own, in process; layouts are measured afterwards (placement)
-    over = {**(overrides or {}), "runtime.mode": "in_process", "runtime.cpus": None}
+    base_config = load_config(config_path, overrides={**(overrides or {}), **IN_PROCESS})
     # a GGUF converted, a checkpoint with draft.precision exported: draft.model is then the export it measures
-    config = resolve_draft(resolve_gguf(load_config(config_path, overrides=over)))
+    config = resolve_draft(resolve_gguf(base_config))
     if config.draft.kind != "onnx":
-        raise ConfigError(config.blame("draft.kind"), "draft.kind", config.draft.kind,
-                          "profile measures a model draft: use draft.kind: onnx")
-    n_prompts, max_new = (2, 48) if quick else (6, 128)
-    ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
-    reps = 8 if quick else 20
+        raise config.error("draft.kind", config.draft.kind, "profile measures a model draft: use draft.kind: onnx")
+    n_prompts, max_new, reps = (2, 48, 8) if quick else (6, 128, 20)
     say(f"loading {config_path} (target backend {config.target.backend})")
     with Engine.from_config(config) as eng:
         if prompts_file is not None:
@@ -161,6 +161,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         else:
             prompts = heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128)
         ctx_prompt, calib = prompts[0], prompts[1:] or prompts
+        ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
         say(f"target verification, k = {ks[0]}..{ks[-1]} draft tokens after {len(ctx_prompt)} cached")
         vpoints = verify_points(eng.target, ctx_prompt, ks, reps)
         say("draft time per token")
@@ -168,34 +169,27 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         say("transfer time against payload")
         tpoints = transfer_points([64, 4096, 65536, 1 << 20], reps)
         say("prefill time against prompt length")
-        ppoints = []
-        for n in (16, 64, len(ctx_prompt)):
-            def pre(n=n):
-                state = eng.target.new_state()
-                eng.target.prefill(state, ctx_prompt[:n])
-                eng.target.release_state(state)
-            ppoints.append((n, median_s(pre, max(2, reps // 4))))
+
+        def prefill(n: int) -> None:
+            state = eng.target.new_state()
+            eng.target.prefill(state, ctx_prompt[:n])
+            eng.target.release_state(state)
+
+        ppoints = [(n, median_s(lambda n=n: prefill(n), max(2, reps // 4))) for n in (16, 64, len(ctx_prompt))]
         limit = eng.config.serving.max_batch
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= limit]
         say(f"shared target pass against batch size {sizes} (serving.max_batch {limit})")
         bpoints = batch_points(eng.target, ctx_prompt, sizes, reps)
         say(f"acceptance on {len(calib)} calibration prompts x {max_new} tokens")
         a, acc_info = _acceptance(eng, calib, max_new)
-        c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
-        model = CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=d_tok,
-                          transfer_s=tpoints[0][1])
+        model = _cost_model(vpoints, d_tok, transfer_s=tpoints[0][1])
         measured_g = [2, 4, 8, 12] if quick else [1, 2, 4, 6, 8, 10, 12, 16]
         say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
-        measured = {}
-        for g in measured_g:
-            measured[g] = _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
-    base_config = load_config(config_path, overrides={**(overrides or {}), "runtime.mode": "in_process",
-                                                      "runtime.cpus": None})
+        measured = {g: _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
+                    for g in measured_g}
     draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new,
                                  reps, say)
-    best_draft = max(draft_rows, key=lambda n: max(r["predicted_tok_s"] for r in draft_rows[n]["best"].values()))
     place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
-    precision = _profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions else None
     recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
     profile = {
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -203,8 +197,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "config": str(config_path), "target_backend": config.target.backend,
         "target_threads": config.target.threads, "draft": str(config.draft.model),
         "draft_threads": config.draft.threads, "quick": quick,
-        "measured": {"verify_s": {str(x - 1): round(y, 6) for x, y in vpoints},
-                     "draft_token_s": round(d_tok, 6),
+        "measured": {"verify_s": _by_k(vpoints), "draft_token_s": round(d_tok, 6),
                      "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
                      "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
                      "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
@@ -212,9 +205,11 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "acceptance": {"per_token": round(a, 4), **acc_info},
         "recommended_gamma": recommended,
         "drafts": draft_rows,
-        "recommended_draft": best_draft,
+        "recommended_draft": max(draft_rows, key=lambda n: max(r["predicted_tok_s"]
+                                                               for r in draft_rows[n]["best"].values())),
         "placement": place,
-        "precision": precision,
+        "precision": (_profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions
+                      else None),
         "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
                   "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
                   "recommended_max_batch": recommended_batch(bpoints)},
@@ -230,10 +225,10 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     _plot(profile, out.with_suffix(".png"))
     say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
         f"{recommended} at acceptance {a:.3f} (E at gamma 8: {expected_tokens(a, 8):.2f})")
+    for r in (place or {}).get("candidates", []):
+        say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
+            f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
     if place is not None:
-        for r in place["candidates"]:
-            say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
-                f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
         say(f"  recommended layout {place['recommended']} (measured best {place['measured_best']})")
     return profile
 

@@ -10,22 +10,13 @@ Terms, used the same way everywhere (Leviathan et al. 2023; p = target, q = draf
   sampling the target's own choice ``y_{n+1} = argmax(log p_{n+1} + g_{n+1})``.
 * **bonus**: when all ``k`` are accepted, one extra token from ``p_{k+1}`` (coupled: ``y_{k+1}``).
 
-Every round therefore yields ``n + 1`` tokens: the accepted ones and one recovered-or-bonus token,
-called ``next_token`` below.
+Every round therefore yields ``n + 1`` tokens: the accepted ones and one recovered-or-bonus token, ``next_token``.
 
-Two sampling modes (`SamplingParams.sampling`; greedy is the same in both):
-
-* ``rejection`` (Leviathan et al.): the draft samples x_i ~ q_i and sends q; `verify_rejection`. The output
-  has the target's distribution, but which token a seed yields depends on the draft and on gamma.
-* ``coupled`` (Gumbel-max coupling): draft and target share one noise vector per absolute position,
-  keyed by (seed, position) (`exponential_noise`). The target's token there is argmax(log p + g), an exact
-  sample from p; the draft proposes argmax(log q + g) and sends tokens only; `verify_coupled`. Seeded output
-  is then that of target-only sampling with the same seed, whatever the draft, gamma or process layout.
-
-Randomness is explicit: the caller passes uniform draws or noise, derived from (seed, absolute position,
-stream). In coupled mode that makes a seeded run independent of the round boundaries; in rejection mode
-the tokens a seed yields still depend on the draft's proposals (and so on gamma and, across processes,
-on timing).
+Two sampling modes (`SamplingParams.sampling`, docs/features-sampling.md), with randomness passed in by the
+caller, keyed by (seed, absolute position, stream): ``rejection`` (the draft samples x_i ~ q_i and sends q;
+`rejection_accept`, `rejection_next`) and ``coupled`` (draft and target share one Gumbel noise vector per
+position, `exponential_noise`; the draft sends tokens only; `verify_coupled`: seeded output is that of
+target-only sampling, whatever the draft, gamma or process layout).
 """
 
 from __future__ import annotations
@@ -46,11 +37,8 @@ SAMPLING_MODES = ("rejection", "coupled")
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request turns logits into tokens. temperature 0 means greedy.
-
-    sampling: how a sampled (temperature > 0) request is verified, ``rejection`` or ``coupled`` (see the
-    module docstring); greedy requests ignore it.
-    """
+    """How one request turns logits into tokens. temperature 0 means greedy; `sampling` is how a sampled request
+    is verified (the module docstring)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -79,44 +67,26 @@ def position_uniforms(seed: int, position: int, stream: int, n: int = 1) -> np.n
 
 
 def exponential_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """[vocab] float64 i.i.d. Exp(1) draws E that depend only on (seed, absolute position): the noise of
-    coupled sampling. g = -log(E) is standard Gumbel noise (`gumbel_noise`).
-
-    Keyed by a SeedSequence of (the full 64-bit seed as two 32-bit words, position, STREAM_COUPLED); the
-    word count is fixed, so seeds that differ only in their high bits get different noise. numpy's ziggurat
-    exponential costs about one uniform per entry and no logarithm (~1.3 ms for 128k entries), and any
-    prefix of the vector does not depend on `vocab`. Zeros (probability ~2^-53 each) are lifted to the
-    smallest positive float so that p / E is never 0 / 0.
-    """
+    """[vocab] float64 i.i.d. Exp(1) draws E keyed like `position_uniforms` (stream STREAM_COUPLED): the noise of
+    coupled sampling (g = -log(E) is Gumbel). numpy's ziggurat costs about one uniform per entry and no logarithm
+    (~1.3 ms for 128k), a prefix does not depend on `vocab`, and zeros are lifted: p / E is never 0 / 0."""
     if not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    key = np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32, position, STREAM_COUPLED])
-    e = np.random.Generator(np.random.PCG64(key)).standard_exponential(vocab)
+    e = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, position, STREAM_COUPLED]).standard_exponential(vocab)
     return np.maximum(e, np.finfo(np.float64).smallest_subnormal, out=e)
 
 
-def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """[vocab] standard Gumbel noise g = -log(E) of (seed, position); `coupled_choice` uses E directly."""
-    return -np.log(exponential_noise(seed, position, vocab))
-
-
 def coupled_choice(probs: np.ndarray, e: np.ndarray) -> int:
-    """argmax(log p + g) with g = -log(e), computed as argmax(p / e) (the exponential race; no logarithm).
-
-    probs: [vocab] a distribution (zeros allowed); e: [vocab] `exponential_noise` of the position. With e
-    i.i.d. Exp(1) the result is an exact sample from probs, and a token with probability 0 is never chosen.
-    """
+    """argmax(log p + g) with g = -log(e), computed as argmax(p / e) (no logarithm): with e [vocab] the position's
+    `exponential_noise`, an exact sample from probs [vocab]; a token with probability 0 is never chosen."""
     if probs.shape != e.shape:
         raise ValueError(f"probs and noise must have the same shape, got {probs.shape} and {e.shape}")
     return int(np.argmax(probs / e))
 
 
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """[n, vocab] logits -> [n, vocab] float64 probabilities after temperature, top-k and top-p.
-
-    The order (temperature, then top-k, then top-p, keeping at least one token) is the one
-    transformers' samplers use. Greedy params give a one-hot distribution on the argmax.
-    """
+    """[n, vocab] logits -> [n, vocab] float64 probabilities: temperature, then top-k, then top-p keeping at least
+    one token (transformers' order); greedy params give one-hot on the argmax."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
     x = logits.astype(np.float64)
@@ -147,19 +117,15 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def sample_from(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from a 1-D distribution with one uniform u in [0, 1)."""
     cdf = np.cumsum(probs)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    idx = min(idx, probs.shape[0] - 1)
+    idx = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), probs.shape[0] - 1)
     while probs[idx] <= 0.0 and idx > 0:  # guard against float round-off landing on a zero
         idx -= 1
     return idx
 
 
 def verify_greedy(draft_ids: list[int], target_argmax: list[int]) -> tuple[int, int]:
-    """Greedy verification: accept the longest prefix equal to the target's argmax.
-
-    draft_ids: [k]; target_argmax: [k + 1], the target's argmax at each draft position plus one.
-    Returns (n_accepted, next_token) where next_token is target_argmax[n_accepted].
-    """
+    """Greedy verification: (n, target_argmax[n]), n the longest prefix of draft_ids [k] equal to target_argmax
+    [k + 1] (the target's argmax at each draft position plus one)."""
     k = len(draft_ids)
     if len(target_argmax) != k + 1:
         raise ValueError(f"target_argmax must have k+1 = {k + 1} entries, got {len(target_argmax)}")
@@ -171,11 +137,9 @@ def verify_greedy(draft_ids: list[int], target_argmax: list[int]) -> tuple[int, 
 
 def rejection_accept(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
                      u_accept: np.ndarray) -> int:
-    """How many draft tokens the rejection test accepts (the n of `verify_rejection`).
-
-    draft_ids: [k]; q: [k, vocab] or None (one-hot); p: [k + 1, vocab]; u_accept: [k] uniforms.
-    Token x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); the first rejection stops.
-    """
+    """Speculative rejection sampling (Leviathan et al. 2023, Algorithm 1), first half: how many of draft_ids [k]
+    are accepted (`rejection_next` draws the token after them). q: [k, vocab] the draft's distributions, or None
+    (one-hot); p: [k + 1, vocab]; u_accept: [k]. x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i))."""
     k = len(draft_ids)
     if p.ndim != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")
@@ -205,32 +169,12 @@ def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n:
     return sample_from(residual, u_sample)
 
 
-def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
-                     u_accept: np.ndarray, u_sample: float) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. 2023, Algorithm 1).
-
-    draft_ids: [k] tokens the draft sampled; q: [k, vocab] the draft distributions they were sampled
-    from, or None for a deterministic proposer (q is then one-hot on each draft token); p: [k + 1, vocab]
-    target distributions; u_accept: [k] uniforms for the accept tests; u_sample: one uniform for the
-    recovered or bonus token. Token x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the
-    first rejection the recovered token is drawn from norm(max(0, p_i - q_i)); if all k are accepted the
-    bonus token is drawn from p_{k+1}. Returns (n_accepted, next_token).
-    """
-    n = rejection_accept(draft_ids, q, p, u_accept)
-    return n, rejection_next(draft_ids, q, p, n, u_sample)
-
-
 def verify_coupled(draft_ids: list[int], p: np.ndarray,
                    noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
-    """Gumbel-max coupled verification.
-
-    draft_ids: [k] tokens the draft chose as argmax(log q_i + g_i); p: [k + 1, vocab] target distributions;
-    noise(i) -> [vocab]: the `exponential_noise` of the position of row i (a callable, so that rows after
-    the first rejection are never drawn). The target's token at row i is y_i = `coupled_choice(p_i, noise(i))`,
-    an exact sample from p_i. **accepted**: the longest prefix with x_i == y_i; **recovered**: y_n at the
-    first mismatch; **bonus**: y_k when all k are accepted. So next_token is always y_n, and the block equals
-    what target-only sampling with the same noise emits. Returns (n_accepted, next_token).
-    """
+    """Gumbel-max coupled verification: (n_accepted, next_token), the longest prefix of draft_ids [k] with
+    x_i == y_i, then y_n, where y_i = `coupled_choice(p_i, noise(i))` is the target's own sample: the block is
+    what target-only sampling emits. p: [k + 1, vocab]; noise(i) -> [vocab], a callable so that rows after the
+    first rejection are never drawn."""
     k = len(draft_ids)
     if p.ndim != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hetero_spec.scheduler")
 
+
 class Engine(Protocol):
     """What the loop needs of the Engine that owns it (engine.Engine)."""
 
@@ -64,11 +65,8 @@ class Engine(Protocol):
     closed: bool
 
     def heartbeat(self) -> None: ...
-
     def request_done(self, stats: Stats, batched: bool) -> None: ...
-
     def between_requests(self) -> None: ...
-
     def release(self) -> None: ...
 
 
@@ -304,7 +302,6 @@ class Scheduler:
             stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
             stats.proposer = eng.source.name if eng.source is not None else "none"
             try:
-                check_request(req, eng.target.context_len)
                 seq.gamma = eng.controller.initial_gamma(seq.control)
                 if eng.source is not None:
                     eng.source.begin(seq)
@@ -422,6 +419,6 @@ class Scheduler:
         for seq in list(self._seqs):
             if eng is None:
                 seq.ticket.put(exc)
-                continue
-            self._end(eng, seq, exc)
+            else:
+                self._end(eng, seq, exc)
         self._seqs = []

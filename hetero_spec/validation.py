@@ -54,13 +54,18 @@ def check_field(section: BaseModel, name: str, value: Any, label: str | None = N
     return getattr(probe, name)
 
 
+REQUEST_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "gamma")
+
+
 def request_args(config: Config, *, flags: bool = False, **args: Any) -> dict[str, Any]:
-    """Per-request arguments (max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, gamma),
-    each validated like the config field it stands for. None, and only None, takes the config's value.
-    flags: name the arguments as command-line options (--max-new-tokens) in errors."""
+    """Every per-request argument (REQUEST_ARGS), each validated like the config field it stands for. Unset, or
+    None (and only None), takes the config's value. flags: name them as command-line options (--max-new-tokens)
+    in errors. An unknown name is a TypeError, as for any call."""
+    if unknown := sorted(set(args) - set(REQUEST_ARGS)):
+        raise TypeError(f"unexpected keyword arguments: {', '.join(unknown)}")
     out = {}
-    for name, value in args.items():
-        section = config.speculation if name == "gamma" else config.generation
+    for name in REQUEST_ARGS:
+        section, value = config.speculation if name == "gamma" else config.generation, args.get(name)
         label = "--" + name.replace("_", "-") if flags else name
         out[name] = getattr(section, name) if value is None else check_field(section, name, value, label)
     return out

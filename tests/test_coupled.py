@@ -14,9 +14,13 @@ import torch
 from scipy import stats as sps
 
 from hetero_spec.draft.onnx_drafter import OnnxDrafter
-from hetero_spec.sampling import (SamplingParams, coupled_choice, exponential_noise, gumbel_noise,
-                                  logits_to_probs, verify_coupled)
+from hetero_spec.sampling import SamplingParams, coupled_choice, exponential_noise, logits_to_probs, verify_coupled
 from tests.conftest import _hf_model
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """[vocab] standard Gumbel noise g = -log(E) of the coupled noise E at (seed, position)."""
+    return -np.log(exponential_noise(seed, position, vocab))
 
 # -- noise -----------------------------------------------------------------------------------------------
 

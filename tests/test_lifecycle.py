@@ -134,7 +134,7 @@ def test_configured_curve_keys_beyond_loopback(tmp_path, llama_target, llama_cop
     with Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", curve_keys=str(keys_dir))) as eng:
         assert eng.generate(PROMPT, max_new_tokens=12, gamma=3).token_ids == hf_greedy(llama_target, PROMPT, 12)
         server = eng.source.sup._server
-        assert server._keys.keys == {keys.client_public}
+        assert server._keys == {keys.client_public}
     with pytest.raises(ConfigError, match="runtime.host"):
         Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", host="0.0.0.0"))
     with pytest.raises(ConfigError, match="runtime.curve_keys.*hetero-spec keys"):

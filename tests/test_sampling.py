@@ -7,7 +7,13 @@ import pytest
 from scipy import stats as sps
 
 from hetero_spec.sampling import (SamplingParams, logits_to_probs, position_uniforms, rejection_accept,
-                                  sample_from, verify_greedy, verify_rejection)
+                                  rejection_next, sample_from, verify_greedy)
+
+
+def verify_rejection(draft_ids, q, p, u_accept, u_sample):
+    """Rejection sampling as the scheduler composes it: (n_accepted, next_token)."""
+    n = rejection_accept(draft_ids, q, p, u_accept)
+    return n, rejection_next(draft_ids, q, p, n, u_sample)
 
 
 # -- greedy: every case on constructed target argmax ----------------------------------------------------

@@ -126,7 +126,7 @@ def test_after_a_correction_the_first_token_goes_out_alone(worker):
     _begin(w, prompt, 4, 9)
     ch.take(Proposal)
     n = len(prompt)
-    wrong = (w.drafter.ids[n] + 1) % w.drafter.vocab_width  # the target corrects the first drafted token
+    wrong = (w.cur.drafter.ids[n] + 1) % w.cur.drafter.vocab_width  # the target corrects the first drafted token
     w.handle(Sync(req_id=1, pos=n, epoch=1), [np.asarray([wrong], np.int32)])
     _run_until_idle(w)
     sizes = [(m.epoch, m.start, len(a[0])) for m, a in ch.take(Proposal)]
@@ -138,10 +138,10 @@ def test_worker_restarts_its_stream_when_the_target_dropped_it(worker):
     prompt = [40, 41, 42, 43]
     _begin(w, prompt, 3, 7)
     ch.sent.clear()
-    accepted = w.drafter.ids[len(prompt):len(prompt) + 2]
+    accepted = w.cur.drafter.ids[len(prompt):len(prompt) + 2]
     # no divergence, but the target asks for epoch 3: the worker re-drafts from the committed length
     w.handle(Sync(req_id=1, pos=len(prompt), epoch=3), [np.asarray(accepted, np.int32)])
-    assert w.req.epoch == 3 and len(w.drafter.ids) == len(prompt) + 2
+    assert w.cur.epoch == 3 and len(w.cur.drafter.ids) == len(prompt) + 2
     _run_until_idle(w)
     first = ch.take(Proposal)[0][0]
     assert (first.epoch, first.start, first.base) == (3, len(prompt) + 2, len(prompt) + 2)
@@ -203,7 +203,7 @@ def test_one_worker_drafts_several_streams(llama_copy_onnx):
         assert got[rid] == ref.extend(7).ids
     # request 2's target rejects at its first draft token: only stream 2 starts a new epoch
     w.handle(Sync(req_id=2, pos=4, epoch=0), [np.asarray([7], np.int32)])
-    assert (w.streams[1].req.epoch, w.streams[2].req.epoch) == (0, 1)
+    assert (w.streams[1].epoch, w.streams[2].epoch) == (0, 1)
     assert w.streams[2].drafter.ids == prompts[2] + [7] and len(w.streams[1].drafter.ids) == 5 + 7
     w.handle(End(req_id=1), [])
     assert set(w.streams) == {2} and w.cur is w.streams[2]

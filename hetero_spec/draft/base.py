@@ -1,24 +1,15 @@
 """What the decode loop asks of a draft: the `DraftSource` interface, and the per-request `Proposer`s that the
-local source wraps.
-
-A draft source drafts for many sequences at once. The loop (scheduler.py) calls, per sequence:
+local source wraps. The loop (scheduler.py) calls, per sequence:
 
     begin(seq)                    once, before the target's prefill (a worker reads the prompt meanwhile)
     propose(seqs, ks, budget_s)   each round: up to ks[i] tokens for seqs[i], at positions len(seq.ids)...
-    commit(seq, n, next_token)    after the round: the target accepted n of the drafts, then next_token
+    commit(seq, n, next_token)    after every round: the target accepted n of the drafts, then next_token
     end(seq) -> dict              once, when the sequence finishes or fails: free its state; its summary
 
-Promises:
-- propose returns one Draft per sequence, with at most ks[i] ids (fewer, or none, is always allowed: the
-  target then verifies what there is). A Draft's ids are proposals only: verification decides every token.
-- A source reads the committed text from `seq.ids` whenever it drafts, so a round it did not draft in (k = 0,
-  or another strategy's round) needs no call; commit is called every round, for every sequence not finished.
-- budget_s is how long propose may wait for drafts that are made elsewhere (a worker process); a local source
-  drafts at once and ignores it.
-- costs() is the source's own measurement of what drafting costs: seconds per draft token, and per transfer
-  (None until measured). The controller predicts from it.
-- No call raises because a draft is slow, wrong or gone: a dead worker yields empty drafts, and the target
-  decodes alone.
+Fewer drafts than asked are always allowed (verification decides every token); a source reads the committed text
+from `seq.ids` when it drafts. budget_s: how long propose may wait for drafts made in a worker. costs(): the
+source's own measurements, which the controller predicts from. No call raises because a draft is slow, wrong or
+gone: a dead worker yields empty drafts, and the target decodes alone.
 """
 
 from __future__ import annotations
@@ -67,39 +58,26 @@ class DraftSource(Protocol):
     chooses_gamma: bool  # picks each round's draft length itself (<= k): draft selection
 
     def begin(self, seq: Seq) -> None: ...
-
     def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]: ...
-
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None: ...
-
     def end(self, seq: Seq) -> dict[str, Any]: ...
-
     def costs(self) -> DraftCosts: ...
-
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]: ...
-
     def close(self) -> None: ...
 
 
 class Proposer(Protocol):
-    """One request's draft, in process (the onnx drafter, the n-gram lookup). Lifecycle: begin(prompt_ids,
-    params), then rounds of sync(ids) (when the text moved on without it), propose(k) and commit(n_accepted,
-    next_token), which rolls its own state (its KV cache) back to the accepted prefix plus the next token."""
+    """One request's draft, in process (the onnx drafter, the n-gram lookup): begin, then rounds of sync (when the
+    text moved on without it), propose and commit (which rolls its KV cache back to the accepted prefix)."""
 
     name: str
     ids: list[int]
     last_catchup_s: float  # the last propose's time feeding committed tokens before drafting (not drafting)
 
     def spawn(self) -> Proposer: ...
-
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
-
     def sync(self, ids: list[int]) -> None: ...
-
     def limit_catchup(self, window: int) -> None: ...
-
     def propose(self, k: int) -> Draft: ...
-
     def commit(self, n_accepted: int, next_token: int) -> None: ...
-
     def close(self) -> None: ...

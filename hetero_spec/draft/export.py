@@ -1,8 +1,6 @@
-"""Hugging Face checkpoint -> ONNX draft with a KV cache, via onnxruntime-genai's model builder.
-
-The builder does the export and the quantization (fp32, fp16, int8, int4). It runs in a subprocess:
-it imports torch and transformers, which the draft side never does itself. Its full output goes to
-OUT/export.log; the user sees one progress line per stage instead.
+"""Hugging Face checkpoint -> ONNX draft with a KV cache, via onnxruntime-genai's model builder, which exports
+and quantizes (fp32, fp16, int8, int4) in a subprocess: it imports torch and transformers, which the draft side
+never does. Its full output goes to OUT/export.log; the user sees one progress line per stage.
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx", "qnn")
 LOG_NAME = "export.log"  # the builder's full output, inside the output directory
 
-# Builder output that starts a stage worth a progress line (substring -> what the user reads), in the
-# order the builder runs them. A stage is shown once, and never after a later one. Matching is only
-# cosmetic: output the builder changes in a new version just shows fewer stages (export.log has it all).
+# Builder output that starts a stage worth a progress line (substring -> what the user reads), in the builder's
+# order; each is shown once. Cosmetic only: a builder that words them otherwise just shows fewer stages.
 _STAGES = (
     ("Loading weights", "loading the checkpoint's weights"),
     ("Reading ", "building the ONNX graph, layer by layer"),
@@ -43,13 +40,8 @@ class ExportError(HeteroSpecError):
 def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "fp32",
                  execution_provider: str = "cpu", quiet: bool = False, block_size: int | None = None,
                  progress: Callable[[str], None] | None = None) -> Path:
-    """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx.
-
-    block_size: quantization block of int4/int8 weights (16/32/64/128/256; default: INT4_BLOCK for int4 where
-    the hidden size is a multiple of it, else the builder's 32).
-    The builder's full output is written to out_dir/export.log (LOG_NAME). progress receives one short
-    line per stage; by default they are printed on stderr with the elapsed time, or not at all if quiet.
-    """
+    """Export model_dir (a HF decoder directory with tokenizer.json) to out_dir/model.onnx. block_size: of int4/int8
+    weights (default: `quant_options`). progress gets one line per stage (default: stderr, unless quiet)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if precision not in PRECISIONS:
         raise ExportError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -67,7 +59,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / LOG_NAME
     before = _mtime(out_dir / "model.onnx")  # a model left by an earlier export must not pass for this one
-    say = progress or (_quiet if quiet else _stderr_progress())
+    say = progress or ((lambda text: None) if quiet else _stderr_progress())
     with tempfile.TemporaryDirectory(prefix="hetero-spec-export-") as cache:
         src, extra = _sliding_window_source(model_dir, Path(cache))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
@@ -87,10 +79,8 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     return out_dir
 
 
-#: what the export recipe quantizes beyond the builder's defaults (part of the export cache's key, see
-#: export_cache.source_stamp): int4 also quantizes the embedding table (GatherBlockQuantized, int4 only). The
-#: builder already quantizes the LM head (MatMulNBits) at int8 and int4, and shares a tied head's quantized weight
-#: with the embedding at int4; only an untied embedding stayed fp32 (0.93 GB of a 1.5B's 1.8 GB int4 export). A
+#: what the recipe quantizes beyond the builder's defaults (part of the export cache's key): int4 also quantizes an
+#: untied embedding table (GatherBlockQuantized), which stayed fp32 (0.93 GB of a 1.5B's 1.8 GB int4 export). A
 #: decode step reads one row of it, so this shrinks the export and its memory, not the bytes a token reads.
 QUANT_OPTIONS = {"int4": ["op_types_to_quantize=MatMul/Gather"]}
 #: int4's quantization block where the hidden size allows it (the builder's default is 32). On the real 1.5B
@@ -114,10 +104,9 @@ def quant_options(precision: str, config: dict | None = None, block_size: int | 
 def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[str]]:
     """(directory to export, builder extra options) keeping a sliding window exactly as transformers does.
 
-    The builder reads the window from `layer_types`, which some configs (Mistral) leave out: without it
-    the export attends to the whole context. And by default it exports a ring-buffer KV cache, which the
-    drafter's sliced numpy cache cannot drive; `windowed_kv_cache=false` keeps a full-length cache and
-    applies the window in attention. So: spell `layer_types` out in a scratch copy, and ask for that cache."""
+    The builder reads the window from `layer_types`, which some configs (Mistral) leave out (the export would
+    attend to the whole context): a scratch copy spells it out. `windowed_kv_cache=false`: a full-length cache
+    with the window applied in attention (the drafter's sliced cache cannot drive the default ring buffer)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
         return model_dir, []
@@ -134,23 +123,12 @@ def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[s
 
 
 def _mtime(path: Path) -> int | None:
-    try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return None
-
-
-def _quiet(text: str) -> None:
-    pass
+    return path.stat().st_mtime_ns if path.is_file() else None
 
 
 def _stderr_progress() -> Callable[[str], None]:
     start = time.monotonic()
-
-    def say(text: str) -> None:
-        print(f"export [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
-
-    return say
+    return lambda text: print(f"export [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 def _run_builder(cmd: list[str], log_path: Path, say: Callable[[str], None]) -> int:

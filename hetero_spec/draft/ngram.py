@@ -1,9 +1,6 @@
-"""Prompt-lookup n-gram proposer: no model; copies what followed the last occurrence of the context's
-suffix. Deterministic (q is one-hot), so it also serves as the trivial proposer in tests.
-
-The lookup is O(max_n) per proposal: an index maps every n-gram (min_n <= n <= max_n) of the text to its
-two latest start positions, updated as tokens are appended, so a proposal never scans the context (it is
-asked every round when draft selection considers it)."""
+"""Prompt-lookup n-gram proposer: no model; copies what followed the last occurrence of the context's suffix.
+Deterministic (q is one-hot), so it also serves as the trivial proposer in tests. O(max_n) per proposal (draft
+selection asks it every round): an index of every n-gram's two latest starts, updated as tokens are appended."""
 
 from __future__ import annotations
 
@@ -16,13 +13,8 @@ class NgramProposer:
     last_catchup_s = 0.0  # a lookup has nothing to feed
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
-        if min_n > max_n:
-            raise ValueError(f"ngram.min_n ({min_n}) must be <= ngram.max_n ({max_n})")
-        self.max_n, self.min_n = max_n, min_n
-        self.ids: list[int] = []
+        self.max_n, self.min_n = max_n, min_n  # min_n <= max_n: checked with the config (Engine)
         self._last: list[int] = []
-        # n -> n-gram -> (latest start, the start before it; -1 when none)
-        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
         self._reset([])
 
     def spawn(self) -> NgramProposer:
@@ -30,8 +22,10 @@ class NgramProposer:
         return NgramProposer(max_n=self.max_n, min_n=self.min_n)
 
     def _reset(self, ids: list[int]) -> None:
-        self.ids = []
-        self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        self.ids: list[int] = []
+        #: n -> n-gram -> (latest start, the start before it; -1 when none)
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
+            n: {} for n in range(self.min_n, self.max_n + 1)}
         self._extend(ids)
 
     def _extend(self, tokens: list[int]) -> None:
@@ -53,17 +47,14 @@ class NgramProposer:
         pass  # a lookup's catch-up is an index update: nothing to limit
 
     def propose(self, k: int) -> Draft:
-        ids = self.ids
+        ids, self._last = self.ids, []
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             hit = self._index[n].get(tuple(ids[-n:]))
             start = hit[1] if hit is not None else -1  # hit[0] is the suffix itself
-            if start >= 0:
-                cont = ids[start + n:start + n + k]
-                if cont:
-                    self._last = list(cont)
-                    return Draft(ids=list(cont))
-        self._last = []
-        return Draft(ids=[])
+            if start >= 0 and (cont := ids[start + n:start + n + k]):
+                self._last = cont
+                break
+        return Draft(ids=list(self._last))
 
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): append what is new, or

@@ -6,7 +6,6 @@ extend/truncate for the pipelined worker. Never imports torch.
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 from pathlib import Path
 
@@ -17,9 +16,6 @@ from ..sampling import (STREAM_DRAFT, SamplingParams, coupled_choice, exponentia
                         position_uniforms, sample_from)
 from .base import Draft
 
-log = logging.getLogger(__name__)
-
-
 
 class OnnxDrafter:
     """Proposer backed by an exported ONNX decoder. Holds the state of one request at a time."""
@@ -28,19 +24,16 @@ class OnnxDrafter:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, spin: bool = True, prompt_window: int | None = None):
-        self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
-                                 spin=spin))
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
-        self.prompt_window = prompt_window
+        self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
+                                 spin=spin), None, prompt_window)
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of
         the batched buffer once enable_batching was called, so that `propose_batch` can step it with others)."""
         new = OnnxDrafter.__new__(OnnxDrafter)
-        new._attach(self.decoder)
-        new._pool = self._pool
-        new.prompt_window = self.prompt_window
+        new._attach(self.decoder, self._pool, self.prompt_window)
         return new
 
     def enable_batching(self, slots: int) -> None:
@@ -48,17 +41,11 @@ class OnnxDrafter:
         if self.decoder.shared and slots > 1 and self._pool is None:
             self._pool = self.decoder.new_pool(slots)
 
-    def _new_state(self):
-        state = self._pool.acquire() if self._pool is not None else None
-        return state if state is not None else self.decoder.new_state()
-
     @staticmethod
     def propose_batch(drafters: list[OnnxDrafter], ks: list[int]) -> list[Draft]:
         """Draft ks[i] tokens for each drafter, stepping them together: what each `propose(k)` would return.
-
-        A drafter with committed tokens to feed first (more than one) feeds them alone; then every drafter still
-        drafting takes one step in ONE run (`OnnxDecoder.append_batch`, whose rows equal one run per row bit for
-        bit). Drafters that are not slots of one pool draft one by one."""
+        A backlog of committed tokens is fed alone; then every drafter still drafting takes one step in ONE run
+        (`OnnxDecoder.append_batch`: rows equal to one run each, bit for bit). Not slots of one pool: one by one."""
         pool = drafters[0]._pool
         if pool is None or len(drafters) < 2 or any(d.state.pool is not pool for d in drafters):
             return [d.propose(k) for d, k in zip(drafters, ks)]
@@ -91,9 +78,8 @@ class OnnxDrafter:
         return [Draft(ids=list(d._proposed), probs=np.stack(p) if p else None)
                 for d, p in zip(drafters, probs)]
 
-    def _attach(self, decoder: OnnxDecoder) -> None:
-        self.decoder = decoder
-        self._pool = None
+    def _attach(self, decoder: OnnxDecoder, pool, prompt_window: int | None) -> None:
+        self.decoder, self._pool = decoder, pool
         self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
         self.state = self.decoder.new_state()
@@ -105,21 +91,16 @@ class OnnxDrafter:
         # past (the cache then starts at `offset`) or a catch-up skip left a gap; _base: where an empty cache starts
         self._at: list[int] = []
         self._base = 0
-        #: set by draft selection (draft/select.py): when more committed tokens than this wait to be fed (another
-        #: strategy drafted meanwhile), only the last catchup_skip of them are fed, after the cached past; the
-        #: ones between are skipped. Feeding all of them cost about as much as drafting two tokens a model round
-        #: on the demo pair; RoPE attention sees relative positions, so the draft reads a text with a gap, which
-        #: lowers its acceptance a little. Proposals never change the output, only its speed.
+        # Both limits below trade a little acceptance for speed (proposals never change the output): RoPE attention
+        # sees relative positions, so a cache with a gap, or restarted late, is the same model on less context.
+        #: draft selection (draft/select.py): of the committed tokens another strategy left to feed, only the last
+        #: catchup_skip are fed after the cached past (feeding all cost about two draft tokens a round, demo pair)
         self.catchup_skip: int | None = None
-        #: one-shot, set before a probe after a long pause (scheduler.Row): when more committed tokens than this
-        #: wait to be fed, the cache restarts on the last catchup_window of them instead of feeding them all (a
-        #: probe then costs a short prefill; RoPE attention only sees relative positions, so a restarted cache is
-        #: the same model on a shorter context). Proposals never change the output, only its speed.
+        #: one-shot (a re-probe after a long pause, or draft.prompt_window): a backlog longer than this restarts
+        #: the cache on its last catchup_window tokens instead of feeding it all
         self.catchup_window: int | None = None
-        #: draft.prompt_window: the first feed of a stream reads at most the last prompt_window tokens of the text
-        #: (the cache starts there): the prompt's end, or, when another strategy drafted first (selection), the
-        #: end of the text then. None: everything. See begin.
-        self.prompt_window: int | None = None
+        #: draft.prompt_window: the catchup_window each stream's first feed starts with (see begin); None: all
+        self.prompt_window = prompt_window
 
     @property
     def n_past(self) -> int:
@@ -148,9 +129,12 @@ class OnnxDrafter:
             self.rewind_to(n)
 
     def _restart(self, base: int) -> None:
-        """An empty cache that starts at ids[base]."""
-        self._release()
-        self.state, self._at, self._base = self._new_state(), [], base
+        """An empty cache that starts at ids[base] (in a slot of the pool, when there is one free)."""
+        if self.state.pool is not None:
+            self.state.pool.release(self.state)
+        state = self._pool.acquire() if self._pool is not None else None
+        self.state = state if state is not None else self.decoder.new_state()
+        self._at, self._base = [], base
 
     # -- low level: append tokens / rewind, as onnxruntime-genai's Generator does ------------------
     def append(self, tokens: list[int]) -> np.ndarray:
@@ -164,9 +148,8 @@ class OnnxDrafter:
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """A new stream. With a prompt_window, the first feed (the next propose or extend) restarts the cache on
-        the last prompt_window tokens of the text as it is then (a one-shot catch-up window); positions stay
-        absolute in `ids` (sampling noise)."""
+        """A new stream. A prompt_window arms the one-shot catchup_window for its first feed; positions stay
+        absolute in `ids` (sampling noise is keyed by them)."""
         self.ids = list(prompt_ids)
         self.params = params
         self._restart(0)
@@ -174,10 +157,8 @@ class OnnxDrafter:
         self._proposed = []
 
     def _backlog(self) -> tuple[int, list[int]]:
-        """(start, tokens): what to feed before the next draft token, ids[start:]: the committed tokens not
-        cached yet, or the last one again when everything is cached (for its logits). A catchup_window shorter
-        than the backlog restarts the cache on the window (see catchup_window); a catchup_skip shorter than it
-        feeds only its end (see catchup_skip)."""
+        """(start, ids[start:]): what to feed before the next draft token: the committed tokens not cached yet,
+        or the last one again when everything is cached (for its logits), cut by catchup_window / catchup_skip."""
         start, end = self._fed(), len(self.ids)
         window, self.catchup_window = self.catchup_window, None
         if window is not None and end - start > window:
@@ -193,10 +174,6 @@ class OnnxDrafter:
                 self._base = start
         return start, self.ids[start:]
 
-    def _release(self) -> None:
-        if getattr(self, "state", None) is not None and self.state.pool is not None:
-            self.state.pool.release(self.state)
-
     def _choose(self, logits_row: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
         """Pick the token at an absolute position: argmax; coupled: argmax(log q + g) with the noise the
         target uses there (q stays home: None); rejection: a draw from q keyed by (seed, position)."""
@@ -208,27 +185,12 @@ class OnnxDrafter:
         return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
 
     def propose(self, k: int) -> Draft:
-        """Draft up to k tokens."""
-        k = min(k, self.context_len - len(self.ids))
-        if k <= 0:
-            self._proposed = []
-            return Draft(ids=[])
-        start, pending = self._backlog()
-        out: list[int] = []
-        probs: list[np.ndarray] = []
-        self.last_catchup_s = 0.0
-        for i in range(k):
-            t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
-            logits = self._feed(start, pending)[-1]
-            if t0:  # feeding the prompt or committed tokens: not a per-token drafting cost
-                self.last_catchup_s = time.perf_counter() - t0
-            tok, q = self._choose(logits, len(self.ids) + i)
-            out.append(tok)
-            if q is not None:
-                probs.append(q)
-            start, pending = len(self.ids) + i, [tok]
-        self._proposed = out
-        return Draft(ids=out, probs=np.stack(probs) if probs else None)
+        """Draft up to k tokens: `extend`, with the drafts kept out of `ids` until commit says which stay."""
+        base = len(self.ids)
+        draft = self.extend(k)
+        del self.ids[base:]
+        self._proposed = draft.ids
+        return draft
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
     def extend(self, n: int) -> Draft:
@@ -239,7 +201,7 @@ class OnnxDrafter:
         self.last_catchup_s = 0.0
         for _ in range(max(n, 0)):
             start, pending = self._backlog()
-            t0 = time.perf_counter() if len(pending) > 2 else 0.0
+            t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
             logits = self._feed(start, pending)[-1]
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
@@ -259,19 +221,15 @@ class OnnxDrafter:
             self._keep_below(length)
 
     def limit_catchup(self, window: int) -> None:
-        """The next feed reads at most the last `window` of the committed tokens not cached yet (a re-probe after
-        rounds without drafting: a useless draft's probes stay cheap); a prompt window not yet used stays."""
+        """Arm catchup_window for the next feed (a re-probe after rounds without drafting stays cheap); a prompt
+        window not yet used stays if shorter."""
         armed = self.catchup_window
         self.catchup_window = window if armed is None else min(armed, window)
 
     def sync(self, ids: list[int]) -> None:
-        """Take the committed text as it is now (another proposer drafted meanwhile): keep the common
-        prefix, cached positions included; the rest is fed at the next propose."""
-        common = 0
-        for a, b in zip(self.ids, ids):
-            if a != b:
-                break
-            common += 1
+        """Take the committed text as it is now (another proposer drafted meanwhile): the common prefix stays
+        cached; the rest is fed at the next propose."""
+        common = next((i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b), min(len(self.ids), len(ids)))
         self.truncate(common)
         self.ids.extend(ids[common:])
         self._proposed = []

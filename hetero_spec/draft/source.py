@@ -1,7 +1,6 @@
 """Draft sources in this process (draft/base.py has the interface): one proposer kind for every sequence, and
-the per-round selection among several sources (draft.candidates), which serves both layouts: its candidates may
-be local sources or the worker source (runtime/worker_source.py). Which one drafts is the speculation
-controller's choice (tuning/controller.StrategyChooser), given to SelectingSource."""
+the per-round selection among several sources (draft.candidates; local sources or the worker's, in both layouts).
+"""
 
 from __future__ import annotations
 
@@ -18,15 +17,14 @@ PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens 
 
 class LocalSource:
     """Drafts with one proposer per sequence, spawned from a loaded one (one model, a state per sequence).
-    Sequences drafting with the ONNX model step together: one run per draft token for all of
-    them (OnnxDrafter.propose_batch), each one's draft what it would be alone."""
+    Sequences drafting with the ONNX model step together (OnnxDrafter.propose_batch)."""
 
     layout = "in_process"
     chooses_gamma = False
 
-    def __init__(self, proposer: Proposer, slots: int = 1, catchup_skip: int | None = None):
+    def __init__(self, proposer: Proposer, slots: int = 1):
         self.proposer, self.name = proposer, proposer.name
-        self.catchup_skip = catchup_skip
+        self.catchup_skip: int | None = None  # OnnxDrafter.catchup_skip (set by SelectingSource)
         if isinstance(proposer, OnnxDrafter):
             proposer.enable_batching(slots)  # the batch's drafters: slots of one buffer
         self._props: dict[int, Proposer] = {}
@@ -55,35 +53,33 @@ class LocalSource:
     def propose(self, seqs: list[Seq], ks: list[int], budget_s: float = 0.0) -> list[Draft]:
         drafts = [Draft(ids=[]) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k > 0]
-        for i, seq in enumerate(seqs):
-            self._proposed[seq.id] = ks[i] > 0
+        for seq, k in zip(seqs, ks):
+            self._proposed[seq.id] = k > 0
         if not live:
             return drafts
-        props = [self._ready(seqs[i]) for i in live]
+        props, live_ks = [self._ready(seqs[i]) for i in live], [ks[i] for i in live]
         t = time.perf_counter()
-        if len(live) > 1 and isinstance(self.proposer, OnnxDrafter):
-            for i, d in zip(live, OnnxDrafter.propose_batch(props, [ks[i] for i in live])):
-                drafts[i] = d
+        if isinstance(self.proposer, OnnxDrafter):  # the rows step together where they can
+            made = OnnxDrafter.propose_batch(props, live_ks)
         else:
-            for i, p in zip(live, props):
-                drafts[i] = p.propose(ks[i])
+            made = [p.propose(k) for p, k in zip(props, live_ks)]
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
-        self._observe(time.perf_counter() - t, props, [drafts[i] for i in live], fresh)
+        self._observe(time.perf_counter() - t, props, made, fresh)
+        for i, d in zip(live, made):
+            drafts[i] = d
         return drafts
 
     def _observe(self, seconds: float, props: list[Proposer], drafts: list[Draft], fresh: list[bool]) -> None:
-        """The round's drafting time per token, without feeding the prompt or the committed backlog (the first
-        step of such a round both catches up and drafts a token: it is left out with its token); and the
-        catch-up per round, but for a sequence's first (its prompt)."""
+        """The round's drafting time per token, without the catch-up (a step that fed a backlog is left out with
+        its token); and the catch-up per round, but for a sequence's first (its prompt)."""
         catchup = sum(p.last_catchup_s for p in props)
         later = [p.last_catchup_s for p, f in zip(props, fresh) if not f]
         if later:
             self._catchup_s.add(sum(later) / len(later))
         tokens = sum(len(d.ids) - (1 if p.last_catchup_s else 0) for p, d in zip(props, drafts))
-        if tokens <= 0 or seconds - catchup <= 0:
-            return
-        self._token_s.add((seconds - catchup) / tokens)
+        if tokens > 0 and seconds > catchup:
+            self._token_s.add((seconds - catchup) / tokens)
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
         if self._proposed.get(seq.id):
@@ -111,28 +107,25 @@ class LocalSource:
 
 
 class SelectingSource:
-    """Per-round draft selection (draft/select.py): each round, for each sequence, the candidate with the best
-    predicted goodput drafts, or none. Lookups (n-gram) are asked first and compete only where they found a
-    match. Candidates that did not draft catch up from seq.ids when they next do; a worker candidate is asked
-    every round (with k = 0 when another drafts), so that it keeps its stream and hears the commits."""
+    """Per-round draft selection (draft/select.py): for each sequence, the controller's chosen candidate drafts,
+    or none. Lookups are asked first and compete only where they found a match; a worker candidate is asked every
+    round (k = 0 when another drafts), so that it keeps its stream and hears the commits."""
 
     name = "select"
     chooses_gamma = True
 
     def __init__(self, candidates: dict[str, DraftSource], selection, names: list[str] | None = None):
-        """selection(names, layouts, cost_fns): the controller's chooser (tuning/controller.Controller.selection).
-        names: the strategies the choice is among (default: every candidate); a candidate left out (the worker
-        when draft.candidates names only the n-gram lookup) still runs and hears every commit."""
+        """selection(names, layouts, cost_fns): Controller.selection. names: the strategies chosen among (default:
+        every candidate); one left out (the worker, next to candidates [ngram]) still runs and hears every commit."""
         if not candidates:
             raise ValueError("draft selection needs at least one candidate")
         self.cands = candidates
         names = list(candidates) if names is None else names
         self.layout = "two_process" if any(c.layout == "two_process" for c in candidates.values()) else "in_process"
         self.lookups = [n for n in candidates if n in LOOKUPS]
-        if self.lookups:
-            for name, c in candidates.items():
-                if name not in LOOKUPS and isinstance(c, LocalSource):
-                    c.catchup_skip = CATCHUP_SKIP
+        for name, c in candidates.items():
+            if self.lookups and name not in LOOKUPS and isinstance(c, LocalSource):
+                c.catchup_skip = CATCHUP_SKIP
         self.chooser = selection(names, {n: candidates[n].layout for n in names},
                                  {n: candidates[n].costs for n in names})
         self._chosen: dict[int, tuple[str | None, int]] = {}
@@ -149,15 +142,9 @@ class SelectingSource:
                      for n in self.lookups}
             avail = [n for n in self.chooser.names if n not in self.lookups or found[n].ids]
             name, g = self.chooser.choose(k, avail)
-            draft = Draft(ids=[])
-            for n, c in self.cands.items():
-                if n in self.lookups:
-                    continue
-                d = c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
-                if n == name:
-                    draft = d
-            if name in self.lookups:
-                draft = Draft(ids=found[name].ids[:max(1, g)])
+            made = {n: c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
+                    for n, c in self.cands.items() if n not in self.lookups}
+            draft = Draft(ids=found[name].ids[:max(1, g)]) if name in self.lookups else made.get(name, Draft(ids=[]))
             self._chosen[seq.id] = (name, len(draft.ids))
             out.append(draft)
         return out

@@ -30,10 +30,7 @@ class WeightReport:
 
 
 def _nbytes(init) -> int:
-    for e in init.external_data:
-        if e.key == "length":
-            return int(e.value)
-    return len(init.raw_data)
+    return next((int(e.value) for e in init.external_data if e.key == "length"), len(init.raw_data))
 
 
 def weight_report(export_dir: Path) -> WeightReport:

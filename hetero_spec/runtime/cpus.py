@@ -36,7 +36,12 @@ class CpuPlan:
             import torch
 
             self._orig_threads = torch.get_num_threads()
-        self.threads = plan_cpus(config)
+        self.threads = config.target.threads
+        dc = draft_cpus(config)
+        if dc is not None:
+            n = len([c for c in self._orig_cpus if c not in dc])
+            log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", dc, n)
+            self.threads = self.threads or n
         # target.prefill_threads auto: the prompt is read on every core of this process (the worker's core
         # is mostly free meanwhile: its own prefill takes about a third of the target's)
         self.prefill_threads = len(self._orig_cpus)
@@ -48,16 +53,6 @@ class CpuPlan:
             import torch
 
             torch.set_num_threads(self._orig_threads)
-
-
-def plan_cpus(config: Config) -> int | None:
-    """Size the target's torch threads to the cores the worker does not get; returns the thread count."""
-    dc = draft_cpus(config)
-    if dc is None:
-        return config.target.threads
-    target = [c for c in allowed() if c not in dc]
-    log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", dc, len(target))
-    return config.target.threads or len(target)
 
 
 def pin_threads(thread_ids: list[int], cpus: list[int]) -> int:

@@ -1,23 +1,18 @@
-"""Draft worker process: runs the ONNX draft and streams proposals to the target over ZeroMQ.
+"""Draft worker process: runs the ONNX draft (never torch) and streams proposals to the target over ZeroMQ.
 
-It drafts ahead of the target, assuming its own tokens will be accepted, up to `max_ahead` tokens past
-the last committed position it knows. Every Sync from the target carries the newly committed tokens;
-where they differ from the worker's stream, the worker truncates its stream and KV cache there, starts a
-new epoch, and drafts on from the corrected context.
+It drafts ahead of the target, assuming its own tokens are accepted, up to `max_ahead` tokens past the last
+committed position it knows. Where a Sync's committed tokens differ from its stream, it truncates the stream and
+KV cache there, starts a new epoch and drafts on from the corrected context.
 
-One worker drafts for several requests at once: each Begin opens a stream (its own draft state on the one
-loaded model, its own epoch, rollback and send batching), keyed by req_id; End closes it. Streams take turns a
-token at a time, so a stream the target is about to verify is never far behind. At most `max_streams` streams
-are kept: a Begin beyond that closes the stream heard of least recently (its request then decodes alone).
+Each Begin opens a stream (a draft state of its own on the one loaded model, its own epoch and send batching),
+keyed by req_id; End closes it. Streams take turns a token at a time, so the one the target verifies next is never
+far behind; beyond `max_streams` the stream heard of least recently is closed (its request then decodes alone).
 
-Never imports torch. Exits by itself when the target process goes away (its parent pid changes; checked
-every loop iteration, at least every 0.2 s), on Shutdown, or on SIGTERM. It ignores SIGINT: Ctrl-C at a
-terminal reaches the whole process group, and the target process decides how to shut the worker down.
-(Linux's parent-death signal is not used: it fires when the *thread* that spawned the worker exits, and
-restarts spawn from a short-lived thread.)
-
-CURVE keys, when the link uses them, arrive as one JSON line on stdin (`--keys-stdin`): a pipe only this
-process can read, unlike argv or the environment.
+It exits when the target process goes away (its parent pid changes; checked every loop iteration), on Shutdown or
+on SIGTERM, and ignores SIGINT (Ctrl-C reaches the whole process group; the target decides). Linux's parent-death
+signal is not used: it fires when the *thread* that spawned the worker exits, and restarts spawn from a short-lived
+thread. CURVE keys arrive as one JSON line on stdin (`--keys-stdin`), which, unlike argv or the environment, only
+this process can read.
 
     python -m hetero_spec.runtime.draft_worker --endpoint ipc:///tmp/x.sock --model DIR
 """
@@ -37,8 +32,8 @@ import numpy as np
 
 from ..draft.onnx_drafter import OnnxDrafter
 from ..sampling import SamplingParams
-from ..transport.channel import Channel
-from ..transport.protocol import Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown, Sync
+from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel
+from ..transport.protocol import Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown, Sync, ids_within
 
 log = logging.getLogger("hetero_spec.draft_worker")
 
@@ -47,67 +42,39 @@ MAX_STREAMS = 64  # requests drafted for at once (the target side asks for at mo
 
 
 @dataclass
-class _Request:
+class _Stream:
+    """One request's drafting state in the worker: its own draft state on the one loaded model."""
+
     req_id: int
     gamma: int
     max_ahead: int
     drafting: bool
+    drafter: OnnxDrafter
     committed: int      # tokens the target has committed (known from Begin/Sync)
     epoch: int = 0
     base: int = 0       # first position of the current stream that the worker drafted itself
     sent: int = 0       # stream positions below this have been sent
     # the stream was rebased on a correction: its first token goes out alone, at once (the target waits for it)
     rush: bool = False
-
-
-@dataclass
-class _Stream:
-    """One request's drafting state in the worker."""
-
-    req: _Request
-    drafter: OnnxDrafter
+    # drafted, not sent yet: when their drafting began, its time, how many tokens it covers, their distributions
     unsent_t0: float | None = None
     unsent_s: float = 0.0
     unsent_timed: int = 0
     unsent_probs: list = field(default_factory=list)
 
-
-def _stream_attr(name: str):
-    """A Worker attribute that is the current stream's (the stream the worker is handling or drafting)."""
-
-    def get(self):
-        return getattr(self.cur, name) if self.cur is not None else self._idle[name]
-
-    def put(self, value):
-        if self.cur is not None:
-            setattr(self.cur, name, value)
-        else:
-            self._idle[name] = value
-
-    return property(get, put)
+    def reset_unsent(self) -> None:
+        self.unsent_t0, self.unsent_s, self.unsent_timed, self.unsent_probs = None, 0.0, 0, []
 
 
 def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
-    """The token ids of a Begin/Sync frame, or None unless it is one 1-D array of ids in [0, vocab)."""
-    if len(arrays) != 1 or arrays[0].ndim != 1:
-        return None
-    a = arrays[0]
-    if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab):
-        return None
-    return a.astype(np.int64).tolist()
+    """The token ids of a Begin/Sync (decode made sure of one 1-D int32 array), or None unless all are in range."""
+    return arrays[0].astype(np.int64).tolist() if ids_within(arrays[0], vocab) else None
 
 
 class Worker:
     """The worker's protocol side. `step()` does one unit of work; `loop()` runs it until Shutdown.
-    `clock` is a seam for tests (the send-batching deadline). `req`, `drafter` and the unsent-token
-    bookkeeping are those of the current stream (`cur`: the last one begun, handled or drafted for)."""
-
-    req = _stream_attr("req")
-    drafter = _stream_attr("drafter")
-    unsent_t0 = _stream_attr("unsent_t0")
-    unsent_s = _stream_attr("unsent_s")
-    unsent_timed = _stream_attr("unsent_timed")
-    unsent_probs = _stream_attr("unsent_probs")
+    `clock` is a seam for tests (the send-batching deadline). The drafting methods act on the current stream
+    (`cur`: the last one begun, handled or drafted for)."""
 
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int,
                  clock=time.monotonic, max_streams: int = MAX_STREAMS):
@@ -117,9 +84,6 @@ class Worker:
         self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
         self.cur: _Stream | None = None
         self.max_streams = max(1, max_streams)
-        # what the attributes above read when no stream is open
-        self._idle = {"req": None, "drafter": drafter, "unsent_t0": None, "unsent_s": 0.0, "unsent_timed": 0,
-                      "unsent_probs": []}
         self._turn = 0  # round-robin position among the streams that want to draft
         self.running = True
 
@@ -127,26 +91,24 @@ class Worker:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
         st = self.streams.pop(req_id, None)
         if st is not None:
-            self.streams[req_id] = st
-            self.cur = st
+            self.streams[req_id] = self.cur = st
         return st
 
-    def _open(self, req: _Request) -> _Stream:
-        old = self.streams.pop(req.req_id, None)
+    def _open(self, msg: Begin, prompt: list[int]) -> _Stream:
+        old = self.streams.pop(msg.req_id, None)
         while len(self.streams) >= self.max_streams:  # evict the least recently heard of
             evicted = self.streams.pop(next(iter(self.streams)))
-            log.warning("more than %d streams: closing the stream of request %d", self.max_streams,
-                        evicted.req.req_id)
+            log.warning("more than %d streams: closing the stream of request %d", self.max_streams, evicted.req_id)
             evicted.drafter.close()
         drafter = old.drafter if old is not None else self.model.spawn()
-        st = self.streams[req.req_id] = _Stream(req, drafter)
-        self.cur = st
+        n = len(prompt)
+        st = _Stream(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, drafter, committed=n, base=n, sent=n)
+        self.streams[msg.req_id] = self.cur = st
         return st
 
     def _close(self, req_id: int) -> None:
-        st = self.streams.pop(req_id, None)
-        if st is not None:
-            st.drafter.close()
+        st = self.streams.pop(req_id)
+        st.drafter.close()
         if self.cur is st:
             self.cur = next(reversed(self.streams.values()), None)
 
@@ -157,8 +119,7 @@ class Worker:
             if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
                 self.ch.reject("Begin without a valid prompt, gamma or max_ahead")
                 return
-            st = self._open(_Request(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, committed=len(prompt),
-                                     base=len(prompt), sent=len(prompt)))
+            st = self._open(msg, prompt)
             st.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
                                                     sampling="coupled" if msg.coupled else "rejection"))
         elif isinstance(msg, Sync) and self._stream(msg.req_id) is not None:
@@ -168,7 +129,7 @@ class Worker:
                 return
             self._sync(msg.pos, tokens, msg.epoch)
         elif isinstance(msg, Control) and self._stream(msg.req_id) is not None:
-            self.req.drafting, self.req.gamma = msg.drafting, max(1, msg.gamma)
+            self.cur.drafting, self.cur.gamma = msg.drafting, max(1, msg.gamma)
         elif isinstance(msg, End) and msg.req_id in self.streams:
             self._close(msg.req_id)
         elif isinstance(msg, Ping):
@@ -182,92 +143,85 @@ class Worker:
         """Merge committed tokens ids[pos:]; rebase the stream where it diverges. `epoch` is the oldest stream the
         target still accepts: a newer one than the worker's means the target dropped the worker's stream, which
         then starts over (re-sent from the committed length) in that epoch."""
-        req, ids = self.req, self.drafter.ids
-        if pos > req.committed:
-            log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, req.committed)
+        st = self.cur
+        ids = st.drafter.ids
+        if pos > st.committed:
+            log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, st.committed)
             return
         diverged = False
         for p, tok in enumerate(tokens, start=pos):
-            if p < req.committed or (p < len(ids) and ids[p] == tok):
+            if p < st.committed or (p < len(ids) and ids[p] == tok):
                 continue
             diverged = True
             if p < len(ids):
-                self.drafter.truncate(p)
+                st.drafter.truncate(p)
             ids.append(tok)
-        req.committed = max(req.committed, pos + len(tokens))
-        if diverged or epoch > req.epoch:
+        st.committed = max(st.committed, pos + len(tokens))
+        if diverged or epoch > st.epoch:
             if not diverged:  # the target dropped our stream: draft it again in the new epoch
-                self.drafter.truncate(req.committed)
-            req.epoch = max(req.epoch + 1, epoch) if diverged else epoch
-            req.base = req.sent = req.committed
-            req.rush = True
-            self._reset_unsent()
+                st.drafter.truncate(st.committed)
+            st.epoch = max(st.epoch + 1, epoch) if diverged else epoch
+            st.base = st.sent = st.committed
+            st.rush = True
+            st.reset_unsent()
 
     # -- drafting -----------------------------------------------------------------------------------
     def want_to_draft(self) -> int:
-        req = self.req
-        if req is None or not req.drafting:
+        st = self.cur
+        if st is None or not st.drafting:
             return 0
-        ahead = len(self.drafter.ids) - req.committed
-        room = self.drafter.context_len - len(self.drafter.ids)
-        return max(0, min(req.gamma, req.max_ahead - ahead, room))
+        n = len(st.drafter.ids)
+        return max(0, min(st.gamma, st.max_ahead - (n - st.committed), st.drafter.context_len - n))
 
     def draft_once(self, n: int) -> None:
-        """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `loop`)."""
+        """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `should_flush`)."""
+        st = self.cur
         t0 = self.clock()
-        draft = self.drafter.extend(n)
+        draft = st.drafter.extend(n)
         t1 = self.clock()
         if not draft.ids:
             return
-        t0 += self.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
-        if self.unsent_t0 is None:
-            self.unsent_t0 = t0
-        self.unsent_s += t1 - t0
-        self.unsent_timed += len(draft.ids)
+        t0 += st.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
+        if st.unsent_t0 is None:
+            st.unsent_t0 = t0
+        st.unsent_s += t1 - t0
+        st.unsent_timed += len(draft.ids)
         if draft.probs is not None:
-            self.unsent_probs.extend(draft.probs.astype(np.float32))
-
-    def _reset_unsent(self) -> None:
-        self.unsent_t0, self.unsent_s, self.unsent_timed, self.unsent_probs = None, 0.0, 0, []
+            st.unsent_probs.extend(draft.probs.astype(np.float32))
 
     def flush(self) -> None:
         """Send the stream tokens the target has not been sent yet, in one Proposal."""
-        req = self.req
-        if req is None or req.sent >= len(self.drafter.ids):
+        st = self.cur
+        if st is None or st.sent >= len(st.drafter.ids):
             return
-        toks = self.drafter.ids[req.sent:]
+        toks = st.drafter.ids[st.sent:]
         arrays = [np.asarray(toks, dtype=np.int32)]
-        p = self.drafter.params
+        p = st.drafter.params
         if not (p.greedy or p.coupled):  # rejection sampling: each token travels with its distribution
-            if len(self.unsent_probs) != len(toks):
+            if len(st.unsent_probs) != len(toks):
                 log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks),
-                            len(self.unsent_probs))
-                self.drafter.truncate(req.sent)
-                self._reset_unsent()
+                            len(st.unsent_probs))
+                st.drafter.truncate(st.sent)
+                st.reset_unsent()
                 return
-            arrays.append(np.stack(self.unsent_probs))
-        start = req.sent
-        req.sent = len(self.drafter.ids)
-        req.rush = False
+            arrays.append(np.stack(st.unsent_probs))
+        start, st.sent, st.rush = st.sent, len(st.drafter.ids), False
         now = self.clock()
-        self.ch.send(Proposal(req_id=req.req_id, epoch=req.epoch, base=req.base, start=start,
-                              draft_s=self.unsent_s, timed=self.unsent_timed,
-                              draft_t0=self.unsent_t0 if self.unsent_t0 is not None else now, sent=now), *arrays)
-        self._reset_unsent()
+        self.ch.send(Proposal(req_id=st.req_id, epoch=st.epoch, base=st.base, start=start, draft_s=st.unsent_s,
+                              timed=st.unsent_timed, draft_t0=now if st.unsent_t0 is None else st.unsent_t0,
+                              sent=now), *arrays)
+        st.reset_unsent()
 
     def should_flush(self, n: int) -> bool:
         """Batch the sends: one message when the target's next block is complete, one when drafting
         stops at max_ahead, and otherwise one per FLUSH_S (a slow draft still streams). Each message
         wakes both processes' I/O threads, so a message per token costs the cores real time."""
-        req = self.req
-        if req is None or req.sent >= len(self.drafter.ids):
+        st = self.cur
+        if st is None or st.sent >= len(st.drafter.ids):
             return False
-        if req.rush or req.sent < req.committed + req.gamma <= len(self.drafter.ids) or not n:
+        if st.rush or st.sent < st.committed + st.gamma <= len(st.drafter.ids) or not n:
             return True
-        return self.unsent_t0 is not None and self.clock() - self.unsent_t0 >= FLUSH_S
-
-    def parent_alive(self) -> bool:
-        return os.getppid() == self.parent_pid
+        return st.unsent_t0 is not None and self.clock() - st.unsent_t0 >= FLUSH_S
 
     def step(self, idle_wait_s: float = 0.2) -> bool:
         """One unit of work: handle a message, send, or draft one token. Waits up to idle_wait_s for a message
@@ -286,18 +240,18 @@ class Worker:
                 self.flush()
                 return True
         order = [rid for rid, n in want.items() if n]
-        if order:
-            # one token at a time, looking at the socket in between: a correction that arrives mid-block stops
-            # drafting on the stale stream at once; streams take turns
-            self._turn = (self._turn + 1) % len(order)
-            self.cur = self.streams[order[self._turn]]
-            self.draft_once(1)
-            return True
-        return False
+        if not order:
+            return False
+        # one token at a time, looking at the socket in between: a correction that arrives mid-block stops
+        # drafting on the stale stream at once; streams take turns
+        self._turn = (self._turn + 1) % len(order)
+        self.cur = self.streams[order[self._turn]]
+        self.draft_once(1)
+        return True
 
     def loop(self) -> None:
         while self.running:
-            if not self.parent_alive():  # checked every iteration: a getppid() call is ~0.1 us
+            if os.getppid() != self.parent_pid:  # checked every iteration: a getppid() call is ~0.1 us
                 log.warning("target process is gone; draft worker exits")
                 return
             self.step()
@@ -319,7 +273,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="draft from at most the last N prompt tokens (draft.prompt_window; 0: all)")
     p.add_argument("--keys-stdin", action="store_true",
                    help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
-    p.add_argument("--max-msg-bytes", type=int, default=256 << 20, help="largest frame accepted")
+    p.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
     return p.parse_args(argv)
 
 
@@ -332,20 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     keys = json.loads(sys.stdin.readline()) if args.keys_stdin else None
+    providers = args.providers.split(",")
     ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes)
     try:
         try:
-            drafter = OnnxDrafter(args.model, providers=args.providers.split(","), threads=args.threads,
+            drafter = OnnxDrafter(args.model, providers=providers, threads=args.threads,
                                   vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None)
         except Exception as exc:  # report why, then exit non-zero
             ch.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)
             return 3
         ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
-                      providers=args.providers.split(",")))
+                      providers=providers))
         Worker(ch, drafter, args.parent_pid or os.getppid(), max_streams=args.max_streams).loop()
-    except KeyboardInterrupt:
-        pass
     finally:
         ch.close()
     return 0

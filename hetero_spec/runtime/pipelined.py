@@ -1,15 +1,11 @@
-"""Target-side loop of the two-process runtime: drafting overlaps verification.
+"""Target-side half of the two-process runtime: drafting overlaps verification.
 
-While the target verifies block n, the worker already drafts block n+1 on the assumption that block n
-is accepted. After each round the target sends the committed tokens (Sync). Where they differ from the
-worker's stream (a rejection, or a bonus token that differs from the draft's continuation), the worker
-rolls its KV cache back, starts a new epoch, and drafts from the corrected context; the target drops
-proposals of stale epochs and checks every proposal against what it has committed, so output stays
-token-identical to target-only decoding.
-
-The target never waits long for the draft: at most the predicted cost of the missing tokens, capped
-at one verification step (the controller's `wait_budget`); otherwise it verifies what it has, or
-decodes alone. A dead or hung worker costs the request nothing but speed.
+While the target verifies block n, the worker drafts block n+1 assuming block n is accepted. After each round the
+target sends the committed tokens (Sync); where they differ from the worker's stream (a rejection, or a bonus token
+other than the draft's continuation), the worker rolls back, starts a new epoch and drafts from the corrected
+context. The target drops proposals of stale epochs and checks every proposal against what it has committed, so
+output stays token-identical to target-only decoding. It waits for the draft at most the controller's
+`wait_budget`, then verifies what it has or decodes alone: a dead or hung worker costs nothing but speed.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import numpy as np
 
 from ..draft.base import Draft
 from ..sampling import SamplingParams
-from ..transport.protocol import Begin, Control, End, Proposal, Sync
+from ..transport.protocol import Begin, Control, End, Proposal, Sync, ids_within
 from ..tuning.cost_model import Ema
 from .supervisor import DraftSupervisor, Worker
 
@@ -60,86 +56,53 @@ class StreamBuffer:
     redrafting: bool = False
 
     def add(self, p: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
-        if self.sampled and (probs is None or len(probs) != len(ids)):
+        fresh = p.epoch > self.epoch
+        # stale: a sampled token without its q, a dropped epoch, or a proposal that does not continue the stream: a
+        # new epoch starts at its base, and within one the worker sends each position once, in order (a gap: lost)
+        if ((self.sampled and (probs is None or len(probs) != len(ids)))
+                or p.epoch < max(self.epoch, self.min_epoch)
+                or p.start != (p.base if fresh else self.base + len(self.tokens))):
             self.stale += 1
             return
-        if p.epoch < max(self.epoch, self.min_epoch):
-            self.stale += 1
-            return
-        if p.epoch > self.epoch:
-            if p.start != p.base:  # a new epoch must start at its base
-                self.stale += 1
-                return
+        if fresh:
             self.epoch, self.base, self.tokens, self.probs = p.epoch, p.base, [], []
             self.redrafting = True
-        end = self.base + len(self.tokens)
-        if p.start > end:  # a gap: something in between was lost
-            self.stale += 1
-            return
-        skip = max(0, self.base - p.start)  # positions already verified and dropped
-        if skip >= len(ids):
-            return  # all of it verified already
-        at = p.start + skip - self.base
-        new = [int(t) for t in ids[skip:]]
-        have = self.tokens[at:at + len(new)]
-        # within one epoch the worker only appends, so an overlap is a resend, which only adds what is new;
-        # if it differs, the worker's word replaces ours
-        if have == new[:len(have)]:
-            self.tokens.extend(new[len(have):])
-            if probs is not None:
-                self.probs.extend(probs[skip + len(have):])
-        else:
-            self.tokens[at:] = new
-            if probs is not None:
-                self.probs[at:] = list(probs[skip:])
+        self.tokens.extend(int(t) for t in ids)
+        if probs is not None:
+            self.probs.extend(probs)
 
     def invalidate(self) -> None:
         self.min_epoch = self.epoch + 1
         self.tokens, self.probs = [], []
         self.redrafting = True
 
+    def _match(self, ids: list[int]) -> tuple[int, bool]:
+        """Compare the stream's tokens with the committed ones they cover: (how many agree, whether all do). A
+        mismatch drops the stream; otherwise the covered part (verified, or compared) is dropped."""
+        end = min(len(ids), self.base + len(self.tokens))
+        for j, pos in enumerate(range(self.base, end)):
+            if self.tokens[j] != ids[pos]:
+                self.invalidate()
+                return j, False
+        if end > self.base:
+            cut = end - self.base
+            self.tokens, self.probs, self.base = self.tokens[cut:], self.probs[cut:], end
+            return cut, True
+        return 0, True
+
     def shadow(self, ids: list[int]) -> tuple[int, int]:
         """While the target decodes alone (speculation off): compare the stream's tokens with the committed
         ones they cover, as a verification would have, for free; (tested, accepted) as `Acceptance.observe`
-        counts them (greedy and coupled requests, where acceptance is token equality). The compared part is
-        dropped; a mismatch drops the stream (the worker re-bases on the Sync, one epoch on)."""
-        n = len(ids)
-        end = min(n, self.base + len(self.tokens))
-        for j, pos in enumerate(range(self.base, end)):
-            if self.tokens[pos - self.base] != ids[pos]:
-                self.invalidate()
-                return j + 1, j
-        matched = max(0, end - self.base)
-        self._drop_through(end)
-        return matched, matched
-
-    def _drop_through(self, end: int) -> None:
-        """Drop the stream's tokens before position `end` (verified, or compared with the committed ones)."""
-        if end > self.base:
-            cut = end - self.base
-            self.tokens, self.probs = self.tokens[cut:], self.probs[cut:]
-            self.base = end
+        counts them (greedy and coupled requests, where acceptance is token equality). A mismatch drops the
+        stream (the worker re-bases on the Sync, one epoch on)."""
+        matched, agree = self._match(ids)
+        return (matched, matched) if agree else (matched + 1, matched)
 
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers."""
-        n = len(ids)
-        end = min(n, self.base + len(self.tokens))
-        for pos in range(self.base, end):
-            if self.tokens[pos - self.base] != ids[pos]:
-                self.invalidate()
-                return [], []
-        self._drop_through(end)  # the verified part
-        if self.base < n:  # the stream has not reached the committed length yet
+        if not self._match(ids)[1] or self.base < len(ids):  # (or it has not reached the committed length yet)
             return [], []
         return self.tokens, self.probs
-
-
-@dataclass
-class Timeline:
-    """Per-round intervals (time.monotonic) for checking that drafting overlaps verification."""
-
-    verify: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t0, t1, position, k)
-    draft: list[tuple[float, float, int]] = field(default_factory=list)  # (t0, t1, start position)
 
 
 class DraftLink:
@@ -151,21 +114,18 @@ class DraftLink:
     None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,
-                 costs: LinkCosts, routes: dict[int, DraftLink], timeline: Timeline | None, vocab_width: int,
+                 costs: LinkCosts, routes: dict[int, DraftLink], trace: list | None, vocab_width: int,
                  clock=time.monotonic):
-        self.sup, self.params, self.max_ahead, self.timeline = sup, params, max_ahead, timeline
+        self.sup, self.req_id, self.params, self.max_ahead = sup, req_id, params, max_ahead
         self.costs, self.routes = costs, routes  # routes: req_id -> link, for every request on the worker
+        self.trace = trace  # with runtime.trace: each proposal's drafting interval (t0, t1, start position)
         self.vocab_width, self.clock = vocab_width, clock
         self.w: Worker | None = None
         self.sampled = not (params.greedy or params.coupled)  # q travels with each token
         self.buf = StreamBuffer(sampled=self.sampled)
         self.synced = 0
-        # whether the current worker has proposed anything for this request: until then it is reading the
-        # prompt (its prefill can outlast the target's, e.g. with target.prefill_threads on its core)
-        self.heard = False
         self.drafting = True
         self.gamma = gamma  # the worker's block length (gamma: auto changes it between rounds)
-        self.req_id = req_id
         self.shadow = (0, 0)  # draft tokens compared with what the target decoded alone: (tested, accepted)
         self.rejected = 0  # messages of this request refused for bad contents (ids out of range, ...)
         self.dropped = 0   # malformed messages seen by this request's channels
@@ -179,10 +139,6 @@ class DraftLink:
             self.w = None
             if self.routes.get(self.req_id) is self:
                 del self.routes[self.req_id]
-
-    def _lose(self, w: Worker, reason: str) -> None:
-        self._leave(w)
-        self.sup.fail(w, reason)
 
     def _send(self, msg, *arrays) -> bool:
         """Send to the current worker; a failed send on a dead (or reaped) worker drops it."""
@@ -203,17 +159,15 @@ class DraftLink:
         if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
             self._leave(self.w)
             self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
-            self.heard = False
             self.routes[self.req_id] = self
-            p = self.params
             self.synced = len(ids)
-            if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k,
-                                    top_p=p.top_p, seed=p.seed, gamma=self.gamma,
-                                    max_ahead=self.max_ahead, drafting=self.drafting,
-                                    coupled=p.coupled),
-                              np.asarray(ids, dtype=np.int32)):
+            p = self.params
+            if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                    seed=p.seed, gamma=self.gamma, max_ahead=self.max_ahead,
+                                    drafting=self.drafting, coupled=p.coupled), np.asarray(ids, dtype=np.int32)):
                 if self.w is w:  # alive but not reading: treat it as hung
-                    self._lose(w, "not accepting messages")
+                    self._leave(w)
+                    self.sup.fail(w, "not accepting messages")
                 return None
         return self.w
 
@@ -244,18 +198,16 @@ class DraftLink:
             w.channel.reject(f"{type(msg).__name__}: {why}")
             self.rejected += 1
             return
-        now = self.clock()
-        self.costs.observe_proposal(msg.draft_s, msg.timed, now - msg.sent if waited else None)
-        self.heard = True
+        self.costs.observe_proposal(msg.draft_s, msg.timed, self.clock() - msg.sent if waited else None)
         self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
-        if self.timeline is not None:
-            self.timeline.draft.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
+        if self.trace is not None:
+            self.trace.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
 
     def _check_arrays(self, arrays: list[np.ndarray]) -> str:
         """Draft token ids must index the target's embedding (on CUDA a bad id is a device assert), and a draft
         distribution q must be one (finite, >= 0, summing to 1): exact rejection sampling divides by it."""
         ids = arrays[0]
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_width):
+        if not ids_within(ids, self.vocab_width):
             return f"token ids outside [0, {self.vocab_width})"
         if len(arrays) > 1:
             q = arrays[1]
@@ -286,12 +238,7 @@ class DraftLink:
         # (docs/features-two-process.md); the tokens drafted meanwhile make the next block
         want = 1 if self.buf.redrafting else k
         deadline = self.clock() + budget_s * want / k
-        while True:
-            now = self.clock()
-            if len(toks) >= want:
-                break
-            if now >= deadline:
-                break
+        while (now := self.clock()) < deadline and len(toks) < want:
             if not self.sup.check(w):
                 self._leave(w)
                 return Draft(ids=[])
@@ -301,10 +248,7 @@ class DraftLink:
         if not self.sampled:
             return Draft(ids=list(toks[:k]))
         k = min(k, len(toks), len(probs))  # a sampled draft token is usable only with its distribution
-        toks, probs = toks[:k], probs[:k]
-        if not toks:
-            return Draft(ids=[])
-        return Draft(ids=list(toks), probs=np.stack(probs))
+        return Draft(ids=list(toks[:k]), probs=np.stack(probs[:k])) if k else Draft(ids=[])
 
     def _idle_check(self, ids: list[int]) -> None:
         """While not speculating, look at the worker only every IDLE_CHECK_S (keeps the loop cheap):

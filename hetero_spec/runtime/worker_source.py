@@ -16,7 +16,7 @@ from ..config import Config
 from ..draft.base import Draft, DraftCosts, Seq
 from ..draft.select import prompt_window
 from .cpus import allowed, draft_cpus, pin_threads
-from .pipelined import DraftLink, LinkCosts, Timeline
+from .pipelined import DraftLink, LinkCosts
 from .supervisor import DraftSupervisor, WorkerSpec
 
 #: streams the worker keeps beyond serving.max_batch (ended requests whose End is still on the way)
@@ -43,14 +43,11 @@ class WorkerSource:
         self.trace = r.trace
         self.draft_cpus = draft_cpus(config)
         self.target_cpus = [c for c in allowed() if c not in self.draft_cpus] if self.draft_cpus else None
-        self.cap = r.max_ahead or 2 * 64 + 1  # gamma <= 64 (speculation.gamma)
-        self.sup = DraftSupervisor(WorkerSpec(
-            model=d.model, providers=d.providers, threads=d.threads, vocab_width=vocab_width,
-            transport=r.transport, host=r.host, port=r.port, curve=r.curve, curve_keys=r.curve_keys,
-            cpus=self.draft_cpus, ready_timeout_s=r.ready_timeout_s, heartbeat_s=r.heartbeat_s,
-            restart_backoff_s=r.restart_backoff_s, max_streams=max_streams + STREAM_SLACK,
-            prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"),
-            max_msg_bytes=max_msg_bytes(vocab_width, context_len, self.cap)), launcher=launcher, clock=clock)
+        msg_bytes = max_msg_bytes(vocab_width, context_len, r.max_ahead or 2 * 64 + 1)  # gamma <= 64
+        spec = WorkerSpec(r, d, vocab_width, cpus=self.draft_cpus, max_msg_bytes=msg_bytes,
+                          max_streams=max_streams + STREAM_SLACK,
+                          prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"))
+        self.sup = DraftSupervisor(spec, launcher=launcher, clock=clock)
         if self.draft_cpus and hasattr(os, "sched_setaffinity"):
             pin_threads(self.sup.thread_ids, self.draft_cpus)
         self.link_costs = LinkCosts()
@@ -61,11 +58,10 @@ class WorkerSource:
 
     def begin(self, seq: Seq) -> None:
         """The worker starts drafting block 1 while the target reads the prompt."""
-        r = self.config.runtime
         gamma = max(1, seq.gamma)
-        max_ahead = r.max_ahead or 2 * max(gamma, 16 if seq.gamma_auto else gamma) + 1
+        max_ahead = self.config.runtime.max_ahead or 2 * max(gamma, 16 if seq.gamma_auto else gamma) + 1
         link = DraftLink(self.sup, seq.id, seq.params, gamma, max_ahead, self.link_costs, self.routes,
-                         Timeline() if self.trace else None, self.vocab_width, clock=self.clock)
+                         [] if self.trace else None, self.vocab_width, clock=self.clock)
         self.links[seq.id] = link
         self._counts[seq.id] = (self.sup.failures, self.sup.restarts)
         link.begin(seq.ids)
@@ -91,20 +87,20 @@ class WorkerSource:
         if link is None:
             return {}
         link.end()
-        failures0, restarts0 = self._counts.pop(seq.id, (self.sup.failures, self.sup.restarts))
+        failures0, restarts0 = self._counts.pop(seq.id)
         out: dict[str, Any] = {"stale_proposals": link.buf.stale,
                                "draft_failures": self.sup.failures - failures0,
                                "draft_restarts": self.sup.restarts - restarts0,
                                "dropped_messages": link.dropped, "rejected_messages": link.rejected}
-        if link.timeline is not None:
-            out["timeline"] = {"draft": link.timeline.draft}
+        if link.trace is not None:
+            out["timeline"] = {"draft": link.trace}
         return out
 
     def costs(self) -> DraftCosts:
         return DraftCosts(self.link_costs.draft_tok_s.value, self.link_costs.transfer_s.value)
 
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        d = self.sup.health(timeout_s or self.sup.spec.heartbeat_s) if probe else self.sup.status()
+        d = self.sup.health(timeout_s or self.sup.spec.runtime.heartbeat_s) if probe else self.sup.status()
         d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
         return d
 

@@ -3,11 +3,11 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models, GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
 
-Each request is submitted to the Engine's request scheduler (batch.py), which decodes up to serving.max_batch
-of them together and hands each round's tokens to the event loop through a queue (with whether they are the
-last, read in the scheduler's thread), so the loop never blocks on decoding. A client that disconnects, or a
-stop string that appears, sets the request's cancel event: the request leaves the batch before its next
-round, freeing its KV state (or before it starts, if it was still waiting), and a waiting one takes its place.
+Each request goes to the Engine's request scheduler (scheduler.py), which decodes up to serving.max_batch of
+them together and hands each round's tokens to the event loop through an asyncio queue (Engine.astream_tokens),
+so the loop never blocks on decoding. A client that disconnects, or a stop string that appears, sets the
+request's cancel event: it leaves the batch before its next round (or before it starts), freeing its KV state
+for a waiting one.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..scheduler import is_last
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, QueueFullError, RequestError
 from ..metrics import Stats
@@ -52,25 +52,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+@dataclass
 class Job:
-    """One request, fed by the Engine's request scheduler: (token ids, last chunk) arrive on `queue`, then DONE or
-    the exception that ended it. Whether a chunk is the last is read in the scheduler's thread, when it is sent."""
+    """One request: its rounds' token ids (Engine.astream_tokens), its stats and its cancel event."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, prompt: str | list[int], kwargs: dict):
-        self.cancel = threading.Event()
-        self.stats = Stats()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = loop
-        # validation happens here, in the caller (a RequestError becomes a 400 before anything streams)
-        engine.submit(prompt, self._put, stats=self.stats, cancel=self.cancel, **kwargs)
-
-    def _put(self, item) -> None:  # the scheduler's thread; an error (no loop any more) cancels the request
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (item, bool(self.stats.finish_reason)))
-
-    async def tokens(self) -> AsyncIterator[tuple[list[int], bool]]:
-        """(token ids, last chunk) as rounds commit them."""
-        while not is_last((got := await self.queue.get())[0]):
-            yield got
+    chunks: AsyncIterator[list[int]]
+    stats: Stats
+    cancel: threading.Event
 
 
 def _usage(stats: Stats) -> dict[str, int]:
@@ -110,14 +98,14 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             raise ApiError(404, f"The model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
-    def start(prompt: str | list[int], req, max_tokens: int | None) -> Job:
-        bad = req.unsupported()
-        if bad:
+    async def start(prompt: str | list[int], req, max_tokens: int | None) -> Job:
+        if bad := req.unsupported():
             raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
-        kwargs = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "seed": req.seed, "stop_token_ids": req.stop_token_ids}
-        try:
-            return Job(engine, asyncio.get_running_loop(), prompt, kwargs)
+        stats, cancel = Stats(), threading.Event()
+        try:  # validated here, in the caller: a RequestError is a 400 before anything streams
+            return Job(await engine.astream_tokens(prompt, stats, cancel, max_new_tokens=max_tokens,
+                                                   temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                                   stop_token_ids=req.stop_token_ids), stats, cancel)
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except RequestError as exc:
@@ -130,22 +118,21 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     async def pieces(job: Job, stops: list[str]) -> AsyncIterator[str]:
         """Text pieces, cut at the first stop string (which then ends the request)."""
-        detok, matcher = Detokenizer(engine.decode_text), StopMatcher(stops)
-        async for chunk, last in job.tokens():
-            piece = matcher.feed(detok.add(chunk, final=last), final=last)
-            if piece:
+        matcher = StopMatcher(stops)
+        async for text in Detokenizer(engine.decode_text).apieces(job.chunks):
+            if piece := matcher.feed(text):
                 yield piece
             if matcher.stopped:
                 job.cancel.set()  # the engine stops before its next round
                 job.stats.finish_reason = "stop"
                 break
-        rest = matcher.feed("", final=True)
-        if rest:
+        if rest := matcher.feed("", final=True):
             yield rest
 
-    async def respond(job: Job, req, endpoint: str, request: Request, chat: bool):
+    async def respond(prompt: str | list[int], max_tokens: int | None, req, endpoint: str, request: Request,
+                      chat: bool):
+        job = await start(prompt, req, max_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        obj = "chat.completion" if chat else "text_completion"
         metrics.in_flight.inc()
         stops = req.stop_strings()
 
@@ -158,6 +145,10 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
         def finish_reason() -> str:
             return FINISH.get(job.stats.finish_reason, "stop")
+
+        def body(obj: str, choices: list, **more) -> dict[str, Any]:
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": choices,
+                    **more}
 
         def done(status: str) -> None:
             metrics.in_flight.dec()
@@ -174,18 +165,17 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 done("error")
                 raise
             done("ok")
-            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                 "choices": [choice(text, finish_reason(), delta=False)], "usage": _usage(job.stats)})
+            return JSONResponse(body("chat.completion" if chat else "text_completion",
+                                     [choice(text, finish_reason(), delta=False)], usage=_usage(job.stats)))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def events() -> AsyncIterator[str]:
-            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            status = "cancelled"
+        def event(choices: list, **more) -> str:
+            return "data: " + json.dumps(body("chat.completion.chunk" if chat else "text_completion", choices,
+                                              **more)) + "\n\n"
 
-            def event(choices: list, **more) -> str:
-                return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
-                                              "model": model_name, "choices": choices, **more}) + "\n\n"
+        async def events() -> AsyncIterator[str]:
+            status = "cancelled"
             try:
                 if chat:
                     yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
@@ -213,8 +203,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        job = start(req.prompt_value(), req, req.max_tokens or 16)
-        return await respond(job, req, "completions", request, chat=False)
+        return await respond(req.prompt_value(), req.max_tokens or 16, req, "completions", request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -227,8 +216,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             prompt = render_chat(template, req.messages)
         except Exception as exc:  # a template that refuses the conversation (raise_exception) or fails
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-        job = start(prompt, req, req.limit())
-        return await respond(job, req, "chat", request, chat=True)
+        return await respond(prompt, req.limit(), req, "chat", request, chat=True)
 
     @app.get("/v1/models")
     async def models():

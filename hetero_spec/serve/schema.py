@@ -39,20 +39,19 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(parameter, why) for an option this server does not implement, else None."""
-        if self.n != 1:
-            return "n", "only n = 1 is supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence and frequency penalties are not supported (they change the target)"
+    def _refused(self) -> list[tuple[str, bool, str]]:
+        """(parameter, whether this request sets it, why not) for each option this server does not implement."""
         stops = self.stop_strings()
-        if len(stops) > MAX_STOP or any(not s for s in stops):
-            return "stop", f"at most {MAX_STOP} non-empty stop strings"
-        return None
+        return [("n", self.n != 1, "only n = 1 is supported"),
+                ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
+                ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+                ("presence_penalty", bool(self.presence_penalty or self.frequency_penalty),
+                 "presence and frequency penalties are not supported (they change the target)"),
+                ("stop", len(stops) > MAX_STOP or not all(stops), f"at most {MAX_STOP} non-empty stop strings")]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first option this request sets that the server does not implement."""
+        return next(((name, why) for name, bad, why in self._refused() if bad), None)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -64,22 +63,18 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of = 1 is supported"
-        if self.suffix:
-            return "suffix", "suffix (insertion) is not supported"
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                return "prompt", "one prompt per request (a list of several prompts is not supported)"
-        return super().unsupported()
+    def _texts(self) -> bool:
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], str)
+
+    def _refused(self) -> list[tuple[str, bool, str]]:
+        return [("echo", self.echo, "echo is not supported"),
+                ("best_of", self.best_of not in (None, 1), "only best_of = 1 is supported"),
+                ("suffix", bool(self.suffix), "suffix (insertion) is not supported"),
+                ("prompt", self._texts() and len(self.prompt) != 1,
+                 "one prompt per request (a list of several prompts is not supported)"), *super()._refused()]
 
     def prompt_value(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt
+        return self.prompt[0] if self._texts() else self.prompt
 
 
 class ChatMessage(BaseModel):
@@ -122,11 +117,8 @@ class StopMatcher:
             if cut >= 0:
                 out, self.buf, self.stopped = self.buf[:cut], "", True
                 return out
-        if final or not self.stops:
-            out, self.buf = self.buf, ""
-            return out
-        keep = self._tail()
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        cut = len(self.buf) - (0 if final or not self.stops else self._tail())
+        out, self.buf = self.buf[:cut], self.buf[cut:]
         return out
 
     def _tail(self) -> int:

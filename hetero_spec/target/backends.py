@@ -1,11 +1,10 @@
 """Which verifier backend runs the target, and loading it.
 
 - `torch`: transformers on `target.device` (target/verifier.py), the CUDA path.
-- `onnx`: ONNX Runtime (target/onnx_backend.py), about 3x faster than eager PyTorch on a CPU; never
-  imports torch. `target.model` is an exported directory (model.onnx) or a Hugging Face one, exported once
-  into the cache (target/export_cache.py).
-- `auto`: torch when the target's device is CUDA; onnx on a CPU when the builder can export the
-  architecture (or the directory is already an export); torch otherwise. The choice and its reason are logged.
+- `onnx`: ONNX Runtime (target/onnx_backend.py), about 3x faster than eager PyTorch on a CPU; never imports torch.
+  `target.model` is an export (model.onnx) or a Hugging Face directory, exported once into the cache.
+- `auto`: torch when the target's device is CUDA; onnx on a CPU when the builder can export the architecture (or
+  the directory is an export); torch otherwise. The choice and its reason are logged.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The target-side interface: what the decode loop (scheduler.py) needs of a verifier.
 
-Two backends implement it: `verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget`
-(ONNX Runtime; never imports torch). Each request's state (KV cache and its length, `n_cached`) lives in the
-object `new_state()` returns, never in the model, so one loaded model serves many requests, and the request
-scheduler (scheduler.py) verifies several states' blocks in one pass (`verify_batch`).
+Two backends implement it: `verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget` (ONNX
+Runtime; never imports torch). Each request's state (KV cache and its length, `n_cached`) lives in the object
+`new_state()` returns, never in the model, so one loaded model serves many requests, and the request scheduler
+verifies several states' blocks in one pass (`verify_batch`).
 
-Cache invariant: the state caches every committed token but the last, which is fed at the start of the next
-pass together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
+Cache invariant: the state caches every committed token but the last, which is fed at the start of the next pass
+together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
 """
 
 from __future__ import annotations

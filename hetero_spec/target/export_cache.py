@@ -1,12 +1,11 @@
-"""The ONNX export of a Hugging Face target, made once on first use and reused: `target.backend: onnx` (or
-`auto` on a CPU) with a Hugging Face `target.model`.
+"""The ONNX export of a Hugging Face target, made once on first use and reused: `target.backend: onnx` (or `auto`
+on a CPU) with a Hugging Face `target.model`.
 
-Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `onnx/NAME-PRECISION-KEY`.
-KEY hashes what identifies the checkpoint cheaply (its resolved path, config.json, and every weight
-file's name, size and modification time) with the precision and the onnxruntime-genai version, so an
-edited or retrained checkpoint gets a new export and an unchanged one is never exported twice. The export
-goes to a scratch folder renamed into place when complete, under a file lock, so two processes starting at
-once export once and a killed export leaves nothing half-written behind.
+Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `onnx/NAME-PRECISION-KEY`. KEY hashes
+what identifies the checkpoint cheaply (its resolved path, config.json, and every weight file's name, size and
+mtime) with the precision and the onnxruntime-genai version, so an edited checkpoint gets a new export and an
+unchanged one is never exported twice. An entry is built in a scratch folder renamed into place when complete,
+under a file lock: two processes starting at once export once, and a killed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -81,15 +80,19 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
         stamp["execution_provider"] = execution_provider
     from ..draft.export import quant_options
 
-    if quant_options(precision, stamp["config"]):  # a recipe change re-exports (other keys predate it)
-        stamp["quant_options"] = quant_options(precision, stamp["config"])
+    if options := quant_options(precision, stamp["config"]):  # a recipe change re-exports (other keys predate it)
+        stamp["quant_options"] = options
     return stamp
+
+
+def stamp_key(stamp: dict) -> str:
+    """A short hash of what identifies a cache entry (its directory name ends with it)."""
+    return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def entry_dir(model_dir: Path, precision: str = "fp32", root: Path | None = None,
               execution_provider: str = "cpu") -> Path:
-    stamp = source_stamp(model_dir, precision, execution_provider)
-    key = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+    key = stamp_key(source_stamp(model_dir, precision, execution_provider))
     ep = "" if execution_provider == "cpu" else f"-{execution_provider}"
     return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}{ep}-{key}"
 
@@ -106,24 +109,25 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
     from ..draft.export import export_draft
 
     entry = entry_dir(model_dir, precision, root, execution_provider)
-    if _complete(entry):
-        log.info("%s: using the cached ONNX export %s", role, entry)
-        return entry
 
-    def export(scratch: Path) -> None:
-        say = progress or stderr_progress(entry)
+    def export(scratch: Path, say: Callable[[str], None]) -> None:
         say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache "
             f"{entry} (set HETERO_SPEC_CACHE to move it)")
         export_draft(model_dir, scratch, precision, execution_provider, progress=say)
         (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
                                                       indent=2))
 
-    return build_once(entry, _complete, export)
+    return build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
 
 
-def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
-    """Make a cache entry once: under a file lock (another process may be making the same one), in a scratch
-    folder renamed into place when build(scratch) returns, so a killed build leaves nothing half-written."""
+def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path, Callable[[str], None]], None],
+               found: str, progress: Callable[[str], None] | None = None) -> Path:
+    """Make a cache entry once (`found` is logged when it is there already): under a file lock (another process
+    may be making the same one), in a scratch folder renamed into place when build(scratch, say) returns, so a
+    killed build leaves nothing half-written. `say` is `progress`, or timed lines on stderr."""
+    if complete(entry):
+        log.info(found)
+        return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{entry.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -132,7 +136,7 @@ def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[P
         scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            build(scratch)
+            build(scratch, progress or _stderr_progress())
             shutil.rmtree(entry, ignore_errors=True)
             scratch.rename(entry)
         finally:
@@ -140,7 +144,7 @@ def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[P
     return entry
 
 
-def stderr_progress(entry: Path) -> Callable[[str], None]:
+def _stderr_progress() -> Callable[[str], None]:
     start = time.monotonic()
 
     def say(text: str) -> None:

@@ -1,11 +1,10 @@
-"""KV caches stored below the compute precision (`target.kv_cache_dtype`, torch backend): int8 or fp8 (e4m3)
-with a float32 scale per token and head (absmax over the head's dimensions), or plain fp16/bf16. Each layer
-dequantizes on read, so attention computes in the model's dtype.
+"""KV caches stored below the compute precision (`target.kv_cache_dtype`, torch backend): int8 or fp8 (e4m3) with
+a float32 scale per token and head (absmax over the head's dimensions), or plain fp16/bf16, dequantized on read.
 
-A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass
-stores exactly what one-token steps store: speculative output stays identical to the target decoding alone with
-the same cache dtype (tested), while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4.
-Dequantizing the whole cache each pass costs time: this trades speed for memory (docs/features-precision.md).
+A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass stores
+exactly what one-token steps store: output stays identical to the target decoding alone with the same cache dtype,
+while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4. Dequantizing the whole cache each
+pass costs time: this trades speed for memory (docs/features-precision.md).
 """
 
 from __future__ import annotations
@@ -40,13 +39,8 @@ class StoredKVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-        new = [self._pack(key_states), self._pack(value_states)]
-        if not self.parts:
-            self.parts = [*new[0], *new[1]]
-        else:
-            n = len(new[0])
-            old = [self.parts[:n], self.parts[n:]]
-            self.parts = [torch.cat([o, x], dim=-2) for o, x in zip(old[0] + old[1], new[0] + new[1])]
+        new = self._pack(key_states) + self._pack(value_states)
+        self.parts = [torch.cat([old, x], dim=-2) for old, x in zip(self.parts, new)] if self.parts else new
         n = len(self.parts) // 2
         return self._unpack(self.parts[:n], self.dtype), self._unpack(self.parts[n:], self.dtype)
 

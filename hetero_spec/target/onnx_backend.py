@@ -3,14 +3,10 @@ run by the shared `OnnxDecoder` on a builder-exported target (`hetero-spec expor
 
 On a CPU, ONNX Runtime's kernels are about 3x faster than transformers' eager forward for the same fp32
 weights (docs/benchmarks.md). Never imports torch: an edge box can run both sides on ONNX Runtime.
-
-Cache invariant, as in the PyTorch verifier: the cache holds every committed token except the last one,
-which is fed at the start of the next pass together with the draft block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,21 +30,14 @@ class OnnxTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-@dataclass
-class OnnxTargetState:
-    """One request's target-side state: the decoder's KV cache (n_cached = cached positions)."""
-
-    dec: DecoderState
-
-    @property
-    def n_cached(self) -> int:
-        return self.dec.n_past
-
-
 class OnnxTarget:
-    """A builder-exported decoder used as the verifier (CPU or an NPU/DirectML execution provider)."""
+    """A builder-exported decoder used as the verifier (CPU or an NPU/DirectML execution provider). A request's
+    state is the decoder's `DecoderState` (its KV cache)."""
 
     backend = "onnx"
+    #: only rows of one token (no draft) share a pass: the exported GroupQueryAttention refuses a batch of
+    #: several-token blocks over different pasts (OnnxDecoder.append_batch); such rows verify one per pass
+    batch_blocks = False
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
                  max_context: int | None = None, spin: bool = True, prefill_threads: int | None = None):
@@ -66,12 +55,7 @@ class OnnxTarget:
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos])} if eos is not None else set()
         tok = model_dir / "tokenizer.json"
         self.tokenizer = OnnxTokenizer(tok) if tok.is_file() else None
-
         self._pool = None
-
-    #: only rows of one token (no draft) share a pass: the exported GroupQueryAttention refuses a batch of
-    #: several-token blocks over different pasts (OnnxDecoder.append_batch); such rows verify one per pass
-    batch_blocks = False
 
     def enable_batching(self, slots: int) -> None:
         """States from now on are slots of one batched KV buffer (up to `slots`; more get their own buffers),
@@ -79,52 +63,49 @@ class OnnxTarget:
         if self.decoder.shared and slots > 1 and self._pool is None:
             self._pool = self.decoder.new_pool(slots)
 
-    def new_state(self) -> OnnxTargetState:
-        dec = self._pool.acquire() if self._pool is not None else None
-        return OnnxTargetState(dec if dec is not None else self.decoder.new_state())
+    def new_state(self) -> DecoderState:
+        state = self._pool.acquire() if self._pool is not None else None
+        return state if state is not None else self.decoder.new_state()
 
-    def release_state(self, state: OnnxTargetState) -> None:
+    def release_state(self, state: DecoderState) -> None:
         """Free the state's pool slot (a request ended); a no-op for a state with buffers of its own."""
-        if state.dec.pool is not None:
-            state.dec.pool.release(state.dec)
+        if state.pool is not None:
+            state.pool.release(state)
 
-    def forward(self, state: OnnxTargetState, tokens: list[int], last_only: bool = False,
+    def forward(self, state: DecoderState, tokens: list[int], last_only: bool = False,
                 wide: bool = False) -> np.ndarray:
         """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only).
         wide: on the prefill session's threads (target.prefill_threads), when there is one."""
         if not tokens:
             raise ValueError("forward needs at least one token")
-        logits = self.decoder.append(state.dec, tokens, wide=wide)
+        logits = self.decoder.append(state, tokens, wide=wide)
         return logits[-1:] if last_only else logits
 
-    def rollback(self, state: OnnxTargetState, n_keep: int) -> None:
+    def rollback(self, state: DecoderState, n_keep: int) -> None:
         """Drop cached positions after the first n_keep (the rejected draft tokens)."""
         if n_keep > state.n_cached:
             raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_cached}")
-        self.decoder.rewind(state.dec, n_keep)
+        self.decoder.rewind(state, n_keep)
 
-    def prefill(self, state: OnnxTargetState, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last (the invariant the decode loop relies on), on the prefill
-        session's threads when there is one."""
+    def prefill(self, state: DecoderState, prompt_ids: list[int]) -> None:
+        """Cache every prompt token but the last (target/base.py), on the prefill session's threads."""
         if len(prompt_ids) > 1:
             self.forward(state, prompt_ids[:-1], last_only=True, wide=True)
 
-    def verify(self, state: OnnxTargetState, last_token: int, draft_ids: list[int],
-               greedy: bool) -> list[int] | np.ndarray:
-        """One pass over [last_token, *draft_ids]: the argmax ids [k + 1] (greedy) or the logits as
-        float32 [k + 1, vocab]."""
+    def verify(self, state: DecoderState, last_token: int, draft_ids: list[int], greedy: bool) -> list | np.ndarray:
+        """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
-    def verify_batch(self, rows: list[tuple[OnnxTargetState, int, list[int]]], greedy: list[bool]) -> list:
+    def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
         """Verify several requests' blocks; rows are (state, last_token, draft_ids), each getting what `verify`
-        returns for it (greedy: one flag per row). Rows without a draft (one token) whose states share the pool run as ONE pass; rows with
-        a draft block run one per pass (see batch_blocks)."""
+        returns for it (greedy: one flag per row). Rows without a draft (one token) whose states share the pool
+        run as ONE pass; rows with a draft block run one per pass (see batch_blocks)."""
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         results: list = [None] * len(rows)
-        singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.dec.pool is not None]
+        singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.pool is not None]
         if len(singles) > 1:
-            logits = self.decoder.append_batch([rows[i][0].dec for i in singles], [rows[i][1] for i in singles])
+            logits = self.decoder.append_batch([rows[i][0] for i in singles], [rows[i][1] for i in singles])
             for j, i in enumerate(singles):
                 results[i] = _outputs(logits[j:j + 1], greedy[i])
         for i, (state, last, draft) in enumerate(rows):

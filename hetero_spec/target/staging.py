@@ -1,18 +1,13 @@
-"""Host -> device staging of candidate token ids for the target's forward pass.
+"""Host -> device staging of candidate token ids for the target's forward pass. Only token ids travel this way:
+the draft's q and the target's p never touch the device here (verification runs in numpy, `sampling`).
 
-Only token ids travel this way. When sampling, the draft's q and the target's p never touch the
-device here: the target's logits come back to the host and verification runs in numpy (`sampling`).
-
-On CUDA: one reusable pinned (page-locked) host buffer and one device buffer; ids are written into
-the host buffer and copied with non_blocking=True on a side stream, and the compute stream waits on
-an event for that copy. Two orderings keep the reused buffers safe:
-  - the side stream first waits for the compute stream, because a forward pass queued earlier (the
-    prefill, whose logits nobody reads, so nothing synchronised) may still read the device buffer;
-  - the host waits for the previous copy's event before writing the pinned buffer, because that copy
-    reads it asynchronously and may not have run yet.
-In the decode loop the host has already synchronised on the previous verify's result, so neither wait
-normally blocks. On CPU (or a torch build without CUDA, where pin_memory=True raises) it degrades to a
-plain tensor: there is nothing to copy.
+On CUDA: one reusable pinned host buffer and one device buffer; ids are written into the host buffer and copied
+with non_blocking=True on a side stream, and the compute stream waits on an event for that copy. Two orderings keep
+the reused buffers safe: the side stream first waits for the compute stream (a forward pass queued earlier, such as
+the prefill, whose logits nobody reads, may still read the device buffer), and the host waits for the previous
+copy's event before writing the pinned buffer (that copy reads it asynchronously and may not have run yet). In the
+decode loop the host has already synchronised on the previous verify, so neither wait normally blocks. On a CPU
+(or a torch build without CUDA, where pin_memory=True raises) it is a plain tensor: there is nothing to copy.
 """
 
 from __future__ import annotations

@@ -1,33 +1,24 @@
-"""PyTorch target: prefill once, verify a block of k draft tokens in one forward pass, roll back.
+"""PyTorch target (target/base.py's interface): prefill once, verify a block of k draft tokens in one forward pass,
+roll back. Per-request state (KV cache and its length) lives in `TargetState`.
 
-Per-request state (KV cache and its length) lives in `TargetState`, not in the model, so several
-requests can share one loaded model and batching can be added later.
-
-Cache invariant used by the decode loop: the cache holds every committed token except the last one,
-which is fed at the start of the next forward pass together with the draft block.
-
-Sliding-window layers (Mistral, Qwen2 with use_sliding_window, Gemma 2/3) normally keep only their
-last window - 1 states, so a rejected block could not be cut off once the window is full. After the
-prefill the cache records the past (`Cache.activate_past_recording`, as transformers' own assisted
-decoding does): a sliding layer then keeps the states a forward pass pushes out of the window until
-the next `crop`, which drops the rejected tokens and trims the layer back to the window again. So
-each sliding layer holds at most window - 1 + k + 1 positions, and only between a verify pass and
-its rollback. Caches whose state a crop cannot restore (linear-attention / recurrent layers) are
-refused at load time.
+Sliding-window layers (Mistral, Qwen2 with use_sliding_window, Gemma 2/3) normally keep only their last window - 1
+states, so a rejected block could not be cut off once the window is full. After the prefill the cache records the
+past (`Cache.activate_past_recording`, as transformers' own assisted decoding does): a sliding layer then keeps the
+states a forward pass pushes out of the window until the next `crop`, which drops the rejected tokens and trims the
+layer back to the window. So each sliding layer holds at most window - 1 + k + 1 positions, and only between a
+verify pass and its rollback. Caches whose state a crop cannot restore (linear-attention, recurrent) are refused.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -85,14 +76,13 @@ class TargetModel:
             from torch.ao.quantization import quantize_dynamic
 
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
-            # one activation scale per call: rows sharing a pass would change each other's rounding
-            self.batch_blocks = False
         self.kv_cache_dtype = kv_cache_dtype
-        if kv_cache_dtype != "auto":
-            self.batch_blocks = False  # the padded batch reads raw keys: a stored cache verifies row by row
+        # verified row by row: int8 weights take one activation scale per call (rows sharing a pass would change
+        # each other's rounding), and the padded batch reads raw keys, which a stored cache does not keep
         self.quantized = quantize is not None or kv_cache_dtype != "auto"
-        self.config = config
-        self.model_dir = model_dir
+        #: whether rows with draft blocks of different lengths share one pass (padding masks), not only 1-token rows
+        self.batch_blocks = not self.quantized
+        self.config, self.model_dir = config, model_dir
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError):
@@ -100,8 +90,7 @@ class TargetModel:
         head = self.model.get_output_embeddings()
         self.vocab_width = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
         model_ctx = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        self.context_len = int(min(x for x in (model_ctx, max_context) if x)) if (model_ctx or max_context) \
-            else 2048
+        self.context_len = int(min((x for x in (model_ctx, max_context) if x), default=2048))
         self.eos_token_ids = _eos_ids(self.model, config)
         self.windowed = _check_rollback(config, model_dir)
         if self.windowed and kv_cache_dtype != "auto":
@@ -153,7 +142,7 @@ class TargetModel:
             state.n_cached = n_keep
 
     def prefill(self, state: TargetState, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last (the invariant the decode loop relies on)."""
+        """Cache every prompt token but the last (target/base.py's invariant)."""
         if len(prompt_ids) > 1:
             self.forward(state, prompt_ids[:-1], last_only=True)
             self.staging.sync()  # its time is the prefill's, not the first verify's (nothing reads its logits)
@@ -161,31 +150,20 @@ class TargetModel:
         # prompt state in every sliding layer until the first crop.
         state.cache.activate_past_recording()
 
-    def verify(self, state: TargetState, last_token: int, draft_ids: list[int],
-               greedy: bool) -> list[int] | np.ndarray:
-        """One forward pass over [last_token, *draft_ids]; k + 1 positions.
-
-        Greedy: returns the target's argmax ids, [k + 1]. Otherwise returns the raw logits as a
-        float32 numpy array [k + 1, vocab] for `sampling.logits_to_probs`.
-        """
-        logits = self.forward(state, [last_token, *draft_ids])
-        return _outputs(logits, greedy)
-
-    #: rows with draft blocks of different lengths share one pass (padding masks), not only 1-token rows
-    batch_blocks = True
+    def verify(self, state: TargetState, last_token: int, draft_ids: list[int], greedy: bool) -> list[int] | np.ndarray:
+        """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
+        return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: list[bool]) -> list:
         """Verify several requests' blocks in ONE forward pass; rows are (state, last_token, draft_ids) and
-        each gets what `verify` would return for it (greedy: one flag per row). Every row keeps its own cache
-        and length.
+        each gets what `verify` would return for it (greedy: one flag per row).
 
         The batch is built padded: each row's past is right-aligned in [B, heads, L, dim] (L the longest past;
         masked zeros on its left) and its block left-aligned in [B, K] (K the longest block; the pad tokens
         after it are seen by nothing real, attention being causal), with explicit positions. Afterwards each row
         takes back its own new positions, so a rollback never leaves a pad behind. Sliding-window caches, whose
-        recorded past a padded copy cannot keep, verify one row per pass, and so does a dynamically quantized
-        model (its activation scale covers the whole pass, so rows would change each other's rounding).
+        recorded past a padded copy cannot keep, and quantized models (see __init__) verify one row per pass.
         """
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
@@ -194,12 +172,7 @@ class TargetModel:
         lens = [state.n_cached for state, _, _ in rows]
         blocks = [[last, *draft] for _, last, draft in rows]
         big_l, big_k = max(lens), max(len(b) for b in blocks)
-        if big_l:
-            batch = self._padded_cache([state.cache for state, _, _ in rows], lens, big_l)
-        else:
-            from transformers import DynamicCache
-
-            batch = DynamicCache(config=self.config)
+        batch = self._padded_cache([state.cache for state, _, _ in rows], lens, big_l)
         ids = torch.zeros((len(rows), big_k), dtype=torch.long)
         mask = torch.zeros((len(rows), big_l + big_k), dtype=torch.long)
         for i, (n, block) in enumerate(zip(lens, blocks)):
@@ -222,23 +195,17 @@ class TargetModel:
         from transformers import DynamicCache
 
         batch = DynamicCache(config=self.config)
+        if not big_l:
+            return batch
+        like = next(cache for cache, n in zip(caches, lens) if n).layers  # a row with a past: shapes the empty ones
         for li, layer in enumerate(batch.layers):
-            like_k, like_v = self._kv_like(li, caches), self._kv_like(li, caches, values=True)
             keys, values = [], []
             for cache, n in zip(caches, lens):
-                src = cache.layers[li]
-                keys.append(_left_pad(src.keys if n else None, big_l, like_k))
-                values.append(_left_pad(src.values if n else None, big_l, like_v))
+                src = cache.layers[li] if n else like[li]
+                keys.append(F.pad(src.keys[:, :, :n], (0, 0, big_l - n, 0)))  # [1, heads, big_l, dim]
+                values.append(F.pad(src.values[:, :, :n], (0, 0, big_l - n, 0)))
             layer.update(torch.cat(keys), torch.cat(values))
         return batch
-
-    @staticmethod
-    def _kv_like(li: int, caches: list, values: bool = False):
-        for cache in caches:
-            layer = cache.layers[li]
-            if getattr(layer, "is_initialized", False) and layer.keys.numel():
-                return layer.values if values else layer.keys
-        raise ValueError("verify_batch needs at least one row with a cached past")
 
 
 def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
@@ -246,13 +213,6 @@ def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
     if greedy:
         return logits.argmax(dim=-1).tolist()
     return logits.float().cpu().numpy()
-
-
-def _left_pad(kv: torch.Tensor | None, length: int, like: torch.Tensor) -> torch.Tensor:
-    """[1, heads, n, dim] -> [1, heads, length, dim] with zeros before (None: all zeros, shaped like `like`)."""
-    n = 0 if kv is None else kv.shape[-2]
-    pad = like.new_zeros((1, like.shape[1], length - n, like.shape[3]))
-    return pad if kv is None else torch.cat([pad, kv], dim=-2)
 
 
 def _check_rollback(config, model_dir: Path) -> bool:
@@ -282,9 +242,6 @@ def _check_rollback(config, model_dir: Path) -> bool:
 def _eos_ids(model, config) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
+        eos = getattr(src, "eos_token_id", None)
+        ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos or ()))
     return ids

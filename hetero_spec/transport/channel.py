@@ -10,6 +10,7 @@ share an address or a file, and closing then re-binding at once cannot collide.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -42,9 +43,7 @@ class CurveKeys:
 
     @classmethod
     def generate(cls) -> CurveKeys:
-        sp, ss = zmq.curve_keypair()
-        cp, cs = zmq.curve_keypair()
-        return cls(sp, ss, cp, cs)
+        return cls(*zmq.curve_keypair(), *zmq.curve_keypair())
 
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
@@ -79,19 +78,14 @@ def write_keys(directory: str | Path) -> Path:
     return d
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind_host(host: str, keys_configured: bool) -> str | None:
     """None when binding `host` is allowed; otherwise the reason it is not. Every TCP link uses CURVE;
     beyond loopback the keys must be configured (runtime.curve_keys), not generated per worker."""
-    if is_loopback(host) or keys_configured:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or keys_configured:
         return None
     return (f"binding to {host} would listen beyond loopback; configure runtime.curve_keys (a directory "
             "with server.key_secret and client.key_secret, made by `hetero-spec keys --out DIR`) first")
@@ -104,33 +98,36 @@ def _task_ids() -> set[int]:
         return set()
 
 
-class _KeySet:
-    """ZAP credentials provider admitting the client public keys in a set (changed under a lock)."""
-
-    def __init__(self):
-        self.keys: set[bytes] = set()
-        self.lock = threading.Lock()
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        with self.lock:
-            return key in self.keys
+def _pair(ctx: zmq.Context, max_msg_bytes: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    return sock
 
 
 class ServerContext:
     """One engine's ZeroMQ context, ZAP authenticator and private directory. See the module docstring."""
 
-    def __init__(self, prefix: str = "hetero-spec-"):
+    def __init__(self):
         before = _task_ids()
         self.ctx = zmq.Context()
         self._probe = self.ctx.socket(zmq.PAIR)  # starts the context's threads now, so they can be pinned
         self._probe.setsockopt(zmq.LINGER, 0)
         #: this context's own threads (I/O and reaper): pin these, not other engines' ones
         self.thread_ids = sorted(_task_ids() - before)
-        self.dir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: other users cannot reach the sockets
+        self.dir = tempfile.mkdtemp(prefix="hetero-spec-")  # mode 0700: other users cannot reach the sockets
         self._auth = None
-        self._keys = _KeySet()
         self._lock = threading.Lock()
+        # the client public keys admitted, under a lock of their own: close() stops the authenticator's thread,
+        # which may be in callback(), while holding _lock
+        self._keys: set[bytes] = set()
+        self._keys_lock = threading.Lock()
         self.closed = False
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """The authenticator's credentials provider: whether a client key is admitted."""
+        with self._keys_lock:
+            return key in self._keys
 
     def admit(self, client_public: bytes) -> None:
         """Start the authenticator on first use; admit one more client key."""
@@ -140,13 +137,13 @@ class ServerContext:
 
                 self._auth = ThreadAuthenticator(self.ctx)
                 self._auth.start()
-                self._auth.configure_curve_callback(domain="*", credentials_provider=self._keys)
-        with self._keys.lock:
-            self._keys.keys.add(client_public)
+                self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+        with self._keys_lock:
+            self._keys.add(client_public)
 
     def revoke(self, client_public: bytes) -> None:
-        with self._keys.lock:
-            self._keys.keys.discard(client_public)
+        with self._keys_lock:
+            self._keys.discard(client_public)
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -173,11 +170,7 @@ class Channel:
                  client_key: bytes | None = None, server: ServerContext | None = None):
         self.sock, self.endpoint, self._ipc_path, self._own_ctx = sock, endpoint, ipc_path, own_ctx
         self._client_key, self._server = client_key, server
-        self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
-        self.dropped = 0
-        self.sent = 0
-        self.received = 0
+        self.dropped = self.sent = self.received = 0
         self.closed = False
 
     @classmethod
@@ -187,31 +180,26 @@ class Channel:
         """Target side. TCP requires `curve` (every TCP link is authenticated); IPC may use it too."""
         if transport == "tcp" and curve is None:
             raise ValueError("a TCP channel needs CURVE keys")
-        sock = server.ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        sock = _pair(server.ctx, max_msg_bytes)
         if curve is not None:
             server.admit(curve.client_public)
             sock.curve_secretkey = curve.server_secret
             sock.curve_publickey = curve.server_public
             sock.curve_server = True
-        ipc_path = None
+        ipc_path = server.path(f"{name}.sock") if transport == "ipc" else None
         try:
-            if transport == "ipc":
-                ipc_path = server.path(f"{name}.sock")
-                endpoint = f"ipc://{ipc_path}"
-                sock.bind(endpoint)
+            if ipc_path:
+                sock.bind(f"ipc://{ipc_path}")
+            elif port:
+                sock.bind(f"tcp://{host}:{port}")
             else:
-                if port:
-                    sock.bind(f"tcp://{host}:{port}")
-                else:
-                    port = sock.bind_to_random_port(f"tcp://{host}")
-                endpoint = f"tcp://{host}:{port}"
+                port = sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
             sock.close(linger=0)
             if curve is not None:
                 server.revoke(curve.client_public)
             raise
+        endpoint = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
         return cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
 
     @classmethod
@@ -219,9 +207,7 @@ class Channel:
                 max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> Channel:
         """Worker side, with its own context. `curve`: {"server_public", "public", "secret"} (z85 str)."""
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        sock = _pair(ctx, max_msg_bytes)
         if curve:
             sock.curve_serverkey = curve["server_public"].encode()
             sock.curve_publickey = curve["public"].encode()
@@ -239,9 +225,7 @@ class Channel:
             for i, frame in enumerate(frames):
                 big = isinstance(frame, np.ndarray) and frame.nbytes >= COPY_THRESHOLD
                 self.sock.send(frame, flags=(zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=not big)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:  # the socket went away under us (closed by a reap)
+        except zmq.ZMQError as exc:  # Again: the peer is not keeping up; else the socket went away (a reap)
             log.debug("send on %s failed: %s", self.endpoint, exc)
             return False
         self.sent += 1
@@ -249,10 +233,8 @@ class Channel:
 
     def poll(self) -> bool:
         """Whether a message is waiting (never blocks)."""
-        if self.closed:
-            return False
         try:
-            return bool(self.sock.poll(0))
+            return not self.closed and bool(self.sock.poll(0))
         except zmq.ZMQError:
             return False
 
@@ -260,9 +242,9 @@ class Channel:
         """Next valid message, or None when timeout_s passes first (None timeout = wait forever)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.closed:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             try:
-                if not self.poller.poll(None if wait is None else int(wait * 1000) if wait >= 0.001 else 0):
+                if not self.sock.poll(wait_ms, zmq.POLLIN):
                     if deadline is None or time.monotonic() >= deadline:
                         return None
                     continue
@@ -296,10 +278,8 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.sock.close(linger=0)
-        except zmq.ZMQError:
-            pass
         if self._server is not None and self._client_key is not None:
             self._server.revoke(self._client_key)
         if self._own_ctx is not None:

@@ -6,41 +6,32 @@ A message is one ZeroMQ multipart message:
     frame 1..n   raw arrays, C-contiguous little-endian bytes; their dtype and shape are in
                  header.arrays, in order: [ArrayMeta(dtype="int32", shape=[k]), ...]
 
-No pickle anywhere. Arrays larger than COPY_THRESHOLD bytes are sent with copy=False (zero-copy);
-smaller ones are copied, which is faster below tens of kB. A message that fails to decode, names an
-unknown tag, or whose frames do not match header.arrays is a `MalformedMessage`: the receiving loop
-drops it, counts it and logs it, and goes on.
+No pickle anywhere. Arrays of COPY_THRESHOLD bytes or more are sent zero-copy (copy=False); smaller ones are
+copied, which is faster below tens of kB. A message that fails to decode, names an unknown tag, or whose frames
+do not match header.arrays is a `MalformedMessage`: the receiving loop drops, counts and logs it, and goes on.
 
-Sizes from the wire are bounded before anything is allocated: each message type names the arrays it
-carries (ARRAY_SCHEMA: dtype and number of dimensions, in order; trailing ones optional), a shape has at
-most MAX_DIMS dimensions of at most MAX_DIM entries each, and the sockets refuse frames above the
-channel's MAXMSGSIZE. Token ids are range-checked against the vocabulary by the receiver, which knows it.
+Sizes from the wire are bounded before anything is allocated: each message type names the arrays it carries
+(ARRAY_SCHEMA: dtype and number of dimensions, in order; trailing ones optional), a dimension has at most MAX_DIM
+entries, and the sockets refuse frames above the channel's MAXMSGSIZE. The receiver, which knows the vocabulary,
+range-checks token ids.
 
-Messages, target -> worker:
-    Begin     a new request: prompt ids [n] int32 + sampling params + gamma/max_ahead
-    Sync      committed tokens ids[pos:pos+len] int32 (sent after every round); the worker rebases its
-              stream where it diverges and bumps its epoch
-    Control   drafting on/off (the speculation controller), gamma
-    End       the request is over
-    Ping      health probe (answered by Pong)
-    Shutdown  exit cleanly
-Messages, worker -> target:
-    Ready     the model is loaded (sent once after connecting)
-    Proposal  draft tokens at absolute positions [start, start+k) int32 of stream `epoch` whose base
-              (first position not drafted by the worker) is `base`; + q [k, vocab] float32 when sampling
-    Pong      answer to Ping
-    Failure   the worker hit an error it reports before exiting
+Target -> worker: Begin (a request: prompt ids [n] int32, sampling params, gamma, max_ahead); Sync (committed
+ids[pos:pos+len] int32, after every round: the worker rebases its stream where it diverges and bumps its epoch);
+Control (drafting on/off, gamma); End; Ping (answered by Pong); Shutdown.
+Worker -> target: Ready (the model is loaded; sent once); Proposal (draft tokens at absolute positions
+[start, start+k) int32 of stream `epoch`, whose first position not drafted by the worker is `base`; + q [k, vocab]
+float32 when sampling); Pong; Failure (an error reported before exiting).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import msgspec
 import numpy as np
 
 COPY_THRESHOLD = 64 * 1024
-MAX_DIMS = 2
 MAX_DIM = 1 << 24  # no dimension of any array we send comes near 16M entries
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 
@@ -136,6 +127,11 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
+def ids_within(ids: np.ndarray, vocab: int) -> bool:
+    """Whether every token id indexes a vocabulary `vocab` wide: the receiver's check, as only it knows vocab."""
+    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab)
+
+
 def encode(msg: _Msg, arrays: tuple[np.ndarray, ...] = ()) -> list:
     """Message + arrays -> list of frames (header bytes, then array buffers)."""
     arrs = [np.ascontiguousarray(a) for a in arrays]
@@ -146,12 +142,16 @@ def encode(msg: _Msg, arrays: tuple[np.ndarray, ...] = ()) -> list:
     return [_ENCODER.encode(msg), *arrs]
 
 
+def _buffer(frame):
+    return frame.buffer if hasattr(frame, "buffer") else frame  # a zmq.Frame (copy=False), or bytes
+
+
 def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
     """Frames -> (message, arrays). Raises MalformedMessage on anything that does not fit."""
     if not frames:
         raise MalformedMessage("empty message")
     try:
-        msg = _DECODER.decode(bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]))
+        msg = _DECODER.decode(bytes(_buffer(frames[0])))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedMessage(f"bad header: {exc}") from None
     name = type(msg).__name__
@@ -162,17 +162,14 @@ def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
         raise MalformedMessage(f"{name} carries {len(msg.arrays)} arrays; expected "
                                f"{len(schema) - optional}..{len(schema)}")
     arrays = []
-    for i, (meta, frame) in enumerate(zip(msg.arrays, frames[1:])):
-        want_dtype, want_ndim = schema[i]
+    for meta, frame, (want_dtype, want_ndim) in zip(msg.arrays, frames[1:], schema):
         if meta.dtype != want_dtype or len(meta.shape) != want_ndim:
             raise MalformedMessage(f"bad array meta {meta} in {name}: expected {want_dtype}, {want_ndim}-D")
         if any(not 0 <= d <= MAX_DIM for d in meta.shape):
             raise MalformedMessage(f"bad array meta {meta} in {name}: dimensions must be in [0, {MAX_DIM}]")
-        buf = frame.buffer if hasattr(frame, "buffer") else frame
-        n = 1
-        for d in meta.shape:  # Python ints: no overflow, and at most MAX_DIM ** MAX_DIMS
-            n *= d
-        if len(buf) != n * np.dtype(_DTYPES[want_dtype]).itemsize:
+        buf = _buffer(frame)
+        # Python ints: no overflow, and at most MAX_DIM ** ndim
+        if len(buf) != math.prod(meta.shape) * np.dtype(_DTYPES[want_dtype]).itemsize:
             raise MalformedMessage(f"array frame of {len(buf)} bytes does not match {meta}")
         arrays.append(np.frombuffer(buf, dtype=_DTYPES[want_dtype]).reshape(meta.shape))
     if isinstance(msg, Proposal) and len(arrays) == 2 and arrays[1].shape[0] != arrays[0].shape[0]:

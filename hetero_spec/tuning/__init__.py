@@ -1,2 +1,1 @@
-"""Measured costs -> decisions: the cost model, the profile store, placement, and the one speculation
-controller (controller.py)."""
+"""Measured costs -> decisions: cost model, profile store, placement, and the one speculation controller."""

@@ -1,27 +1,10 @@
 """The speculation controller: the one place that decides whether to speculate and how far.
 
-Each round it gives every sequence its gamma (0: the target alone this round) and decides whether the rows share
-one target pass without drafts; after the round it learns from what happened. Everything it decides from is
-measured (tuning/cost_model.py):
-
-- a: per-token acceptance, per stream (`StreamControl.acceptance`), starting from the engine-wide estimate
-  (`Tuning.acceptance`, kept across requests), as (accepted + prior * weight) / (tested + weight);
-- the round time R(g) of the layout in use: the verify line fitted to the passes seen (or a profile's, or the
-  placement's probes), and the draft source's measured cost per token and per transfer (`DraftSource.costs`).
-
-Its state is per stream where it is about a stream (acceptance, the choices made, a probe in flight) and shared
-only where it is about the hardware (`Tuning`: costs, shared-pass line, the engine-wide acceptance, the probe
-period).
-
-**The rule, written once:** speculation is never chosen where it is predicted slower than the target alone.
-`best_gamma` returns 0 unless some gamma's predicted goodput E(a, g) / R(g) beats 1 / V(0); a batch shares one
-plain pass when that is predicted faster than speculating (`_plan_batch`). Until the costs are known, rounds
-cycle through a few short gammas (EXPLORE) so that the verify line gets distinct points.
-
-**One probe schedule:** after `Tuning.probe_every` rounds at gamma 0 (across streams), one round drafts
-PROBE_GAMMA tokens (acceptance may have risen). A probe that gets nothing accepted doubles the period (up to
-PROBE_EVERY_MAX), one that does resets it, so a useless draft costs almost nothing. Draft selection
-(`draft.candidates`: `StrategyChooser`, below) re-probes a strategy left unchosen on the same period.
+Each round it gives every sequence its gamma (0: the target alone) and decides whether the rows share one plain
+target pass; after the round it learns from what happened. The rule, written once: speculation is never chosen
+where it is predicted slower than the target alone (`CostModel.best_gamma`, `plan_batch`). One probe schedule
+(`Tuning.probe_every`) brings gamma 0 and unchosen strategies back. Per-stream state lives in StreamControl, the
+hardware's in the one `Tuning`. The policies, in words: docs/features-tuning.md.
 """
 
 from __future__ import annotations
@@ -67,8 +50,7 @@ class SharedPassCost:
         return max(c0, 0.0), max(c1, 0.0)
 
     def cost(self, positions: int, model: CostModel | None) -> float | None:
-        """Predicted seconds for a shared pass; before two sizes are known, the one-request verify line
-        (a pass of `positions` tokens), or None without either."""
+        """Predicted seconds for a shared pass; until two sizes are known, the one-request verify line, if any."""
         line = self.line()
         if line is not None:
             return line[0] + line[1] * positions
@@ -78,7 +60,7 @@ class SharedPassCost:
 @dataclass
 class Tuning:
     """What the engine learns about the hardware and the draft across requests: costs and acceptance. One per
-    Engine, shared by the streams of a batch (they run in one thread, the scheduler's)."""
+    Engine, shared by the streams of a batch (all in the scheduler's thread)."""
 
     profile: CostModel | None = None
     prior_acceptance: float = 0.7
@@ -95,19 +77,14 @@ class Tuning:
     recommended_precision: str | None = None  # the profile's (target.precision: auto with allow_lossy)
 
     def reset_costs(self) -> None:
-        """Forget the costs (the hardware under them changed: another layout or thread count); acceptance,
-        a property of the draft and the text, is kept."""
-        self.profile = None
+        """Forget the costs (another layout or thread count); acceptance, a property of the draft, is kept."""
+        self.profile, self.draft_token_s, self.transfer_s, self.shared = None, None, 0.0, SharedPassCost()
         self.verify_points.clear()
         self._sums = [0.0] * 5
-        self.draft_token_s = None
-        self.transfer_s = 0.0
-        self.shared = SharedPassCost()
 
     def seed_costs(self, model: CostModel, weight: int = 2) -> None:
-        """Start the learned costs from a measured model (placement's probes): its verify line as points at
-        block lengths 1 and 9, `weight` times each, and its draft cost. Rounds then refine them, and gamma auto
-        needs no exploration rounds. A profile, when given, stays the model."""
+        """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration:
+        its verify line as points at block lengths 1 and 9, `weight` times each, and its draft cost."""
         for k in (0, 8):
             for _ in range(weight):
                 self.observe_verify(k, model.verify(k))
@@ -116,6 +93,10 @@ class Tuning:
 
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
+
+    def probed(self, hit: bool) -> None:
+        """A probe's outcome (the one probe schedule): a miss doubles the period, a hit resets it."""
+        self.probe_every = PROBE_EVERY if hit else min(PROBE_EVERY_MAX, 2 * self.probe_every)
 
     def observe_verify(self, k: int, verify_s: float) -> None:
         """One verification pass of k drafts (k + 1 tokens), whoever drafted them."""
@@ -128,28 +109,17 @@ class Tuning:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[i] += sign * v
 
-    def verify_line(self) -> tuple[float, float] | None:
-        """(verify_fixed_s, verify_per_token_s): the profile's, else fitted to the passes seen so far (None
-        until they have two distinct block lengths). O(1): asked every round, so from running sums."""
-        if self.profile is not None:
-            return self.profile.verify_fixed_s, self.profile.verify_per_token_s
-        n, sx, sy, sxx, sxy = self._sums
-        spread = n * sxx - sx * sx  # 0 when every point has the same block length
-        if n < 2 or spread < 0.5:
-            return None
-        c1 = (n * sxy - sx * sy) / spread
-        c0 = (sy - c1 * sx) / n
-        return max(c0, 0.0), max(c1, 0.0)
-
     def model(self) -> CostModel | None:
-        """The profile, else the costs learned so far (None until verify_line is known and the draft has
-        been timed)."""
+        """The profile, else the costs learned so far: the verify line fitted to the passes seen (O(1), from
+        running sums: asked every round); None until they have two distinct block lengths and the draft was timed."""
         if self.profile is not None:
             return self.profile
-        line = self.verify_line()
-        if line is None or self.draft_token_s is None:
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx  # 0 when every point has the same block length
+        if n < 2 or spread < 0.5 or self.draft_token_s is None:
             return None
-        return CostModel(line[0], line[1], self.draft_token_s, self.transfer_s)
+        c1 = (n * sxy - sx * sy) / spread
+        return CostModel(max((sy - c1 * sx) / n, 0.0), max(c1, 0.0), self.draft_token_s, self.transfer_s)
 
 
 @dataclass
@@ -163,16 +133,14 @@ class StreamControl:
     gamma: int = 0  # this round's gamma, before the room left (0: none)
     probing: bool = False  # this round re-probes after rounds at gamma 0
     _round: int = 0
-    _off_since: tuple | None = None  # (engine-wide tested tokens, draft costs) when gamma 0 was chosen afresh
+    #: (key, rate, a) of a gamma 0 chosen afresh; key: (engine-wide tested tokens, the draft's costs) then
+    _off: tuple | None = None
     _off_rounds: int = 0
-    _off_rate: float = 0.0
-    _off_a: float = 0.0
 
 
 class Controller:
-    """See the module docstring. layout: the cost model's round ("in_process": draft then verify;
-    "two_process": the worker drafts while the target verifies). batch_blocks: the target verifies rows with
-    blocks of different lengths in one pass (else one pass per drafting row)."""
+    """See the module docstring. layout: the cost model's round (in_process | two_process). batch_blocks: the
+    target verifies rows with blocks of different lengths in one pass (else one pass per drafting row)."""
 
     def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput"):
         self.tuning, self.layout, self.batch_blocks, self.mode = tuning, layout, batch_blocks, mode
@@ -190,8 +158,7 @@ class Controller:
     # -- 1) plan -------------------------------------------------------------------------------------------
     def plan(self, streams: list[StreamControl], rooms: list[int], chooses_gamma: bool = False) -> list[int]:
         """This round's draft length per stream (0: none), at most room - 1 (room: the tokens it may still
-        commit: max_new_tokens and the context). chooses_gamma: the draft source picks each strategy's gamma
-        itself (draft selection), so an auto stream gets the largest allowed."""
+        commit). chooses_gamma: the draft source picks the gamma (selection): an auto stream gets the largest."""
         size, left = self._plain
         if len(streams) > 1 and size == len(streams) and left > 0:
             self._plain = (size, left - 1)
@@ -212,29 +179,27 @@ class Controller:
         return ks
 
     def _choose(self, sc: StreamControl) -> int:
-        """A stream's gamma as if it ran alone: the best predicted goodput, 0 when nothing beats the target
-        alone; a re-probe now and then (the module docstring)."""
+        """A stream's gamma as if it ran alone (best predicted goodput; 0: nothing beats the target alone), or a
+        re-probe."""
         sc.probing = False
         if sc.fixed is not None:
             return sc.fixed
         sc._round += 1
-        t = self.tuning
-        model = t.model()
+        t, model = self.tuning, self.tuning.model()
         if model is None:
             g = EXPLORE[(sc._round - 1) % len(EXPLORE)]
             sc.reason = "exploring: no profile and too few measurements for a cost model yet"
         else:
             key = (t.acceptance.tested, t.draft_token_s, t.transfer_s)
-            if sc._off_since is not None and key == sc._off_since and sc._off_rounds < 32:
+            if sc._off is not None and sc._off[0] == key and sc._off_rounds < 32:
                 # off, and nothing was tested since (gamma 0 rounds test nothing) nor the draft's costs moved: the
                 # answer has not changed, so do not pay the search every round (about 0.1 ms, 2-3 % of a step)
-                g, rate, a = 0, sc._off_rate, sc._off_a
+                g, (_, rate, a) = 0, sc._off
                 sc._off_rounds += 1
             else:
                 a = self.estimate(sc)
                 g, rate = model.best_gamma(a, self.layout, G_MAX)
-                sc._off_since, sc._off_rounds = (key, 0) if g == 0 else (None, 0)
-                sc._off_rate, sc._off_a = rate, a
+                sc._off, sc._off_rounds = ((key, rate, a) if g == 0 else None), 0
             if g == 0:
                 t.rounds_off += 1
                 if t.rounds_off >= t.probe_every:
@@ -251,12 +216,11 @@ class Controller:
         together: the drafting rows step together (one draft run per token for all)."""
         b = len(ks)
         model, shared = self.tuning.model(), self.tuning.shared
-        self.last_rates: tuple[float, float] | None = None
+        self.last_rates = None
         if b < 2 or not any(ks):
             self.last_plan = "one row" if b < 2 else "no row drafts"
             return ks
-        plain_s = shared.cost(b, model)
-        spec_s = self._spec_time(ks, model, together)
+        plain_s, spec_s = shared.cost(b, model), self._spec_time(ks, model, together)
         if plain_s is None or spec_s is None:
             self.last_plan = "costs not measured yet: the rows' own choices"
             return ks
@@ -273,10 +237,9 @@ class Controller:
         return [0] * b
 
     def _spec_time(self, ks: list[int], model: CostModel | None, together: bool) -> float | None:
-        """Predicted seconds of a speculating round of the batch: drafting (in turn, or stepping together:
-        max k steps, each scaled like a shared target pass) and verifying (one padded pass where the backend
-        can, else one pass per drafting row plus one shared pass for the rest). The worker drafts while the
-        target verifies, so its drafting is not added."""
+        """Predicted seconds of a speculating round of the batch: drafting (in turn, or stepping together: max k
+        steps, each scaled like a shared target pass; a worker's is hidden) and verifying (one padded pass where
+        the backend can, else one pass per drafting row plus one shared pass for the rest)."""
         if model is None:
             return None
         shared = self.tuning.shared
@@ -295,9 +258,8 @@ class Controller:
         return None if joint is None else draft_s + alone + joint
 
     def wait_budget(self, k: int, default_s: float) -> float:
-        """How long the target may wait for k draft tokens from a draft in another process: what drafting them
-        costs, never more than one target step (waiting longer would be slower than decoding alone). Before
-        any cost is known: half of `default_s` (the prefill's time, say)."""
+        """How long the target may wait for k draft tokens from another process: what drafting them costs, never
+        more than one target step (longer is slower than decoding alone); half of `default_s` before any cost."""
         model = self.tuning.model()
         cap = model.verify(0) if model is not None else default_s
         d = self.tuning.draft_token_s
@@ -312,21 +274,17 @@ class Controller:
         model, shared = self.tuning.model(), self.tuning.shared
         alone = model.verify(0) if model is not None else shared.cost(1, None)
         joined = shared.cost(batch + 1, model)
-        if alone is None or joined is None:
-            return True
-        return joined <= LATENCY_SLOWDOWN * alone
+        return alone is None or joined is None or joined <= LATENCY_SLOWDOWN * alone
 
     # -- 5) observe ----------------------------------------------------------------------------------------
     def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None) -> None:
-        """One stream's round: k drafts, n accepted; verify_s None when the pass was shared with other rows (it
-        is not this row's verify cost)."""
+        """One stream's round: k drafts, n accepted; verify_s None when the pass was shared with other rows."""
         sc.acceptance.observe(k, n)
         self.tuning.acceptance.observe(k, n)
         if verify_s is not None:
             self.tuning.observe_verify(k, verify_s)
-        if sc.probing and k > 0:  # a failed probe waits twice as long for the next; a hit resets
-            t = self.tuning
-            t.probe_every = PROBE_EVERY if n > 0 else min(PROBE_EVERY_MAX, 2 * t.probe_every)
+        if sc.probing and k > 0:
+            self.tuning.probed(n > 0)
 
     def observe_costs(self, token_s: float | None, transfer_s: float | None) -> None:
         """The draft source's measured costs (DraftSource.costs)."""
@@ -336,8 +294,7 @@ class Controller:
             self.tuning.transfer_s = transfer_s
 
     def observe_pass(self, rows: int, positions: int, all_single: bool, seconds: float) -> None:
-        """One verify_batch call over several rows: the shared-pass line learns from it when it was one pass
-        (every row one token, or a backend that shares blocks)."""
+        """One verify_batch call: the shared-pass line learns from it when it was one pass of several rows."""
         if rows > 1 and (self.batch_blocks or all_single):
             self.tuning.shared.observe(positions if self.batch_blocks else rows, seconds)
 
@@ -347,10 +304,9 @@ class Controller:
         return StrategyChooser(names, self.tuning, layouts, cost_fns, prior_acceptance=self.tuning.prior_acceptance)
 
     def observe_shadow(self, tested: int, accepted: int) -> None:
-        """Draft tokens the source compared with tokens the target decoded alone (tested as Acceptance counts
-        them): they join the engine-wide acceptance, so a draft judged useless early can be judged again."""
-        if tested > 0:
-            self.tuning.acceptance.observe(tested, accepted)
+        """Draft tokens compared with tokens the target decoded alone join the engine-wide acceptance, so a draft
+        judged useless early can be judged again."""
+        self.tuning.acceptance.observe(tested, accepted)
 
     def initial_gamma(self, sc: StreamControl) -> int:
         """The gamma a stream starts at (a worker's first block): the configured one, or the cost model's best."""
@@ -372,21 +328,17 @@ class StrategyStats:
 
 
 class StrategyChooser:
-    """The choice among named strategies (see the module docstring).
+    """The choice among named strategies (draft/select.py), on the engine's verify line (tuning.model(); until it
+    is known, candidates are cycled). layouts[name]: the layout the strategy drafts in; cost_fns[name](): its
+    measured DraftCosts. A strategy not chosen for tuning.probe_every rounds is re-probed (the one schedule)."""
 
-    The costs are the engine's (tuning.model(): its verify line; None until known: candidates are cycled).
-    layouts[name] is the layout the strategy drafts in; cost_fns[name]() its measured costs (DraftSource.costs:
-    seconds per draft token, None until measured, and the catch-up per round). A strategy not chosen for
-    tuning.probe_every rounds is re-probed: the controller's one probe schedule (a failed re-probe doubles it)."""
+    weight = 8.0  # of the prior acceptance
 
     def __init__(self, names: list[str], tuning: Tuning, layouts: dict[str, str],
-                 cost_fns: dict[str, Callable[[], DraftCosts]], prior_acceptance: float = 0.5,
-                 prior_weight: float = 8.0, explore_rounds: int = 2):
+                 cost_fns: dict[str, Callable[[], DraftCosts]], prior_acceptance: float = 0.5, explore_rounds: int = 2):
         if not names:
             raise ValueError("draft selection needs at least one candidate")
-        self.names, self.tuning = list(names), tuning
-        self.prior, self.weight = prior_acceptance, prior_weight
-        self.explore_rounds = explore_rounds
+        self.names, self.tuning, self.prior, self.explore_rounds = list(names), tuning, prior_acceptance, explore_rounds
         self.layouts, self.cost_fns = layouts, cost_fns
         self.stats = {n: StrategyStats() for n in self.names}
         self.reason = ""
@@ -394,20 +346,15 @@ class StrategyChooser:
         self._probing: str | None = None  # the strategy this round re-probes
 
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
-        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup (n-gram) is right
-        in runs (a copy continues once it starts), so its acceptance is run-aware: the first token's rate, and
-        the rate after an accepted token (cost_model.expected_tokens)."""
-        acc = self.stats[name].acceptance
-        layout = self.layouts.get(name, "in_process")
-        c = self.cost_fns[name]()
+        """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup is right in runs (a
+        copy continues once it starts): its acceptance is run-aware (cost_model.expected_tokens)."""
+        acc, layout, c = self.stats[name].acceptance, self.layouts.get(name, "in_process"), self.cost_fns[name]()
         m = CostModel(model.verify_fixed_s, model.verify_per_token_s,
                       c.token_s if c.token_s is not None else model.draft_token_s, model.transfer_s,
                       c.catchup_s if layout == "in_process" else 0.0)
-        if name in LOOKUPS:
-            g, rate = m.best_gamma(acc.next_rate(self.prior, self.weight), layout, g_max,
-                                   a_first=acc.first_rate(self.prior, self.weight))
-        else:
-            g, rate = m.best_gamma(acc.rate(self.prior, self.weight), layout, g_max)
+        lookup = name in LOOKUPS
+        a = (acc.next_rate if lookup else acc.rate)(self.prior, self.weight)
+        g, rate = m.best_gamma(a, layout, g_max, a_first=acc.first_rate(self.prior, self.weight) if lookup else None)
         return rate, g
 
     def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
@@ -446,9 +393,8 @@ class StrategyChooser:
         st.rounds += 1
         st.last_round = self._round
         st.acceptance.observe(drafted, accepted)
-        if name == self._probing and drafted:  # the one probe schedule: a miss doubles it, a hit resets it
-            t = self.tuning
-            t.probe_every = PROBE_EVERY if accepted else min(PROBE_EVERY_MAX, 2 * t.probe_every)
+        if name == self._probing and drafted:
+            self.tuning.probed(accepted > 0)
             self._probing = None
 
     def summary(self) -> dict:

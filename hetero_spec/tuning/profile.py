@@ -1,27 +1,6 @@
 """The profile store and its measurements: a profile seeds the engine's Tuning (`load_tuning`); the functions
-below measure one cost each. The `hetero-spec profile` driver that runs them is hetero_spec/profile_cmd.py.
-
-Measured on the configured target backend and draft (in process, one request at a time):
-- target verification time of a block of k drafts (k + 1 tokens in one pass) after a fixed context;
-- the draft's time per token;
-- transfer time of one message against its payload (ZeroMQ PAIR over IPC, as the two-process runtime uses);
-- prefill time against prompt length;
-- the draft's per-token acceptance on calibration prompts (held-out prompts, or --prompts-file);
-- measured goodput (committed tokens/s, in process) at a few gammas, next to the model's prediction;
-- each draft (the configured one, the extra `--draft` directories, the n-gram lookup when draft.candidates
-  names it): time per token, acceptance, and its best gamma and predicted goodput per layout;
-- placement (tuning/placement.py): for every layout and core split this machine allows, the measured costs,
-  the predicted goodput at its best gamma, and the goodput measured at that gamma;
-- one shared target pass against batch size (1, 2, 4, ... up to serving.max_batch: the request scheduler's
-  plain round), and the batch size past which throughput stops growing by 10 % per step (recommended_max_batch;
-  `serving.max_batch: auto` takes it);
-- each target precision this machine runs (onnx on a CPU: fp32, int8, int4): verify line, the draft's cost and
-  acceptance against it, best gamma and predicted goodput; the recommended one is taken by
-  `target.precision: auto` only with `target.allow_lossy: true`.
-
-Writes PROFILE.yaml (machine, measured points, the fitted CostModel, acceptance, recommended gamma per layout,
-measured goodput) and PROFILE.png (goodput against gamma). `speculation: {gamma: auto, profile: PROFILE.yaml}`
-uses it.
+below measure one cost each. The `hetero-spec profile` driver that runs them, and writes PROFILE.yaml and
+PROFILE.png, is hetero_spec/profile_cmd.py; what it measures: docs/features-tuning.md.
 """
 
 from __future__ import annotations
@@ -30,6 +9,7 @@ import os
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -78,41 +58,40 @@ def median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[tuple[int, float]]:
-    state = target.new_state()
-    target.prefill(state, prompt)
-    base = state.n_cached
-
-    def once(k: int):
-        target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
-        target.rollback(state, base)
-
+@contextmanager
+def prefilled(target, prompt: list[int], rows: int = 1):
+    """`rows` target states after the same prompt (released afterwards), and the length to roll them back to."""
+    states = []
     try:
-        return [(k + 1, median_s(lambda k=k: once(k), reps)) for k in ks]
+        for _ in range(rows):
+            states.append(target.new_state())
+            target.prefill(states[-1], prompt)
+        yield states, states[0].n_cached
     finally:
-        target.release_state(state)
+        for st in states:
+            target.release_state(st)
+
+
+def verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[tuple[int, float]]:
+    """Median seconds of one verification of k drafts (k + 1 tokens) after the cached prompt, for each k."""
+    with prefilled(target, prompt) as ([state], base):
+        def once(k: int):
+            target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
+            target.rollback(state, base)
+
+        return [(k + 1, median_s(lambda k=k: once(k), reps)) for k in ks]
 
 
 def batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """Median seconds of one shared target pass (`verify_batch`) over B rows of one token each, every row after
     the same cached prompt, for each batch size B (the request scheduler's plain round)."""
-    states = []
-    for _ in range(max(sizes)):
-        state = target.new_state()
-        target.prefill(state, prompt)
-        states.append(state)
-    base = states[0].n_cached
+    with prefilled(target, prompt, max(sizes)) as (states, base):
+        def once(b: int):
+            target.verify_batch([(st, prompt[-1], []) for st in states[:b]], [True] * b)
+            for st in states[:b]:
+                target.rollback(st, base)
 
-    def once(b: int):
-        target.verify_batch([(st, prompt[-1], []) for st in states[:b]], [True] * b)
-        for st in states[:b]:
-            target.rollback(st, base)
-
-    try:
         return [(b, median_s(lambda b=b: once(b), reps)) for b in sizes]
-    finally:
-        for st in states:
-            target.release_state(st)
 
 
 def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> int:
@@ -143,6 +122,24 @@ def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
     return median_s(once, reps) / 8
 
 
+def beside(background, measure_fn):
+    """measure_fn() while background() runs in a loop in another thread (ONNX Runtime, torch and ZeroMQ release
+    the GIL while they work, so the two run on separate cores, as the worker and the target do)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            background()
+
+    th = threading.Thread(target=loop, name="hetero-spec-beside", daemon=True)
+    th.start()
+    try:
+        return measure_fn()
+    finally:
+        stop.set()
+        th.join()
+
+
 def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """One-way time of a message of each size: half a ZeroMQ PAIR round trip over IPC."""
     import tempfile
@@ -151,30 +148,19 @@ def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
 
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="hetero-spec-profile-") as tmp:
-        addr = f"ipc://{tmp}/echo"
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        a.bind(addr)
-        b.connect(addr)
-        stop = threading.Event()
+        a.bind(f"ipc://{tmp}/echo")
+        b.connect(f"ipc://{tmp}/echo")
 
         def echo():
-            while not stop.is_set():
-                if b.poll(50):
-                    b.send(b.recv(copy=False), copy=False)
+            if b.poll(50):
+                b.send(b.recv(copy=False), copy=False)
 
-        th = threading.Thread(target=echo, daemon=True)
-        th.start()
-        out = []
-        for size in sizes:
-            payload = os.urandom(size)
+        def round_trip(payload: bytes) -> None:
+            a.send(payload, copy=False)
+            a.recv(copy=False)
 
-            def rt(payload=payload):
-                a.send(payload, copy=False)
-                a.recv(copy=False)
-
-            out.append((size, median_s(rt, reps) / 2))
-        stop.set()
-        th.join()
+        out = beside(echo, lambda: [(n, median_s(lambda p=os.urandom(n): round_trip(p), reps) / 2) for n in sizes])
         a.close(0)
         b.close(0)
     ctx.term()

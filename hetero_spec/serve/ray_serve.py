@@ -1,0 +1,182 @@
+"""`hetero-spec serve --ray`: the OpenAI-compatible app as a Ray Serve deployment, one Engine per replica.
+
+A replica is one Engine: its target and, in the two_process layout, its draft worker (a child process of the
+replica's actor). It declares what it uses as Ray resources (`serving.ray.cpus_per_replica`, one GPU when the
+target is on CUDA) and pins itself to its own slice of the node's cores, by its rank on the node, so two replicas
+never share the cores they pin. Serve's health check calls `Engine.health`: a target that stalls, or a draft
+worker that stays dead past `RESTART_GRACE_S`, fails it, and Serve replaces the replica. Our Prometheus metrics
+are mirrored into Ray's metrics tagged with the replica, so Ray's metrics endpoint carries the whole deployment:
+Serve's own metrics and ours per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from ..config import Config
+from ..errors import HeteroSpecError
+
+log = logging.getLogger("hetero_spec.serve.ray")
+
+RESTART_GRACE_S = 30.0  # the supervisor's longest restart backoff: a worker down longer than this stays dead
+MIRROR_EVERY_S = 5.0
+REPLICA_HEADER = "x-hetero-spec-replica"
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise HeteroSpecError("--ray needs Ray Serve, which is not installed: pip install 'hetero-spec[ray]' "
+                              "(or pip install 'ray[serve]')") from None
+    return ray, serve
+
+
+def replica_cpus(config: Config) -> float:
+    """The cores one replica uses: serving.ray.cpus_per_replica, else the target's threads plus the draft
+    worker's thread(s) in the two_process layout."""
+    if config.serving.ray.cpus_per_replica is not None:
+        return config.serving.ray.cpus_per_replica
+    worker = config.draft.threads if config.runtime.mode in ("two_process", "auto") else 0
+    return float((config.target.threads or 1) + worker)
+
+
+def deployment_options(config: Config) -> dict:
+    """serving.ray as `serve.deployment` options: replicas or autoscaling, the per-replica request limit and
+    the Ray resources of one replica."""
+    rc = config.serving.ray
+    gpu = str(config.target.device).startswith("cuda")
+    batch = config.serving.max_batch if isinstance(config.serving.max_batch, int) else 8  # auto: its fallback
+    if rc.max_ongoing_requests and rc.max_ongoing_requests > batch + config.serving.max_waiting:
+        limit = batch + config.serving.max_waiting
+        raise config.error("serving.ray.max_ongoing_requests", rc.max_ongoing_requests,
+                           f"must be at most serving.max_batch + serving.max_waiting ({limit}): a replica refuses "
+                           "requests beyond its batch and queue")
+    opts: dict = {"max_ongoing_requests": rc.max_ongoing_requests or batch,
+                  "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
+                  "health_check_period_s": rc.health_check_period_s,
+                  "health_check_timeout_s": rc.health_check_timeout_s}
+    if rc.autoscaling is not None:
+        opts["autoscaling_config"] = rc.autoscaling.model_dump()
+    else:
+        opts["num_replicas"] = rc.num_replicas
+    return opts
+
+
+def core_slice(cores: list[int], n: int, local_rank: int) -> list[int] | None:
+    """The `n` cores of the replica with this rank on its node, or None when the node has fewer than 2n
+    cores (nothing to separate) or the rank has no slice of its own."""
+    n = max(1, int(n))
+    slots = len(cores) // n
+    if slots < 2 or local_rank >= slots:
+        return None
+    return cores[local_rank * n:(local_rank + 1) * n]
+
+
+def mirror_metrics(registry, gauge_for, tags: dict[str, str]) -> int:
+    """Copy every sample of a prometheus_client registry into Ray metrics: `gauge_for(name, label_keys)` gives
+    a gauge with `set(value, tags=...)`; each sample gets its own labels plus `tags`. Returns samples copied."""
+    n = 0
+    for family in registry.collect():
+        for s in family.samples:
+            labels = {**{k: str(v) for k, v in s.labels.items()}, **tags}
+            gauge_for(s.name, tuple(sorted(labels))).set(float(s.value), tags=labels)
+            n += 1
+    return n
+
+
+class Replica:
+    """One Engine behind the app of serve/app.py; the Serve deployment class (see `application`)."""
+
+    def __init__(self, config: Config, model_name: str | None):
+        from ray import serve
+
+        from ..engine import Engine
+        from ..runtime.cpus import allowed
+        from .app import create_app
+
+        ctx = serve.get_replica_context()
+        self.tag = ctx.replica_tag
+        mine = core_slice(allowed(), replica_cpus(config), ctx.rank.local_rank)
+        if mine and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, mine)  # before the Engine: its threads and its worker inherit the slice
+            log.info("replica %s pinned to cpus %s", self.tag, mine)
+        self.engine = Engine.from_config(config)
+        self.web = create_app(self.engine, model_name or config.target.model.name)
+        self.web.middleware("http")(self._label)
+        self._unwell_since: float | None = None
+        self._gauges: dict[str, object] = {}
+        self._mirror = None
+
+    async def __serve_build_asgi_app__(self):
+        self._mirror = asyncio.get_running_loop().create_task(self._mirror_loop())
+        return self.web
+
+    async def _label(self, request, call_next):
+        response = await call_next(request)
+        response.headers[REPLICA_HEADER] = self.tag
+        return response
+
+    async def _mirror_loop(self) -> None:
+        from ray.util.metrics import Gauge
+
+        def gauge_for(name: str, keys: tuple[str, ...]):
+            if name not in self._gauges:
+                self._gauges[name] = Gauge(name, description=f"hetero_spec {name}, per replica", tag_keys=keys)
+            return self._gauges[name]
+
+        metrics = self.web.state.metrics
+        while True:
+            try:
+                metrics.observe_batches(self.engine.batch_sizes())
+                metrics.waiting.set(self.engine.waiting_requests())
+                mirror_metrics(metrics.registry, gauge_for, {"replica": self.tag})
+            except Exception:  # metrics never take the replica down
+                log.exception("mirroring metrics to Ray failed")
+            await asyncio.sleep(MIRROR_EVERY_S)
+
+    async def check_health(self) -> None:
+        """Serve's health check: raise to have this replica replaced."""
+        h = await asyncio.to_thread(self.engine.health, self.engine.config.runtime.heartbeat_s)
+        if h.get("target") != "ok":
+            raise RuntimeError(f"target {h.get('target')}: {h}")
+        if h.get("draft") in ("ok", "in_process", "none"):
+            self._unwell_since = None
+            return
+        now = time.monotonic()
+        self._unwell_since = self._unwell_since or now
+        if now - self._unwell_since > RESTART_GRACE_S:
+            raise RuntimeError(f"draft worker {h.get('draft')} for {now - self._unwell_since:.0f} s: {h}")
+
+
+def application(config: Config, model_name: str | None = None):
+    """The Serve application of `config`: the Replica deployment with serving.ray's options."""
+    _, serve = _ray()
+    deployment = serve.deployment(serve.ingress()(Replica), name="hetero_spec", **deployment_options(config))
+    return deployment.bind(config, model_name)
+
+
+def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+              model_name: str | None = None) -> int:
+    """Deploy on Ray Serve (a local Ray instance unless `address`) and block until SIGINT/SIGTERM; Serve then
+    drains the replicas (each closes its Engine, and with it its draft worker)."""
+    ray, serve = _ray()
+    ray.init(address=address or config.serving.ray.address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    name = model_name or config.target.model.name
+    serve.run(application(config, model_name), name="hetero_spec", route_prefix="/")
+    print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

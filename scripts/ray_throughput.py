@@ -1,0 +1,142 @@
+"""Ray Serve's overhead: aggregate throughput of `hetero-spec serve --ray` with two replicas against two separate
+`hetero-spec serve` processes (each pinned to one core with taskset, no balancer: clients alternate between them),
+under the same concurrent load of greedy completions. The two setups run in turn, `--repeats` times each
+(A B A B ...); the report gives each run's tokens per second and the median of the paired ratios.
+
+    .venv/bin/python scripts/ray_throughput.py --config configs/cpu-demo.yaml --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ONE_CORE = ["runtime.mode=in_process", "runtime.cpus=null", "target.threads=1", "target.prefill_threads=1",
+            "draft.threads=1", "serving.max_batch=8"]
+RAY = ["serving.ray.num_replicas=2", "serving.ray.cpus_per_replica=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli() -> list[str]:
+    return [str(Path(sys.executable).with_name("hetero-spec"))]
+
+
+def start(cmd: list[str], log: Path, cpu: int | None = None) -> subprocess.Popen:
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_up(urls: list[str], procs: list[subprocess.Popen], limit_s: float = 600) -> None:
+    deadline = time.monotonic() + limit_s
+    for url in urls:
+        while True:
+            if any(p.poll() is not None for p in procs):
+                raise SystemExit(f"a server exited while starting (see the log under --out): {url}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not come up within {limit_s} s")
+            time.sleep(1)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to each server (it shuts down what it started), then SIGKILL to whatever is left of its group."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(120)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt once, `concurrency` at a time, alternating between the urls: tokens per second overall."""
+    def one(i: int) -> int:
+        r = httpx.post(urls[i % len(urls)] + "/v1/completions", timeout=600,
+                       json={"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(len(prompts))))
+    wall = time.perf_counter() - t
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2)}
+
+
+def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out: Path) -> dict:
+    sets = [a for s in ONE_CORE for a in ("--set", s)]
+    if kind == "ray":
+        port = free_port()
+        procs = [start([*cli(), "serve", "--config", config, "--ray", "--port", str(port), "--model-name", model,
+                        *sets, *[a for s in RAY for a in ("--set", s)]], out / "ray.log")]
+        urls = [f"http://127.0.0.1:{port}"]
+    else:
+        ports = [free_port(), free_port()]
+        procs = [start([*cli(), "serve", "--config", config, "--port", str(p), "--model-name", model, *sets],
+                       out / f"serve-{i}.log", cpu=i) for i, p in enumerate(ports)]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        wait_up(urls, procs)
+        load(urls, model, prompts[: args.concurrency], args.concurrency, 8)  # warm-up
+        return load(urls, model, prompts, args.concurrency, args.max_tokens)
+    finally:
+        stop(procs)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/cpu-demo.yaml")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench-out/ray")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [f"def task_{i}(items):\n    \"\"\"Return the {i}th" for i in range(args.requests)]
+    runs: dict[str, list[dict]] = {"ray": [], "two_serves": []}
+    for rep in range(args.repeats):
+        for kind in ("ray", "two_serves") if rep % 2 == 0 else ("two_serves", "ray"):
+            r = run_setup(kind, args.config, "demo", prompts, args, out)
+            runs[kind].append(r)
+            print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s", flush=True)
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["ray"], runs["two_serves"])]
+    report = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
+              "max_tokens": args.max_tokens, "runs": runs, "ratios": [round(x, 3) for x in ratios],
+              "median_ratio": round(statistics.median(ratios), 3)}
+    (out / "ray_throughput.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("ratios", "median_ratio")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

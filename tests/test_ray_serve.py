@@ -1,0 +1,208 @@
+"""`hetero-spec serve --ray`: two replicas of a tiny model pair on a local Ray instance (one per module), behind
+Serve's HTTP proxy: greedy outputs equal one Engine's, both replicas serve, a killed replica's requests fail
+cleanly while the others complete and Serve brings it back; serving.ray's settings are validated. Waits are
+bounded and only for events; nothing asserts a wall-clock outcome."""
+
+from __future__ import annotations
+
+import builtins
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from hetero_spec import Engine
+from hetero_spec.config import build_config
+from hetero_spec.errors import ConfigError, HeteroSpecError
+from hetero_spec.serve import ray_serve
+from hetero_spec.serve.ray_serve import REPLICA_HEADER, core_slice, deployment_options, mirror_metrics
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+MODEL = "tiny"
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [f"def f{i}(x):" for i in range(16)]
+
+
+def _cfg(target, draft, **ray_cfg):
+    return {"target": {"model": str(target), "dtype": "float32", "device": "cpu", "threads": 1},
+            "draft": {"kind": "onnx", "model": str(draft)}, "speculation": {"gamma": 4},
+            "runtime": {"mode": "in_process", "heartbeat_s": 60},  # a paused round is not a stalled target
+            "serving": {"max_batch": 8, "ray": {"num_replicas": 2, "cpus_per_replica": 1, **ray_cfg}}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replica_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("ServeReplica:hetero_spec" in part for part in (p.info["cmdline"] or []))]
+
+
+def _wait(cond, what: str, limit_s: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.5)
+
+
+def _running(app: str = "hetero_spec") -> int:
+    st = serve.status().applications.get(app)
+    if st is None or st.status != "RUNNING":
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in st.deployments.values())
+
+
+@pytest.fixture(scope="module")
+def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
+    cfg = build_config(_cfg(llama_target, llama_copy_onnx))
+    with Engine.from_config(cfg) as eng:
+        refs = {p: eng.generate(p, max_new_tokens=24, temperature=0.0).text for p in PROMPTS}
+    pause = tmp_path_factory.mktemp("ray") / "pause"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
+        "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
+        "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(ray_serve.application(cfg, MODEL), name="hetero_spec", route_prefix="/")
+    _wait(lambda: _running() == 2, "two running replicas")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    yield client, refs, pause
+    client.close()
+    serve.shutdown()
+    ray.shutdown()
+    _wait(lambda: not _replica_pids(), "the replicas to exit", 60)
+
+
+def _complete(client, prompt: str, max_tokens: int = 24) -> tuple[str, str]:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": 0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"], r.headers[REPLICA_HEADER]
+
+
+def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(deployed):
+    client, refs, _ = deployed
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: _complete(client, p), PROMPTS))
+    assert [text for text, _ in got] == [refs[p] for p in PROMPTS]
+    assert len({replica for _, replica in got}) == 2
+    bad = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
+    client, refs, pause = deployed
+    started: dict[str, str] = {}
+    ended: set[str] = set()
+
+    def stream(prompt: str) -> bool:
+        """True when the stream ran to [DONE] with no error event."""
+        lines = []
+        try:
+            with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                                "max_tokens": 400, "temperature": 0,
+                                                                "stream": True}) as r:
+                started[prompt] = r.headers[REPLICA_HEADER]
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        except httpx.HTTPError:
+            pass
+        ended.add(prompt)
+        return bool(lines) and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+
+    prompts = PROMPTS[:8]
+    before = set(_replica_pids())
+    assert len(before) == 2
+    pause.touch()  # every round waits: the streams are all mid-run when the kill comes
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futs = {p: pool.submit(stream, p) for p in prompts}
+        _wait(lambda: len(started) == len(prompts), "every stream to start", 120)
+        assert len(set(started.values())) == 2 and not ended
+        psutil.Process(sorted(before)[0]).kill()
+        pause.unlink()
+        ok = {p: f.result(timeout=300) for p, f in futs.items()}
+    failed = {started[p] for p in prompts if not ok[p]}
+    assert len(failed) == 1, f"exactly the killed replica's requests fail: {ok} {started}"
+    survivors = [p for p in prompts if started[p] not in failed]
+    assert survivors and all(ok[p] for p in survivors)
+    _wait(lambda: _running() == 2 and len(set(_replica_pids()) - before) == 1, "Serve to replace the killed replica")
+    text, _ = _complete(client, PROMPTS[3])
+    assert text == refs[PROMPTS[3]]
+
+
+def test_serving_ray_settings_are_validated(llama_target, llama_copy_onnx):
+    base = _cfg(llama_target, llama_copy_onnx)
+
+    def cfg(max_waiting=256, **ray_cfg):
+        return {**base, "serving": {"max_batch": 4, "max_waiting": max_waiting, "ray": ray_cfg}}
+
+    bad = [({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "serving.ray.autoscaling"),
+           ({"autoscaling": {"max_replicas": 0}}, "serving.ray.autoscaling.max_replicas"),
+           ({"autoscaling": {"target_ongoing_requests": 0}}, "serving.ray.autoscaling.target_ongoing_requests"),
+           ({"autoscaling": {}, "num_replicas": 2}, "serving.ray"),
+           ({"num_replicas": 0}, "serving.ray.num_replicas"),
+           ({"replicas": 2}, "serving.ray.replicas")]
+    for extra, key in bad:
+        with pytest.raises(ConfigError, match=r"serving\.ray\S* = ") as e:
+            build_config(cfg(**extra))
+        assert f"{key} = " in str(e.value), (extra, str(e.value))
+    with pytest.raises(ConfigError, match=r"serving\.ray\.max_ongoing_requests = 6: must be at most .* \(5\)"):
+        deployment_options(build_config(cfg(max_waiting=1, max_ongoing_requests=6)))
+    opts = deployment_options(build_config(cfg(
+        autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2})))
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0}
+    assert "num_replicas" not in opts and opts["max_ongoing_requests"] == 4
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0}  # target.threads 1, in process
+    two = build_config({**cfg(num_replicas=2), "runtime": {"mode": "two_process"}})
+    assert deployment_options(two)["ray_actor_options"]["num_cpus"] == 2.0  # plus the worker's thread
+    assert deployment_options(two)["num_replicas"] == 2
+
+
+def test_replicas_get_disjoint_cores():
+    cores = list(range(8))
+    slices = [core_slice(cores, 2, r) for r in range(4)]
+    assert slices == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert core_slice(cores, 2, 4) is None  # no slice of its own: it shares, unpinned
+    assert core_slice([0, 1], 2, 0) is None  # one replica's worth of cores: nothing to separate
+
+
+def test_our_metrics_mirror_into_ray_with_the_replica_tag():
+    from prometheus_client import CollectorRegistry, Counter
+
+    reg = CollectorRegistry()
+    Counter("hetero_spec_requests", "r", ["endpoint"], registry=reg).labels(endpoint="chat").inc(3)
+    seen = {}
+
+    class Gauge:
+        def __init__(self, name):
+            self.name = name
+
+        def set(self, value, tags):
+            seen[self.name] = (value, tags)
+
+    n = mirror_metrics(reg, lambda name, keys: Gauge(name), {"replica": "r1"})
+    assert n == 2  # the counter's total and its created timestamp
+    assert seen["hetero_spec_requests_total"] == (3.0, {"endpoint": "chat", "replica": "r1"})
+
+
+def test_ray_missing_names_the_extra(monkeypatch):
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(HeteroSpecError, match=r"hetero-spec\[ray\]"):
+        ray_serve._ray()
