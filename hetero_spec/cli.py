@@ -99,6 +99,36 @@ def _add_keys(sub) -> None:
     p.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
 
 
+def _add_draft_worker(sub) -> None:
+    p = _command(sub, "draft-worker", _cmd_draft_worker, "run a draft worker on this host for a remote target",
+                 "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port "
+                 "(the target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, "
+                 "using the keys of a `hetero-spec keys` directory (client.key_secret and the target's "
+                 "server.key). The worker outlives its targets: when the target restarts, it connects again. "
+                 "It exits on SIGTERM or Ctrl-C, or with code 2 when the target refuses its key.",
+                 config=None, overrides=None, formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="example (docs/features-two-process.md, \"Draft workers on other hosts\"):\n"
+                        "  hetero-spec draft-worker --connect tcp://10.0.0.5:5555 --keys keys/ --model draft-onnx/")
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the target's runtime.host:port")
+    p.add_argument("--keys", required=True, metavar="DIR", help="directory with client.key_secret and server.key")
+    p.add_argument("--model", required=True, metavar="DIR", help="exported ONNX draft (`hetero-spec export`)")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
+    p.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    p.add_argument("--vocab-width", type=int, default=0, help="the target's logits width, if the draft's differs")
+    p.add_argument("--max-streams", type=int, default=64, help="requests drafted for at once (default 64)")
+
+
+def _cmd_draft_worker(args) -> int:
+    from .runtime import draft_worker
+
+    _require(args.connect.startswith("tcp://"), "--connect", args.connect, "must be tcp://HOST:PORT")
+    _require(Path(args.keys).is_dir(), "--keys", args.keys, "no such directory (make one with `hetero-spec keys`)")
+    _require((Path(args.model) / "model.onnx").is_file(), "--model", args.model, "no model.onnx in this directory")
+    return draft_worker.main(["--endpoint", args.connect, "--keys", args.keys, "--model", args.model,
+                              "--threads", str(args.threads), "--providers", args.providers,
+                              "--vocab-width", str(args.vocab_width), "--max-streams", str(args.max_streams)])
+
+
 def _add_profile(sub) -> None:
     p = _command(sub, "profile", _cmd_profile, "measure this machine's costs, fit the cost model, recommend gamma",
                  "Measure, on the configured target backend and draft: verification time of k = 0..16 draft "
@@ -193,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
                         help="logging level (INFO logs the resolved config); also accepted after COMMAND")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_generate, _add_export, _add_keys, _add_profile, _add_serve, _add_load, _add_soak):
+    for add in (_add_generate, _add_export, _add_keys, _add_draft_worker, _add_profile, _add_serve, _add_load,
+                _add_soak):
         add(sub)
     add_bench_parser(sub)
     sub.choices["bench"].set_defaults(run=cmd_bench)

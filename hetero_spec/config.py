@@ -188,6 +188,13 @@ class RuntimeConfig(_Section):
     curve_keys: Path | None = None
     """Directory with `server.key_secret` and `client.key_secret` (ZeroMQ certificates; make them with
     `hetero-spec keys --out DIR`). Required to bind TCP beyond loopback."""
+    worker: Literal["spawn", "remote"] = "spawn"
+    """two_process: `spawn` starts the draft worker as a child of this process. `remote`: a worker started on
+    another host (`hetero-spec draft-worker --connect tcp://HOST:PORT --keys DIR`) connects to runtime.host and
+    runtime.port over TCP with CURVE; the target decodes alone until it is ready, and again while it is gone."""
+    worker_keys: Path | None = None
+    """remote: a directory of the public keys (`*.key`) of the workers allowed to connect; None: the
+    `client.key` in runtime.curve_keys."""
     ready_timeout_s: float = Field(default=60.0, gt=0)
     """How long to wait for the draft worker to load its model and report ready."""
     heartbeat_s: float = Field(default=2.0, gt=0)
@@ -295,7 +302,7 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
 
 
-_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("speculation", "profile"))
+_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("runtime", "worker_keys"), ("speculation", "profile"))
 
 
 def _section_model(parts: list[str]) -> type[BaseModel] | None:

@@ -22,7 +22,9 @@ def check_config(cfg: Config) -> None:
         why = check_bind_host(rt.host, rt.curve_keys is not None)
         if why:
             raise cfg.error("runtime.host", rt.host, why)
-    if rt.mode != "in_process" and rt.curve_keys is not None:
+    if rt.worker == "remote":
+        _check_remote(cfg)
+    elif rt.mode != "in_process" and rt.curve_keys is not None:
         from .transport.channel import CurveKeys
 
         try:
@@ -30,11 +32,34 @@ def check_config(cfg: Config) -> None:
         except (OSError, ValueError) as exc:
             raise cfg.error("runtime.curve_keys", str(rt.curve_keys), f"cannot read the CURVE keys ({exc}); "
                             "make them with `hetero-spec keys --out DIR`") from None
-    if cfg.draft.kind == "onnx":
+    if cfg.draft.kind == "onnx" and rt.worker == "spawn":
         from .onnx_decoder import check_providers
 
         check_providers(cfg.draft.providers, source=cfg.blame("draft.providers"))
         check_vocab(cfg.target.model, cfg.draft.model, source=cfg.blame("draft.model"))
+
+
+def _check_remote(cfg: Config) -> None:
+    """runtime.worker remote: the worker connects over TCP with CURVE to a fixed port, and the target admits
+    the keys it has."""
+    rt = cfg.runtime
+    if rt.mode != "two_process":
+        raise cfg.error("runtime.worker", "remote", f"needs runtime.mode: two_process (got {rt.mode!r})")
+    if rt.transport != "tcp" or not rt.port:
+        raise cfg.error("runtime.port" if rt.transport == "tcp" else "runtime.transport",
+                        rt.port if rt.transport == "tcp" else rt.transport,
+                        "runtime.worker remote needs runtime.transport: tcp and a fixed runtime.port for workers "
+                        "to connect to")
+    if rt.curve_keys is None:
+        raise cfg.error("runtime.curve_keys", None, "runtime.worker remote needs the target's CURVE keys "
+                        "(`hetero-spec keys --out DIR`)")
+    from .transport.channel import admitted_keys
+
+    try:
+        admitted_keys(rt.curve_keys, rt.worker_keys)
+    except (OSError, ValueError) as exc:
+        key = "runtime.worker_keys" if rt.worker_keys else "runtime.curve_keys"
+        raise cfg.error(key, str(rt.worker_keys or rt.curve_keys), f"cannot read the keys ({exc})") from None
 
 
 def check_paths(cfg: Config) -> None:
@@ -54,7 +79,7 @@ def check_paths(cfg: Config) -> None:
         check_gguf(cfg.target.model, cfg.blame("target.model"), "target.model", onnx=cfg.target.backend == "onnx")
     else:
         _check_target_dir(cfg)
-    if d.kind != "onnx":
+    if d.kind != "onnx" or cfg.runtime.worker == "remote":  # a remote worker loads its model on its own host
         return
     if d.model is None:
         raise cfg.error("draft.model", None, "draft.kind is onnx, so a draft model is required")

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..draft.onnx_drafter import OnnxDrafter
 from ..sampling import SamplingParams
-from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel
+from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel, worker_keys
 from ..transport.protocol import Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown, Sync, ids_within
 
 log = logging.getLogger("hetero_spec.draft_worker")
@@ -76,9 +76,12 @@ class Worker:
     `clock` is a seam for tests (the send-batching deadline). The drafting methods act on the current stream
     (`cur`: the last one begun, handled or drafted for)."""
 
-    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int,
-                 clock=time.monotonic, max_streams: int = MAX_STREAMS):
-        self.ch, self.parent_pid = channel, parent_pid
+    def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int | None,
+                 clock=time.monotonic, max_streams: int = MAX_STREAMS, ready: Ready | None = None):
+        """parent_pid None: a remote worker (`hetero-spec draft-worker --connect`). It has no parent to outlive,
+        a Shutdown ends the target's session only, and each new session (a target that binds again) gets
+        `ready` again, on the link's handshake, with every stream of the old session closed."""
+        self.ch, self.parent_pid, self.ready = channel, parent_pid, ready
         self.model = drafter  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.clock = clock
         self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
@@ -86,6 +89,7 @@ class Worker:
         self.max_streams = max(1, max_streams)
         self._turn = 0  # round-robin position among the streams that want to draft
         self.running = True
+        self.refused = False
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
@@ -135,7 +139,10 @@ class Worker:
         elif isinstance(msg, Ping):
             self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.ch.dropped))
         elif isinstance(msg, Shutdown):
-            self.running = False
+            if self.parent_pid is None:
+                self.end_session()
+            else:
+                self.running = False
         elif isinstance(msg, (Sync, Control)):  # its stream was evicted (more than max_streams) or has ended
             self.ch.reject(f"{type(msg).__name__} for request {msg.req_id}, which has no stream here")
 
@@ -249,9 +256,28 @@ class Worker:
         self.draft_once(1)
         return True
 
+    def end_session(self) -> None:
+        """A remote worker's target went away: close every stream; the next target starts afresh."""
+        for rid in list(self.streams):
+            self._close(rid)
+
+    def on_link(self, event: str) -> None:
+        """A remote worker's link: `connected` (a target's handshake succeeded) announces Ready for a new session;
+        `refused` (the target does not admit this worker's key) ends the worker."""
+        if event == "connected":
+            self.end_session()
+            self.ch.send(self.ready)
+        elif event == "refused":
+            log.error("the target at %s refused this worker's CURVE key (not in its runtime.worker_keys); exiting",
+                      self.ch.endpoint)
+            self.running, self.refused = False, True
+
     def loop(self) -> None:
         while self.running:
-            if os.getppid() != self.parent_pid:  # checked every iteration: a getppid() call is ~0.1 us
+            if self.parent_pid is None:
+                for event in self.ch.link_events():
+                    self.on_link(event)
+            elif os.getppid() != self.parent_pid:  # checked every iteration: a getppid() call is ~0.1 us
                 log.warning("target process is gone; draft worker exits")
                 return
             self.step()
@@ -274,6 +300,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keys-stdin", action="store_true",
                    help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
     p.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
+    p.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
     return p.parse_args(argv)
 
 
@@ -282,12 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the target process's to handle
+    # Ctrl-C at a terminal is the target process's to handle, unless this is a remote worker (its own terminal)
+    signal.signal(signal.SIGINT, (lambda *_: sys.exit(0)) if args.keys else signal.SIG_IGN)
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    keys = json.loads(sys.stdin.readline()) if args.keys_stdin else None
+    remote = bool(args.keys)
+    keys = json.loads(sys.stdin.readline()) if args.keys_stdin else (worker_keys(args.keys) if remote else None)
     providers = args.providers.split(",")
-    ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes)
+    ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes, watch=remote)
     try:
         try:
             drafter = OnnxDrafter(args.model, providers=providers, threads=args.threads,
@@ -296,12 +325,16 @@ def main(argv: list[str] | None = None) -> int:
             ch.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)
             return 3
-        ch.send(Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
-                      providers=providers))
-        Worker(ch, drafter, args.parent_pid or os.getppid(), max_streams=args.max_streams).loop()
+        ready = Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
+                      providers=providers)
+        if not remote:
+            ch.send(ready)
+        worker = Worker(ch, drafter, None if remote else args.parent_pid or os.getppid(),
+                        max_streams=args.max_streams, ready=ready)
+        worker.loop()
     finally:
         ch.close()
-    return 0
+    return 2 if worker.refused else 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HeteroSpecError
-from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel, CurveKeys, ServerContext, check_bind_host
+from ..transport.channel import (DEFAULT_MAX_MSG_BYTES, Channel, CurveKeys, ServerContext, admitted_keys,
+                                 check_bind_host)
 from ..transport.protocol import Failure, Ping, Pong, Ready, Shutdown
 
 if TYPE_CHECKING:
@@ -97,6 +98,43 @@ class ProcessLauncher:
         return Worker(proc=proc, channel=ch, generation=generation, stderr_path=err_path)
 
 
+class RemoteProcess:
+    """Stands in for the Popen of a worker on another host: it runs as long as the link says so (heartbeat)."""
+
+    returncode = None
+
+    def __init__(self):
+        self.pid = 0  # the remote pid, once its Ready arrives
+
+    def poll(self):
+        return None
+
+    def terminate(self):
+        pass
+
+    kill = terminate
+
+    def wait(self, timeout=None):
+        return None
+
+
+class RemoteLauncher:
+    """runtime.worker remote: bind runtime.host:runtime.port over TCP with the target's CURVE key, admit the keys
+    of runtime.worker_keys, and wait there for a worker started elsewhere (`hetero-spec draft-worker --connect`)."""
+
+    def __init__(self, server: ServerContext):
+        self.server = server
+
+    def launch(self, spec: WorkerSpec, generation: int) -> Worker:
+        r = spec.runtime
+        curve, clients = admitted_keys(r.curve_keys, r.worker_keys)
+        ch = Channel.bind(self.server, "tcp", r.host, r.port, curve, name=f"worker-{generation}",
+                          max_msg_bytes=spec.max_msg_bytes)
+        for key in clients[1:]:
+            self.server.admit(key)
+        return Worker(proc=RemoteProcess(), channel=ch, generation=generation)
+
+
 class DraftSupervisor:
     """Owns the current worker. Only the thread serving a request talks on the channel; the restart
     thread only spawns a new worker and hands it over once it is ready. `launcher` and `clock` are
@@ -109,7 +147,8 @@ class DraftSupervisor:
         if why:
             raise WorkerStartError(why)
         self._server = ServerContext() if launcher is None else None
-        self.launcher = launcher or ProcessLauncher(self._server)
+        self.remote = r.worker == "remote"
+        self.launcher = launcher or (RemoteLauncher if self.remote else ProcessLauncher)(self._server)
         self._lock = threading.Lock()
         self._worker: Worker | None = None
         self._pending: Worker | None = None  # a restarted worker, adopted by current()
@@ -129,6 +168,15 @@ class DraftSupervisor:
         """Start the first worker and wait until it is ready; raises WorkerStartError naming the cause."""
         try:
             self._worker = self._spawn_ready()
+        except WorkerStartError as exc:
+            if not self.remote or self._closing.is_set():
+                self.close()
+                raise
+            # a remote worker may come later: decode alone meanwhile, and keep the port open for it
+            log.warning("%s; the target decodes alone until a worker connects", exc)
+            self.last_failure = str(exc)
+            self._restart_thread = threading.Thread(target=self._restart_loop, name="draft-restart", daemon=True)
+            self._restart_thread.start()
         except BaseException:
             self.close()
             raise
@@ -152,9 +200,12 @@ class DraftSupervisor:
         while time.monotonic() < deadline and not self._closing.is_set():
             msg = (w.channel.recv(0.1) or (None,))[0]
             if isinstance(msg, Ready):
+                if isinstance(w.proc, RemoteProcess):
+                    w.proc.pid = msg.pid
                 if msg.vocab_width != self.spec.vocab_width:
                     return (f"draft worker {model}: it reports a vocabulary width of {msg.vocab_width}, the "
-                            f"target's is {self.spec.vocab_width}")
+                            f"target's is {self.spec.vocab_width}" + (
+                                f" (start it with --vocab-width {self.spec.vocab_width})" if self.remote else ""))
                 if msg.context_len < 2:
                     return f"draft worker {model}: it reports a context length of {msg.context_len}"
                 return ""
@@ -168,6 +219,9 @@ class DraftSupervisor:
                 return f"draft worker exited with code {w.proc.returncode} before it was ready ({model}): {tail}"
         if self._closing.is_set():
             return "the engine is closing"
+        if self.remote:
+            return (f"no draft worker connected to {w.channel.endpoint} within {timeout_s:.0f} s "
+                    "(runtime.ready_timeout_s)")
         return (f"draft worker did not become ready within {timeout_s:.0f} s "
                 f"(runtime.ready_timeout_s); model {model}")
 
@@ -270,7 +324,8 @@ class DraftSupervisor:
                 if self._closing.is_set():
                     return
                 log.warning("draft worker restart failed: %s", exc)
-                backoff = min(backoff * 2, spec.max_backoff_s)
+                if not self.remote:  # a remote worker is not ours to start: keep the port open for it
+                    backoff = min(backoff * 2, spec.max_backoff_s)
                 continue
             with self._lock:
                 if not self._closing.is_set():

@@ -96,14 +96,16 @@ class Replica:
         from ray import serve
 
         from ..engine import Engine
-        from ..runtime.cpus import allowed
+        from ..runtime.cpus import allowed, pin_threads
         from .app import create_app
 
         ctx = serve.get_replica_context()
         self.tag = ctx.replica_tag
         mine = core_slice(allowed(), replica_cpus(config), ctx.rank.local_rank)
         if mine and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, mine)  # before the Engine: its threads and its worker inherit the slice
+            # every thread of the replica's process (Ray's own ones too), before the Engine: its threads and its
+            # worker inherit the slice
+            pin_threads([int(t) for t in os.listdir("/proc/self/task")], mine)
             log.info("replica %s pinned to cpus %s", self.tag, mine)
         self.engine = Engine.from_config(config)
         self.web = create_app(self.engine, model_name or config.target.model.name)
@@ -165,10 +167,14 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     """Deploy on Ray Serve (a local Ray instance unless `address`) and block until SIGINT/SIGTERM; Serve then
     drains the replicas (each closes its Engine, and with it its draft worker)."""
     ray, serve = _ray()
+    # a local instance: Serve's own throughput settings (no thread hop to user code, buffered request logs);
+    # a cluster of one's own takes them from its `ray start` environment
+    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     ray.init(address=address or config.serving.ray.address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     name = model_name or config.target.model.name
-    serve.run(application(config, model_name), name="hetero_spec", route_prefix="/")
+    serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
+              logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
     print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop",
           flush=True)
     try:

@@ -78,6 +78,33 @@ def write_keys(directory: str | Path) -> Path:
     return d
 
 
+def worker_keys(directory: str | Path) -> dict:
+    """A remote worker's side of the link, from a `hetero-spec keys` directory: its own client.key_secret
+    and the target's public server.key."""
+    import zmq.auth
+
+    d = Path(directory)
+    try:
+        public, secret = zmq.auth.load_certificate(str(d / "client.key_secret"))
+        server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--keys {str(d)!r}: needs client.key_secret and server.key ({exc})") from None
+    return {"server_public": server_public.decode(), "public": public.decode(), "secret": secret.decode()}
+
+
+def admitted_keys(curve_keys: Path, worker_keys_dir: Path | None) -> tuple[CurveKeys, list[bytes]]:
+    """A target's side of a link to remote workers: its own server key pair (curve_keys/server.key_secret) and
+    the client public keys it admits (every *.key in worker_keys_dir; default curve_keys/client.key)."""
+    import zmq.auth
+
+    sp, ss = zmq.auth.load_certificate(str(Path(curve_keys) / "server.key_secret"))
+    files = sorted(Path(worker_keys_dir).glob("*.key")) if worker_keys_dir else [Path(curve_keys) / "client.key"]
+    clients = [zmq.auth.load_certificate(str(f))[0] for f in files]
+    if not clients:
+        raise ValueError(f"{worker_keys_dir}: no *.key files (client public keys) to admit")
+    return CurveKeys(sp, ss, clients[0], b""), clients
+
+
 def check_bind_host(host: str, keys_configured: bool) -> str | None:
     """None when binding `host` is allowed; otherwise the reason it is not. Every TCP link uses CURVE;
     beyond loopback the keys must be configured (runtime.curve_keys), not generated per worker."""
@@ -172,6 +199,7 @@ class Channel:
         self._client_key, self._server = client_key, server
         self.dropped = self.sent = self.received = 0
         self.closed = False
+        self._monitor: zmq.Socket | None = None
 
     @classmethod
     def bind(cls, server: ServerContext, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
@@ -203,17 +231,32 @@ class Channel:
         return cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
 
     @classmethod
-    def connect(cls, endpoint: str, curve: dict | None = None,
-                max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> Channel:
-        """Worker side, with its own context. `curve`: {"server_public", "public", "secret"} (z85 str)."""
+    def connect(cls, endpoint: str, curve: dict | None = None, max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+                watch: bool = False) -> Channel:
+        """Worker side, with its own context. `curve`: {"server_public", "public", "secret"} (z85 str).
+        watch: report the link's handshakes (link_events), for a worker that outlives its targets."""
         ctx = zmq.Context()
         sock = _pair(ctx, max_msg_bytes)
         if curve:
             sock.curve_serverkey = curve["server_public"].encode()
             sock.curve_publickey = curve["public"].encode()
             sock.curve_secretkey = curve["secret"].encode()
+        ch = cls(sock, endpoint, own_ctx=ctx)
+        if watch:
+            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(endpoint)
-        return cls(sock, endpoint, own_ctx=ctx)
+        return ch
+
+    def link_events(self) -> list[str]:
+        """What the link did since the last call (watch only): `connected` per handshake, `refused` when the
+        peer turned this end's CURVE key down."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        out = []
+        while self._monitor is not None and not self.closed and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            out.append("connected" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused")
+        return out
 
     def send(self, msg, *arrays: np.ndarray) -> bool:
         """Queue a message without blocking; False when closed, or the peer is gone or not keeping up."""
@@ -279,6 +322,9 @@ class Channel:
             return
         self.closed = True
         with contextlib.suppress(zmq.ZMQError):
+            if self._monitor is not None:
+                self.sock.disable_monitor()
+                self._monitor.close(linger=0)
             self.sock.close(linger=0)
         if self._server is not None and self._client_key is not None:
             self._server.revoke(self._client_key)

@@ -98,6 +98,13 @@ class CostModel:
                 best, best_rate = g, rate
         return best, best_rate
 
+    def break_even_transfer_s(self, a: float, g_max: int = 16) -> float:
+        """two_process: the largest per-round transfer time at which some gamma still beats the target alone (above
+        it, best_gamma chooses 0): max over g of V(0) * E(a, g) - V(g) - (1 - a^g) * g * d."""
+        a = min(max(a, 0.0), 1.0)
+        return max(self.verify(0) * expected_tokens(a, g) - self.verify(g) - (1.0 - a ** g) * g * self.draft_token_s
+                   for g in range(1, g_max + 1))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
