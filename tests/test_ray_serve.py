@@ -206,3 +206,33 @@ def test_ray_missing_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(HeteroSpecError, match=r"hetero-spec\[ray\]"):
         ray_serve._ray()
+
+
+def test_the_health_check_fails_on_a_stalled_target_or_a_worker_that_stays_dead(monkeypatch):
+    import asyncio
+
+    now = [100.0]
+    monkeypatch.setattr(ray_serve.time, "monotonic", lambda: now[0])
+
+    class FakeEngine:
+        config = build_config({})
+        answer = {"target": "ok", "draft": "ok"}
+
+        def health(self, timeout_s):
+            return self.answer
+
+    rep = ray_serve.Replica.__new__(ray_serve.Replica)
+    rep.engine, rep._unwell_since = FakeEngine(), None
+    check = lambda: asyncio.run(rep.check_health())  # noqa: E731
+    check()
+    rep.engine.answer = {"target": "ok", "draft": "restarting"}
+    check()  # a restart is under way: not yet a reason to replace the replica
+    now[0] += ray_serve.RESTART_GRACE_S + 1
+    with pytest.raises(RuntimeError, match="draft worker restarting"):
+        check()
+    rep.engine.answer = {"target": "ok", "draft": "ok"}
+    check()  # it came back: healthy, and the clock starts over
+    assert rep._unwell_since is None
+    rep.engine.answer = {"target": "stalled", "draft": "ok"}
+    with pytest.raises(RuntimeError, match="target stalled"):
+        check()
