@@ -92,11 +92,11 @@ def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_
 
 
 def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out: Path) -> dict:
-    sets = [a for s in ONE_CORE for a in ("--set", s)]
+    sets = [a for s in ONE_CORE + args.set for a in ("--set", s)]
     if kind == "ray":
         port = free_port()
         procs = [start([*cli(), "serve", "--config", config, "--ray", "--port", str(port), "--model-name", model,
-                        *sets, *[a for s in RAY for a in ("--set", s)]], out / "ray.log")]
+                        *sets, *[a for s in RAY + args.ray_set for a in ("--set", s)]], out / "ray.log")]
         urls = [f"http://127.0.0.1:{port}"]
     else:
         ports = [free_port(), free_port()]
@@ -118,7 +118,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="bench-out/ray")
+    p.add_argument("--out", default="OUT")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override for both setups (repeatable)")
+    p.add_argument("--ray-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override for the Ray setup only (repeatable)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
