@@ -6,8 +6,6 @@ bounded and only for events; nothing asserts a wall-clock outcome."""
 from __future__ import annotations
 
 import builtins
-import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError, HeteroSpecError
 from hetero_spec.serve import ray_serve
 from hetero_spec.serve.ray_serve import REPLICA_HEADER, core_slice, deployment_options, mirror_metrics
+from tests.fixtures.waits import free_port, wait_for
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -36,23 +35,9 @@ def _cfg(target, draft, **ray_cfg):
             "serving": {"max_batch": 8, "ray": {"num_replicas": 2, "cpus_per_replica": 1, **ray_cfg}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _replica_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"])
             if any("ServeReplica:hetero_spec" in part for part in (p.info["cmdline"] or []))]
-
-
-def _wait(cond, what: str, limit_s: float = 180.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.5)
 
 
 def _running(app: str = "hetero_spec") -> int:
@@ -71,16 +56,16 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
         "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(ray_serve.application(cfg, MODEL), name="hetero_spec", route_prefix="/")
-    _wait(lambda: _running() == 2, "two running replicas")
+    wait_for(lambda: _running() == 2, "two running replicas", 180)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     yield client, refs, pause
     client.close()
     serve.shutdown()
     ray.shutdown()
-    _wait(lambda: not _replica_pids(), "the replicas to exit", 60)
+    wait_for(lambda: not _replica_pids(), "the replicas to exit", 60)
 
 
 def _complete(client, prompt: str, max_tokens: int = 24) -> tuple[str, str]:
@@ -126,7 +111,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
     pause.touch()  # every round waits: the streams are all mid-run when the kill comes
     with ThreadPoolExecutor(len(prompts)) as pool:
         futs = {p: pool.submit(stream, p) for p in prompts}
-        _wait(lambda: len(started) == len(prompts), "every stream to start", 120)
+        wait_for(lambda: len(started) == len(prompts), "every stream to start", 120)
         assert len(set(started.values())) == 2 and not ended
         psutil.Process(sorted(before)[0]).kill()
         pause.unlink()
@@ -135,7 +120,8 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
     assert len(failed) == 1, f"exactly the killed replica's requests fail: {ok} {started}"
     survivors = [p for p in prompts if started[p] not in failed]
     assert survivors and all(ok[p] for p in survivors)
-    _wait(lambda: _running() == 2 and len(set(_replica_pids()) - before) == 1, "Serve to replace the killed replica")
+    wait_for(lambda: _running() == 2 and len(set(_replica_pids()) - before) == 1,
+             "Serve to replace the killed replica", 180)
     text, _ = _complete(client, PROMPTS[3])
     assert text == refs[PROMPTS[3]]
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -21,14 +19,9 @@ from hetero_spec import Engine
 from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError
 from hetero_spec.transport.channel import write_keys
+from tests.fixtures.waits import free_port, wait_for
 
 PROMPTS = ["def read_lines(filename):", "import os\n", "class Stack:"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _detached_worker(port: int, keys: Path, model: Path, log: Path) -> int:
@@ -47,14 +40,6 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _wait(cond, what: str, limit_s: float = 120.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.2)
 
 
 def _cfg(target, draft, port, keys, **runtime):
@@ -80,7 +65,7 @@ def test_a_remote_worker_drafts_is_replaced_and_a_wrong_key_is_refused(llama_tar
     with Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
                              "draft": {"kind": "none"}}) as alone:
         refs = [alone.generate(p, max_new_tokens=24, temperature=0.0).token_ids for p in PROMPTS]
-    port = _free_port()
+    port = free_port()
     first = _detached_worker(port, good, llama_copy_onnx, tmp_path / "w1.log")
     pids = [first]
     try:
@@ -91,21 +76,21 @@ def test_a_remote_worker_drafts_is_replaced_and_a_wrong_key_is_refused(llama_tar
             assert eng.health()["draft"] == "ok"
 
             os.kill(first, signal.SIGKILL)
-            _wait(lambda: _gone(first), "the worker to die")
+            wait_for(lambda: _gone(first), "the worker to die")
             # the target finishes alone, and notices the worker is gone
             for p, ref in zip(PROMPTS, refs):
                 assert eng.generate(p, max_new_tokens=24, temperature=0.0).token_ids == ref
-            _wait(lambda: eng.health()["draft"] != "ok", "the target to notice the dead worker")
+            wait_for(lambda: eng.health()["draft"] != "ok", "the target to notice the dead worker")
 
             refused = _detached_worker(port, wrong, llama_copy_onnx, tmp_path / "wrong.log")
             pids.append(refused)
-            _wait(lambda: _gone(refused), "the refused worker to exit")
+            wait_for(lambda: _gone(refused), "the refused worker to exit")
             assert "refused this worker's CURVE key" in (tmp_path / "wrong.log").read_text()
             assert eng.health()["draft"] != "ok"
 
             second = _detached_worker(port, good, llama_copy_onnx, tmp_path / "w2.log")
             pids.append(second)
-            _wait(lambda: eng.health()["draft"] == "ok", "the new worker to connect")
+            wait_for(lambda: eng.health()["draft"] == "ok", "the new worker to connect")
             outs = [eng.generate(p, max_new_tokens=24, temperature=0.0) for p in PROMPTS]
             assert [o.token_ids for o in outs] == refs
             assert sum(o.stats["drafted"] for o in outs) > 0
@@ -116,7 +101,7 @@ def test_a_remote_worker_drafts_is_replaced_and_a_wrong_key_is_refused(llama_tar
             if not _gone(pid):
                 os.kill(pid, signal.SIGTERM)
         for pid in pids:
-            _wait(lambda: _gone(pid), f"worker {pid} to exit on SIGTERM", 30)
+            wait_for(lambda: _gone(pid), f"worker {pid} to exit on SIGTERM", 30)
 
 
 def test_remote_settings_are_checked(llama_target, llama_copy_onnx, keys, tmp_path):
