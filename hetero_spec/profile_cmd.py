@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,10 @@ def _decode_goodput(stats: list[dict]) -> float:
 
 
 def _cost_model(vpoints: list[tuple[int, float]], draft_token_s: float, transfer_s: float = 0.0) -> CostModel:
-    """The verify line fitted to (tokens, seconds) points, clipped at 0."""
+    """The verify line fitted to (tokens, seconds) points, clipped at 0, and the points themselves (measured)."""
     c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
     return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=draft_token_s,
-                     transfer_s=transfer_s)
+                     transfer_s=transfer_s, measured={x - 1: y for x, y in vpoints})
 
 
 def _by_k(vpoints: list[tuple[int, float]]) -> dict[str, float]:
@@ -72,7 +73,7 @@ def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[li
         with Engine.from_config(config, overrides=over) as eng:
             d_tok = _draft_token_s(eng, calib[0], reps)  # 0.0: the n-gram lookup costs microseconds
             a, info = _acceptance(eng, calib, max_new)
-        m = CostModel(model.verify_fixed_s, model.verify_per_token_s, d_tok, model.transfer_s)
+        m = replace(model, draft_token_s=d_tok)
         best = {lay: m.best_gamma(a, lay) for lay in LAYOUTS}
         out[name] = {"kind": kind, "draft_token_s": round(d_tok, 7), "acceptance": round(a, 4),
                      "tested_tokens": info["accepted"] + info["rejections"],
@@ -201,7 +202,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
                      "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
                      "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
                      "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
-        "cost_model": {k: round(v, 7) for k, v in model.to_dict().items()},
+        "cost_model": {k: ({g: round(x, 7) for g, x in v.items()} if isinstance(v, dict) else round(v, 7))
+                       for k, v in model.to_dict().items()},
         "acceptance": {"per_token": round(a, 4), **acc_info},
         "recommended_gamma": recommended,
         "drafts": draft_rows,
@@ -216,7 +218,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
                                     for lay in LAYOUTS},
         "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
-                   "(1 - a^g) * g * d; V(g) = verify_fixed_s + verify_per_token_s * (g + 1)",
+                   "(1 - a^g) * g * d; V(g) = measured[g], else verify_fixed_s + verify_per_token_s * (g + 1)",
         "elapsed_s": round(time.perf_counter() - t_start, 1),
     }
     out = Path(out)

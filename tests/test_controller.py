@@ -263,3 +263,45 @@ def test_draft_selection_re_probes_on_the_controllers_one_schedule():
     sel._probing = "ngram"  # a re-probe that hits
     sel.observe_round("ngram", 3, 2)
     assert t.probe_every == PROBE_EVERY
+
+
+def test_gamma_follows_the_measured_curve_where_it_is_not_a_line():
+    """int4 kernels on AVX2 take a block's rows two at a time: a pass of 2 tokens costs little more than 1, one
+    of 3 much more. Fitted as a line the curve says gamma 2; the passes seen per length say gamma 1, and a
+    length's cost is the median of its recent passes (one stalled pass does not move it)."""
+    step, pair, per = 0.060, 0.070, 0.024  # V(0), V(1), then V(g) = V(1) + per * (g - 1)
+    curve = {0: step, 1: pair, **{g: pair + per * (g - 1) for g in range(2, 9)}}
+    t = Tuning(prior_acceptance=0.9, prior_weight=1e9)
+    for _ in range(3):
+        for g in (0, 1, 2, 4, 8):
+            t.observe_verify(g, curve[g])
+    t.observe_verify(1, 10 * pair)  # a stalled pass
+    t.draft_token_s = 0.015
+    model = t.model()
+    assert model.verify(1) == pytest.approx(pair) and model.verify(3) != pytest.approx(curve[3])  # 3: the line
+    line = CostModel(model.verify_fixed_s, model.verify_per_token_s, model.draft_token_s)
+    assert line.best_gamma(0.9, "in_process")[0] >= 2
+    assert model.best_gamma(0.9, "in_process")[0] == 1
+    t.reset_costs()
+    assert t.measured == {} and t.model() is None
+
+
+def test_draft_selection_learns_the_verify_line_without_an_engine_wide_draft_cost():
+    """Selection's candidates time themselves (DraftCosts), so no engine-wide draft cost is ever set: the chooser
+    still gets a cost model from the passes seen, and explores with short blocks of varying length until then."""
+    from hetero_spec.draft.base import DraftCosts
+
+    t = Tuning(prior_acceptance=0.8)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    sel = ctl.selection(["onnx", "ngram"], {"onnx": "in_process", "ngram": "in_process"},
+                        {"onnx": lambda: DraftCosts(0.02), "ngram": lambda: DraftCosts(1e-6)})
+    seen = []
+    for _ in range(4):  # each candidate explored twice
+        name, g = sel.choose(16)
+        assert sel.reason.startswith("exploring") and g <= max(EXPLORE)
+        seen.append(g)
+        sel.observe_round(name, g, g)
+        ctl.observe(ctl.stream("auto"), g, g, 0.06 + 0.02 * (g + 1))
+    assert len(set(seen)) > 1 and t.draft_token_s is None
+    name, g = sel.choose(16)
+    assert not sel.reason.startswith(("exploring", "no cost model")) and name is not None and g > 0

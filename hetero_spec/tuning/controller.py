@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..draft.select import LOOKUPS
@@ -24,6 +24,7 @@ EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
 PROBE_EVERY_MAX = 512
 PROBE_GAMMA = 2
+RECENT = 5  # passes per block length whose median is that length's measured cost
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
 LATENCY_SLOWDOWN = 1.5
 #: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while the
@@ -70,6 +71,9 @@ class Tuning:
     acceptance: Acceptance = field(default_factory=Acceptance)
     verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
+    #: k -> the median of the last RECENT passes of k drafts (CostModel.measured: the curve where it was seen)
+    measured: dict[int, float] = field(default_factory=dict)
+    _recent: dict[int, deque] = field(default_factory=dict)
     draft_token_s: float | None = None
     transfer_s: float = 0.0  # one proposal's transfer (the worker source's measurement)
     shared: SharedPassCost = field(default_factory=SharedPassCost)  # target passes shared by a batch
@@ -81,6 +85,7 @@ class Tuning:
         self.profile, self.draft_token_s, self.transfer_s, self.shared = None, None, 0.0, SharedPassCost()
         self.verify_points.clear()
         self._sums = [0.0] * 5
+        self.measured, self._recent = {}, {}
 
     def seed_costs(self, model: CostModel, weight: int = 2) -> None:
         """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration:
@@ -104,22 +109,28 @@ class Tuning:
             self._add_point(*self.verify_points[0], sign=-1.0)  # the oldest leaves the window
         self.verify_points.append((k + 1, verify_s))
         self._add_point(k + 1, verify_s, sign=1.0)
+        recent = self._recent.setdefault(k, deque(maxlen=RECENT))
+        recent.append(verify_s)
+        self.measured[k] = sorted(recent)[len(recent) // 2]  # a median: one stalled pass does not move it
 
     def _add_point(self, x: float, y: float, sign: float) -> None:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[i] += sign * v
 
-    def model(self) -> CostModel | None:
-        """The profile, else the costs learned so far: the verify line fitted to the passes seen (O(1), from
-        running sums: asked every round); None until they have two distinct block lengths and the draft was timed."""
+    def model(self, need_draft: bool = True) -> CostModel | None:
+        """The profile, else the costs learned so far: the passes seen per length and the verify line fitted to
+        them for the lengths not seen (O(1), from running sums: asked every round); None until they have two
+        distinct block lengths and (need_draft) the draft was timed. need_draft False: draft selection, whose
+        candidates have costs of their own (draft_token_s 0 then)."""
         if self.profile is not None:
             return self.profile
         n, sx, sy, sxx, sxy = self._sums
         spread = n * sxx - sx * sx  # 0 when every point has the same block length
-        if n < 2 or spread < 0.5 or self.draft_token_s is None:
+        if n < 2 or spread < 0.5 or (need_draft and self.draft_token_s is None):
             return None
         c1 = (n * sxy - sx * sy) / spread
-        return CostModel(max((sy - c1 * sx) / n, 0.0), max(c1, 0.0), self.draft_token_s, self.transfer_s)
+        return CostModel(max((sy - c1 * sx) / n, 0.0), max(c1, 0.0), self.draft_token_s or 0.0, self.transfer_s,
+                         measured=self.measured)
 
 
 @dataclass
@@ -349,9 +360,8 @@ class StrategyChooser:
         """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup is right in runs (a
         copy continues once it starts): its acceptance is run-aware (cost_model.expected_tokens)."""
         acc, layout, c = self.stats[name].acceptance, self.layouts.get(name, "in_process"), self.cost_fns[name]()
-        m = CostModel(model.verify_fixed_s, model.verify_per_token_s,
-                      c.token_s if c.token_s is not None else model.draft_token_s, model.transfer_s,
-                      c.catchup_s if layout == "in_process" else 0.0)
+        m = replace(model, draft_token_s=c.token_s if c.token_s is not None else model.draft_token_s,
+                    catchup_s=c.catchup_s if layout == "in_process" else 0.0)
         lookup = name in LOOKUPS
         a = (acc.next_rate if lookup else acc.rate)(self.prior, self.weight)
         g, rate = m.best_gamma(a, layout, g_max, a_first=acc.first_rate(self.prior, self.weight) if lookup else None)
@@ -366,17 +376,18 @@ class StrategyChooser:
             self.reason = "none: no strategy can draft now"
             return None, 0
         unexplored = [n for n in names if self.stats[n].rounds < self.explore_rounds]
-        model = self.tuning.model()
+        model = self.tuning.model(need_draft=False)
         self._probing = None
         if unexplored or model is None:
+            # short blocks of varying length: the verify line needs two lengths, and a useless draft costs little
             name = unexplored[0] if unexplored else names[self._round % len(names)]
             self.reason = f"exploring {name}" if unexplored else f"no cost model yet: cycling ({name})"
-            return name, k
+            return name, min(k, EXPLORE[self._round % len(EXPLORE)])
         stale = [n for n in names if self._round - self.stats[n].last_round >= self.tuning.probe_every]
         if stale:
             self.reason = f"re-probing {stale[0]} (every {self.tuning.probe_every} rounds)"
             self._probing = stale[0]
-            return stale[0], k
+            return stale[0], min(k, PROBE_GAMMA)
         preds = {n: self.predict(model, n, k) for n in names}
         best = max(preds, key=lambda n: preds[n][0])
         alone = 1.0 / model.verify(0)

@@ -2,7 +2,10 @@
 
 Notation (Leviathan et al. 2023): a = per-token acceptance (given the drafts before it were accepted), g = gamma.
 - Tokens committed per round: E(a, g) = (1 - a^(g+1)) / (1 - a)   (g + 1 when a = 1).
-- One target pass over [last, d1..dg]: V(g) = verify_fixed_s + verify_per_token_s * (g + 1) (`fit_line`).
+- One target pass over [last, d1..dg]: V(g), measured per g where the engine has seen passes of that length
+  (`measured`), else the line verify_fixed_s + verify_per_token_s * (g + 1) (`fit_line`). The curve is not a line
+  on every CPU: int4 kernels on AVX2 take rows of the block two at a time, so a pass of 2 costs much less than one
+  of 3 (docs/real-pair.md, "Verification cost").
 - Round time: in_process (draft, then verify) R = g * d + V(g); two_process (the worker drafts block n+1 while
   the target verifies block n, and after a rejection drafts it from the correction while the target waits)
   R = V(g) + transfer + (1 - a^g) * g * d.
@@ -11,7 +14,7 @@ Notation (Leviathan et al. 2023): a = per-token acceptance (given the drafts bef
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 LAYOUTS = ("in_process", "two_process")
 
@@ -44,18 +47,21 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 @dataclass
 class CostModel:
-    """Seconds: V(g) = verify_fixed_s + verify_per_token_s * (g + 1); d = draft_token_s; transfer_s (two_process);
-    catchup_s, in process, what a drafting round pays first (feeding what another strategy committed: selection)."""
+    """Seconds: V(g) = measured[g] where measured, else verify_fixed_s + verify_per_token_s * (g + 1);
+    d = draft_token_s; transfer_s (two_process); catchup_s, in process, what a drafting round pays first (feeding
+    what another strategy committed: selection)."""
 
     verify_fixed_s: float
     verify_per_token_s: float
     draft_token_s: float
     transfer_s: float = 0.0
     catchup_s: float = 0.0
+    measured: dict[int, float] = field(default_factory=dict)  # g -> V(g) seen (Tuning.observe_verify)
 
     def verify(self, g: int) -> float:
         """V(g): one target pass over g drafts plus the last committed token."""
-        return self.verify_fixed_s + self.verify_per_token_s * (g + 1)
+        v = self.measured.get(g)
+        return v if v is not None else self.verify_fixed_s + self.verify_per_token_s * (g + 1)
 
     def round_time(self, g: int, a: float, layout: str, a_first: float | None = None) -> float:
         if layout not in LAYOUTS:
@@ -80,19 +86,18 @@ class CostModel:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         a = min(max(a, 0.0), 1.0)
         a1 = None if a_first is None else min(max(a_first, 0.0), 1.0)
-        vf, vp, d = self.verify_fixed_s, self.verify_per_token_s, self.draft_token_s
-        inproc = layout == "in_process"
-        best, best_rate = 0, 1.0 / (vf + vp * 1)
+        d, inproc, verify = self.draft_token_s, layout == "in_process", self.verify
+        best, best_rate = 0, 1.0 / verify(0)
         for g in range(1, g_max + 1):
             if a1 is None:
                 e = float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
             else:
                 e = 1.0 + a1 * (float(g) if a >= 1.0 else (1.0 - a ** g) / (1.0 - a))
             if inproc:
-                r = self.catchup_s + g * d + (vf + vp * (g + 1))
+                r = self.catchup_s + g * d + verify(g)
             else:
                 miss = 1.0 - (a ** g if a1 is None else a1 * a ** (g - 1))
-                r = (vf + vp * (g + 1)) + self.transfer_s + miss * g * d
+                r = verify(g) + self.transfer_s + miss * g * d
             rate = e / r
             if rate > best_rate:
                 best, best_rate = g, rate
@@ -106,12 +111,15 @@ class CostModel:
                    for g in range(1, g_max + 1))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["measured"] = {str(g): v for g, v in sorted(self.measured.items())}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(**{k: float(d[k]) for k in ("verify_fixed_s", "verify_per_token_s", "draft_token_s")},
-                   transfer_s=float(d.get("transfer_s", 0.0)))
+                   transfer_s=float(d.get("transfer_s", 0.0)),
+                   measured={int(g): float(v) for g, v in (d.get("measured") or {}).items()})
 
 
 @dataclass
