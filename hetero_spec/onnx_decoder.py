@@ -120,6 +120,10 @@ class OnnxDecoder:
                                  key=lambda n: (int(n.split(".")[1]), n.endswith("value")))
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self.has_position_ids = "position_ids" in inputs
+        # `logits_from` [1] (added by export.add_logits_from): the graph computes logits from that position on, so a
+        # prefill or a catch-up pays the LM head for its last position only
+        self.has_logits_from = "logits_from" in inputs
+        self._zero = np.zeros(1, dtype=np.int64)  # logits_from of a run that wants every position (stays bound)
         first = inputs[self.past_names[0]] if self.past_names else None
         gcfg_path = model_dir / "genai_config.json"
         raw = json.loads(gcfg_path.read_text()) if gcfg_path.is_file() else {}
@@ -141,8 +145,9 @@ class OnnxDecoder:
     def new_state(self) -> DecoderState:
         return DecoderState()
 
-    def append(self, state: DecoderState, tokens: list[int], wide: bool = False) -> np.ndarray:
-        """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width]. wide: a run of
+    def append(self, state: DecoderState, tokens: list[int], wide: bool = False, last_only: bool = False) -> np.ndarray:
+        """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width], or [1, vocab_width]
+        for the last token with last_only (computed for it alone where the graph has `logits_from`). wide: a run of
         several tokens goes to the prefill session (prefill_threads), when there is one."""
         n = len(tokens)
         total = state.n_past + n
@@ -156,11 +161,15 @@ class OnnxDecoder:
         }
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(state.n_past, state.n_past + n, dtype=np.int64)[None]
+        rows = n
+        if self.has_logits_from:
+            rows = 1 if last_only else n
+            feeds["logits_from"] = np.asarray([n - rows], dtype=np.int64)
         session = self._wide if wide and n > 1 and self._wide is not None else self.session
-        logits = (self._run_shared(state, feeds, n, session) if self.shared
+        logits = (self._run_shared(state, feeds, rows, session) if self.shared
                   else self._run_copy(state, feeds, session))
         state.n_past += n
-        return self.fit_width(logits[0])
+        return self.fit_width(logits[0, -1:] if last_only else logits[0])
 
     def _run_copy(self, state: DecoderState, feeds: dict[str, np.ndarray], session) -> np.ndarray:
         if not state.kv:
@@ -178,7 +187,9 @@ class OnnxDecoder:
             else:
                 self._grow(state, state.n_past + n)
 
-    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], n: int, session) -> np.ndarray:
+    def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session) -> np.ndarray:
+        """rows: the positions the logits come out for (all n fed, or the last one)."""
+        n = feeds["input_ids"].shape[1]
         self._make_room(state, n)
         if session is self.session:
             io = state.binding
@@ -188,7 +199,7 @@ class OnnxDecoder:
             self._bind_kv(io, state.kv)
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
-        logits = self._bind_logits(io, 1, n)
+        logits = self._bind_logits(io, 1, rows)
         session.run_with_iobinding(io)
         return logits
 
@@ -209,6 +220,8 @@ class OnnxDecoder:
             io.bind_cpu_input("input_ids", ids)  # backed by ids' memory: what a later run reads is ids' value
             if self.has_position_ids:
                 io.bind_cpu_input("position_ids", pos)
+            if self.has_logits_from:
+                io.bind_cpu_input("logits_from", self._zero)
             state.step = (ids, pos, self._bind_logits(io, 1, 1))
         ids, pos, logits = state.step
         ids[0, 0] = token
@@ -270,6 +283,8 @@ class OnnxDecoder:
         io.bind_cpu_input("attention_mask", mask)
         if self.has_position_ids:
             io.bind_cpu_input("position_ids", np.asarray(past, dtype=np.int64)[:, None])
+        if self.has_logits_from:
+            io.bind_cpu_input("logits_from", self._zero)
         logits = self._bind_logits(io, hi - lo, 1)
         self.session.run_with_iobinding(io)
         for s in states:

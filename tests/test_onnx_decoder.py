@@ -151,3 +151,36 @@ def test_a_prefill_on_more_threads_writes_the_cache_the_decoding_session_reads(m
             dec.rewind(states[i], states[i].n_past - 2)
             ref.rewind(refs[i], refs[i].n_past - 2)
     assert wide.runs == len(states)  # one-token runs and unmarked blocks stay on the decoding session
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
+def test_last_only_runs_the_lm_head_on_one_position_and_changes_nothing_else(model_dir, shared, tmp_path):
+    """Exports get an input `logits_from` (draft/export.add_logits_from): a last_only run returns the last row
+    alone, equal to that row of a full run, and leaves the same cache; a graph without the input (an export made
+    before it) runs as before."""
+    import shutil
+
+    from hetero_spec.draft.export import add_logits_from
+
+    dec = OnnxDecoder(model_dir, shared_buffer=shared)
+    assert dec.has_logits_from and not add_logits_from(model_dir)  # the fixture's export has it already
+    old_dir = tmp_path / "old"
+    shutil.copytree(model_dir, old_dir)
+    import onnx
+
+    m = onnx.load(str(old_dir / "model.onnx"), load_external_data=False)
+    slice_node = next(n for n in m.graph.node if n.name == "/lm_head/logits_from/Slice")
+    head = next(n for n in m.graph.node if slice_node.output[0] in n.input)
+    head.input[list(head.input).index(slice_node.output[0])] = slice_node.input[0]
+    m.graph.node.remove(slice_node)
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == "logits_from"))
+    onnx.save(m, str(old_dir / "model.onnx"))
+    old = OnnxDecoder(old_dir, shared_buffer=shared)
+    assert not old.has_logits_from
+    a, b = dec.new_state(), old.new_state()
+    last, full = dec.append(a, PROMPT, last_only=True), old.append(b, PROMPT)
+    assert last.shape == (1, full.shape[1]) and full.shape[0] == len(PROMPT)
+    np.testing.assert_allclose(last[0], full[-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dec.append(a, BLOCK), old.append(b, BLOCK), rtol=1e-5, atol=1e-5)  # same cache
+    np.testing.assert_allclose(dec.append(a, [3]), old.append(b, [3]), rtol=1e-5, atol=1e-5)  # a step after
+    assert add_logits_from(old_dir) and OnnxDecoder(old_dir).has_logits_from  # an old export upgraded

@@ -76,7 +76,40 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
+    add_logits_from(out_dir)
     return out_dir
+
+
+def add_logits_from(out_dir: Path) -> bool:
+    """Give the exported graph an input `logits_from` (int64 [1]): the LM head runs on the positions from there on
+    (a Slice of its input), so a prefill of n tokens computes one row of logits, not n (OnnxDecoder feeds n - 1;
+    a verification 0). On the real 1.5B target the LM head was 330 ms of a 2.05 s prefill of 118 tokens. Edits
+    model.onnx only (the weights file is untouched); False when the graph has it already or has no `logits`."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    path = Path(out_dir) / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    if any(i.name == "logits_from" for i in graph.input):
+        return False
+    head = next((n for n in graph.node if "logits" in n.output), None)
+    out = next((o for o in graph.output if o.name == "logits"), None)
+    if head is None or out is None:
+        return False
+    sliced = f"{head.input[0]}/logits_from"
+    graph.initializer.extend([helper.make_tensor("logits_from/ends", TensorProto.INT64, [1], [2 ** 62]),
+                              helper.make_tensor("logits_from/axes", TensorProto.INT64, [1], [1])])
+    graph.input.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
+    graph.node.insert(list(graph.node).index(head), helper.make_node(
+        "Slice", [head.input[0], "logits_from", "logits_from/ends", "logits_from/axes"], [sliced],
+        name="/lm_head/logits_from/Slice"))
+    head.input[0] = sliced
+    out.type.tensor_type.shape.dim[1].dim_param = "logits_length"
+    tmp = path.with_suffix(".onnx.tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+    return True
 
 
 #: what the recipe quantizes beyond the builder's defaults (part of the export cache's key): int4 also quantizes an

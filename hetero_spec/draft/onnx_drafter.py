@@ -60,7 +60,7 @@ class OnnxDrafter:
             start, todo = d._backlog()
             if len(todo) > 1:
                 t0 = time.perf_counter()
-                d._feed(start, todo[:-1])
+                d._feed(start, todo[:-1], last_only=True)
                 d.last_catchup_s = time.perf_counter() - t0
             pending.append(todo[-1])
         probs: list[list[np.ndarray]] = [[] for _ in drafters]
@@ -116,9 +116,9 @@ class OnnxDrafter:
         """The index in ids after the last cached token."""
         return self._at[-1] + 1 if self._at else self._base
 
-    def _feed(self, start: int, tokens: list[int]) -> np.ndarray:
+    def _feed(self, start: int, tokens: list[int], last_only: bool = False) -> np.ndarray:
         """Run tokens that are ids[start:start + len(tokens)] (drafts: the positions they will take)."""
-        logits = self.decoder.append(self.state, tokens)
+        logits = self.decoder.append(self.state, tokens, last_only=last_only)
         self._at.extend(range(start, start + len(tokens)))
         return logits
 
@@ -202,7 +202,7 @@ class OnnxDrafter:
         for _ in range(max(n, 0)):
             start, pending = self._backlog()
             t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
-            logits = self._feed(start, pending)[-1]
+            logits = self._feed(start, pending, last_only=True)[-1]
             if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - t0
             tok, q = self._choose(logits, len(self.ids))

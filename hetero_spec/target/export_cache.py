@@ -106,7 +106,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
                   execution_provider: str = "cpu") -> Path:
     """The ONNX export of model_dir at `precision` for the builder's `execution_provider` (its `-e`: the graph
     differs per provider; fp16 needs a GPU one), exported now if the cache has none for this checkpoint."""
-    from ..draft.export import export_draft
+    from ..draft.export import add_logits_from, export_draft
 
     entry = entry_dir(model_dir, precision, root, execution_provider)
 
@@ -117,7 +117,12 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
                                                       indent=2))
 
-    return build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
+    entry = build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
+    with open(entry.parent / f"{entry.name}.lock", "w") as lock:  # an entry exported before logits_from existed
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if add_logits_from(entry):
+            log.info("%s: gave the cached export an input logits_from (prefill computes one row of logits)", role)
+    return entry
 
 
 def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path, Callable[[str], None]], None],

@@ -78,8 +78,7 @@ class OnnxTarget:
         wide: on the prefill session's threads (target.prefill_threads), when there is one."""
         if not tokens:
             raise ValueError("forward needs at least one token")
-        logits = self.decoder.append(state, tokens, wide=wide)
-        return logits[-1:] if last_only else logits
+        return self.decoder.append(state, tokens, wide=wide, last_only=last_only)
 
     def rollback(self, state: DecoderState, n_keep: int) -> None:
         """Drop cached positions after the first n_keep (the rejected draft tokens)."""
