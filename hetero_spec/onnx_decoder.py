@@ -138,6 +138,13 @@ class OnnxDecoder:
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         width = logits_out.shape[-1]
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
+        # a pruned LM head (draft.head, draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is
+        # the tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
+        tokens = model_dir / "head_tokens.npy"
+        self.head_tokens = np.load(tokens) if tokens.is_file() else None
+        self.head_width = self.model_vocab
+        if self.head_tokens is not None:
+            self.model_vocab = int(self.genai_config.get("vocab_size") or self.head_tokens.max() + 1)
         self.logits_dtype = _ORT_DTYPES.get(logits_out.type, np.float32)
         self._ones = np.ones((1, 256), dtype=np.int64)
         self.context_len = int(self.genai_config.get("context_length") or 1 << 30)
@@ -204,8 +211,8 @@ class OnnxDecoder:
         return logits
 
     def _bind_logits(self, io, rows: int, n: int) -> np.ndarray:
-        """Bind the logits output [rows, n, model_vocab] to a numpy array of ours (no OrtValue, no copy out)."""
-        logits = np.empty((rows, n, self.model_vocab), dtype=self.logits_dtype)
+        """Bind the logits output [rows, n, head_width] to a numpy array of ours (no OrtValue, no copy out)."""
+        logits = np.empty((rows, n, self.head_width), dtype=self.logits_dtype)
         io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         return logits
 
@@ -301,8 +308,13 @@ class OnnxDecoder:
             state.n_past = n
 
     def fit_width(self, logits: np.ndarray) -> np.ndarray:
-        """Make the logits as wide as vocab_width (-inf where the model has no column)."""
+        """Make the logits as wide as vocab_width (-inf where the model has no column, or its head no row)."""
         w = self.vocab_width
+        if self.head_tokens is not None:
+            out = np.full((*logits.shape[:-1], w), -np.inf, dtype=logits.dtype)
+            inside = self.head_tokens < w
+            out[..., self.head_tokens[inside]] = logits[..., inside]
+            return out
         if logits.shape[-1] >= w:
             return logits[..., :w]
         pad = np.full((*logits.shape[:-1], w - logits.shape[-1]), -np.inf, dtype=logits.dtype)

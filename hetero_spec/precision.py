@@ -99,8 +99,10 @@ def resolve_draft(cfg: Config) -> Config:
     """draft.precision with a Hugging Face draft.model: a config whose draft.model is the cached export at that
     precision (exported now if needed). An export given with draft.precision is an error."""
     d = cfg.draft
-    if d.kind != "onnx" or d.precision is None or d.model is None:
+    if d.kind != "onnx" or d.model is None:
         return cfg
+    if d.precision is None:
+        return _pruned(cfg)
     model = Path(d.model)
     if (model / "model.onnx").is_file():
         raise cfg.error("draft.precision", d.precision,
@@ -118,4 +120,19 @@ def resolve_draft(cfg: Config) -> Config:
     out.draft.model = cached_export(model, d.precision, role="draft")
     out.draft.precision = None
     log.info("draft: %s at %s -> %s", model, d.precision, out.draft.model)
+    return _pruned(out)
+
+
+def _pruned(cfg: Config) -> Config:
+    """draft.head: a config whose draft.model is the export's copy with its LM head pruned (made once)."""
+    if cfg.draft.head is None or not (Path(cfg.draft.model) / "model.onnx").is_file():
+        return cfg
+    from .draft.head import cached_pruned
+
+    out = cfg.model_copy(deep=True)
+    try:
+        out.draft.model = cached_pruned(Path(cfg.draft.model), cfg.draft.head)
+    except ValueError as exc:
+        raise cfg.error("draft.head", cfg.draft.head, str(exc)) from None
+    out.draft.head = None
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -246,3 +248,41 @@ def test_prompt_window_auto_is_a_window_only_for_a_model_next_to_a_lookup_in_pro
     assert prompt_window("auto", ["onnx"], "in_process") is None
     assert prompt_window(None, ["onnx", "ngram"], "in_process") is None  # null: the whole prompt
     assert prompt_window(7, [], "two_process") == 7
+
+
+def test_a_pruned_head_proposes_only_its_tokens_and_the_output_stays_the_targets(llama_target, llama_copy_onnx,
+                                                                                monkeypatch, tmp_path):
+    """draft.head (FR-Spec, draft/head.py): the pruned copy's logits are the full head's at the kept tokens and
+    -inf elsewhere; the special tokens are kept whatever their count; greedy output equals the target alone's
+    and seeded coupled sampling equals target-only sampling with that seed."""
+    import numpy as np
+
+    from hetero_spec import Engine
+    from hetero_spec.draft import head
+    from hetero_spec.onnx_decoder import OnnxDecoder
+    from tests.conftest import hf_greedy
+
+    files = head.corpus_files()[:40]  # a slice of the corpus keeps the test fast; the rule is the same
+    monkeypatch.setattr(head, "corpus_files", lambda: files)
+    full = OnnxDecoder(llama_copy_onnx)
+    n = full.model_vocab // 4
+    pruned = OnnxDecoder(head.prune_head(llama_copy_onnx, tmp_path / "pruned", n))
+    keep = pruned.head_tokens
+    assert len(keep) == n and pruned.model_vocab == full.model_vocab and pruned.head_width == n
+    assert head._special_ids(llama_copy_onnx, full.model_vocab) <= set(keep.tolist())
+    counts = head.token_counts(llama_copy_onnx / "tokenizer.json", files)[:full.model_vocab]
+    assert counts[keep].sum() > counts.sum() * n / full.model_vocab  # the frequent ones, not any quarter
+    prompt = [5, 17, 33, 2, 99, 100, 7]
+    a, b = full.append(full.new_state(), prompt), pruned.append(pruned.new_state(), prompt)
+    out = np.setdiff1d(np.arange(full.model_vocab), keep)
+    np.testing.assert_allclose(b[:, keep], a[:, keep], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(b[:, out]).all()
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32"},
+           "draft": {"kind": "onnx", "model": str(llama_copy_onnx), "head": n}}
+    with Engine.from_config(cfg) as eng, Engine.from_config({**cfg, "draft": {"kind": "none"}}) as alone:
+        assert (Path(eng.config.draft.model) / head.HEAD_TOKENS).is_file()
+        for p in (prompt, [40, 41, 42, 43, 44, 40, 41, 42]):
+            got = eng.generate(p, max_new_tokens=32, gamma=3, temperature=0.0)
+            assert got.token_ids == hf_greedy(llama_target, p, 32) and got.stats["drafted"] > 0
+            s = eng.generate(p, max_new_tokens=32, gamma=3, temperature=0.9, seed=11).token_ids
+            assert s == alone.generate(p, max_new_tokens=32, temperature=0.9, seed=11).token_ids

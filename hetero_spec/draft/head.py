@@ -1,0 +1,141 @@
+"""A draft whose LM head proposes only the most frequent tokens (FR-Spec, Zhao et al. 2025): `draft.head: N`.
+
+The 0.5B draft of the real pair spends a fifth of its step in its LM head over 151,936 tokens. The pruned copy of
+an export keeps the head's rows for the N tokens most frequent in a code corpus that every machine has: the
+Python standard library's source, tokenized with the draft's tokenizer, plus the tokenizer's special tokens (EOS
+must stay proposable). The copy's graph outputs N logits and `head_tokens.npy` maps them back to token ids;
+OnnxDecoder spreads them into the full vocabulary with -inf elsewhere, so the draft's q is zero outside the subset.
+Verification is untouched: greedy output is the target's, and rejection sampling and the coupled sampler stay
+exact with such a q (a draft token outside the subset is never proposed, that is all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+HEAD_TOKENS = "head_tokens.npy"  # the token id of each logit the pruned head outputs, in order
+
+
+def corpus_files() -> list[Path]:
+    """The corpus: the standard library's .py files (site-packages excluded), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.ndarray:
+    """How often each token id occurs in the corpus (files that are not UTF-8 are skipped)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    texts = []
+    for p in files if files is not None else corpus_files():
+        try:
+            texts.append(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    counts = np.zeros(tok.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for i in range(0, len(texts), 256):
+        for enc in tok.encode_batch(texts[i:i + 256], add_special_tokens=False):
+            np.add.at(counts, np.asarray(enc.ids, dtype=np.int64), 1)
+    return counts
+
+
+def head_tokens(export_dir: Path, n: int, vocab: int) -> np.ndarray:
+    """The n most frequent token ids below `vocab` (the head's rows), the special tokens among them, sorted."""
+    counts = token_counts(export_dir / "tokenizer.json")[:vocab]
+    special = _special_ids(export_dir, vocab)
+    order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in special]
+    return np.asarray(sorted(special | set(order[:max(0, n - len(special))])), dtype=np.int64)
+
+
+def _special_ids(export_dir: Path, vocab: int) -> set[int]:
+    """Added (special) tokens of tokenizer.json and the EOS ids of genai_config.json."""
+    ids = {int(t["id"]) for t in json.loads((export_dir / "tokenizer.json").read_text()).get("added_tokens", [])}
+    gcfg = export_dir / "genai_config.json"
+    eos = json.loads(gcfg.read_text()).get("model", {}).get("eos_token_id", []) if gcfg.is_file() else []
+    ids |= set(eos if isinstance(eos, list) else [eos])
+    return {t for t in ids if 0 <= t < vocab}
+
+
+def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
+    """Write to out_dir a copy of the export whose LM head (a MatMulNBits, or a MatMul with a weight) keeps the
+    rows of `head_tokens`; the weights file is linked, not copied, and the head's rows go inline in model.onnx."""
+    import onnx
+    from onnx import numpy_helper
+
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    graph = model.graph
+    head = next((node for node in graph.node if "logits" in node.output), None)
+    inits = {i.name: i for i in graph.initializer}
+    if head is None or head.op_type not in ("MatMulNBits", "MatMul") or head.input[1] not in inits:
+        raise ValueError(f"{export_dir}: no LM head to prune (the node making `logits` is "
+                         f"{head.op_type if head else 'missing'})")
+    nbits = head.op_type == "MatMulNBits"
+    attrs = {a.name: a for a in head.attribute}
+    vocab = int(attrs["N"].i) if nbits else int(inits[head.input[1]].dims[1])
+    keep = head_tokens(export_dir, n, vocab)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(head.input[1:], 1):
+        if name not in inits:  # optional inputs left empty
+            continue
+        arr = _array(inits[name], export_dir)
+        # MatMulNBits: B [N, blocks, blob], scales and zero points [N, ...] or flat; MatMul: B [K, N]
+        if nbits:
+            rows = arr.reshape(vocab, -1)[keep]
+            rows = rows.reshape(-1) if arr.ndim == 1 else rows.reshape(len(keep), *arr.shape[1:])
+        else:
+            rows = arr[:, keep]
+        new = numpy_helper.from_array(np.ascontiguousarray(rows), f"{name}.head{len(keep)}")
+        graph.initializer.remove(inits[name])
+        graph.initializer.append(new)
+        head.input[i] = new.name
+    if nbits:
+        attrs["N"].i = len(keep)
+    logits = next(o for o in graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[-1].dim_value = len(keep)
+    onnx.save(model, str(out_dir / "model.onnx"))
+    for f in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
+        if f.is_file() and f.name != "model.onnx" and not (out_dir / f.name).exists():
+            try:
+                os.link(f, out_dir / f.name)
+            except OSError:
+                shutil.copy2(f, out_dir / f.name)
+    np.save(out_dir / HEAD_TOKENS, keep)
+    return out_dir
+
+
+def _array(init, base: Path) -> np.ndarray:
+    """An initializer's values, its external data read directly (onnx's reader refuses a linked weights file)."""
+    from onnx import helper, numpy_helper
+
+    if not init.external_data:
+        return numpy_helper.to_array(init)
+    info = {e.key: e.value for e in init.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+    with open(base / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        raw = f.read(int(info["length"]))
+    return np.frombuffer(raw, dtype=dtype).reshape(tuple(init.dims))
+
+
+def cached_pruned(export_dir: Path, n: int, progress=None) -> Path:
+    """The pruned copy of export_dir for `draft.head: n`, made once next to it in the cache."""
+    from ..target.export_cache import build_once, cache_root, stamp_key
+
+    export_dir = Path(export_dir).resolve()
+    key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": n})
+    entry = cache_root() / "onnx" / f"{export_dir.name}-head{n}-{key}"
+
+    def build(scratch: Path, say) -> None:
+        say(f"pruning the draft's LM head to the {n} most frequent tokens (draft.head), once, into {entry}")
+        prune_head(export_dir, scratch, n)
+
+    return build_once(entry, lambda e: (e / HEAD_TOKENS).is_file(), build,
+                      f"draft: using the pruned head {entry}", progress)
