@@ -305,3 +305,22 @@ def test_draft_selection_learns_the_verify_line_without_an_engine_wide_draft_cos
     assert len(set(seen)) > 1 and t.draft_token_s is None
     name, g = sel.choose(16)
     assert not sel.reason.startswith(("exploring", "no cost model")) and name is not None and g > 0
+
+
+def test_a_lookup_is_judged_per_matched_length():
+    """The n-gram lookup competes as "ngram@n" (n: the suffix length it matched): a long match that is usually
+    right wins over the model, a one-token match that is usually wrong does not, though both are "ngram"."""
+    from hetero_spec.draft.base import DraftCosts
+
+    t = _tuned(0.8)
+    t.observe_verify(1, 0.005 + 0.0004 * 2)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    sel = ctl.selection(["onnx", "ngram"], {"onnx": "in_process", "ngram": "in_process"},
+                        {"onnx": lambda: DraftCosts(0.002), "ngram": lambda: DraftCosts(1e-6)})
+    for _ in range(40):
+        sel.observe_round("onnx", 4, 3)
+        sel.observe_round("ngram@3", 4, 4)
+        sel.observe_round("ngram@1", 4, 0)
+    assert sel.choose(8, ["onnx", "ngram@3"])[0] == "ngram@3"
+    assert sel.choose(8, ["onnx", "ngram@1"])[0] == "onnx"
+    assert {"ngram@1", "ngram@3"} <= set(sel.summary()["strategies"]) and "ngram" not in sel.summary()["strategies"]

@@ -31,6 +31,8 @@ class Draft:
     probs: np.ndarray | None = None
     #: draft tokens the source compared, for free, with tokens the target committed alone: (tested, accepted)
     shadow: tuple[int, int] | None = None
+    #: a lookup's draft: the length of the context's suffix it matched (draft selection keeps acceptance per length)
+    match: int = 0
 
 
 @dataclass

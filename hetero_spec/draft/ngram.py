@@ -47,14 +47,14 @@ class NgramProposer:
         pass  # a lookup's catch-up is an index update: nothing to limit
 
     def propose(self, k: int) -> Draft:
-        ids, self._last = self.ids, []
+        ids, self._last, match = self.ids, [], 0
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             hit = self._index[n].get(tuple(ids[-n:]))
             start = hit[1] if hit is not None else -1  # hit[0] is the suffix itself
             if start >= 0 and (cont := ids[start + n:start + n + k]):
-                self._last = cont
+                self._last, match = cont, n
                 break
-        return Draft(ids=list(self._last))
+        return Draft(ids=list(self._last), match=match)
 
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): append what is new, or

@@ -140,19 +140,23 @@ class SelectingSource:
         for seq, k in zip(seqs, ks):
             found = {n: self.cands[n].propose([seq], [k], budget_s)[0] if k > 0 else Draft(ids=[])
                      for n in self.lookups}
-            avail = [n for n in self.chooser.names if n not in self.lookups or found[n].ids]
-            name, g = self.chooser.choose(k, avail)
+            # a lookup competes as "name@n", n the suffix length it matched: a long match is right far more often
+            avail = [f"{n}@{found[n].match}" if n in self.lookups else n for n in self.chooser.names
+                     if n not in self.lookups or found[n].ids]
+            key, g = self.chooser.choose(k, avail)
+            name = key.partition("@")[0] if key else None
             made = {n: c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
                     for n, c in self.cands.items() if n not in self.lookups}
             draft = Draft(ids=found[name].ids[:max(1, g)]) if name in self.lookups else made.get(name, Draft(ids=[]))
-            self._chosen[seq.id] = (name, len(draft.ids))
+            self._chosen[seq.id] = (key, len(draft.ids))
             out.append(draft)
         return out
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
-        name, k = self._chosen.get(seq.id, (None, 0))
-        if name is not None and k:
-            self.chooser.observe_round(name, k, n_accepted)
+        key, k = self._chosen.get(seq.id, (None, 0))
+        if key is not None and k:
+            self.chooser.observe_round(key, k, n_accepted)
+        name = key.partition("@")[0] if key else None
         for n, c in self.cands.items():
             if n == name or c.layout == "two_process":
                 c.commit(seq, n_accepted if n == name else 0, next_token)

@@ -359,10 +359,11 @@ class StrategyChooser:
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
         """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup is right in runs (a
         copy continues once it starts): its acceptance is run-aware (cost_model.expected_tokens)."""
-        acc, layout, c = self.stats[name].acceptance, self.layouts.get(name, "in_process"), self.cost_fns[name]()
+        base = name.partition("@")[0]
+        acc, layout, c = self._stats(name).acceptance, self.layouts.get(base, "in_process"), self.cost_fns[base]()
         m = replace(model, draft_token_s=c.token_s if c.token_s is not None else model.draft_token_s,
                     catchup_s=c.catchup_s if layout == "in_process" else 0.0)
-        lookup = name in LOOKUPS
+        lookup = base in LOOKUPS
         a = (acc.next_rate if lookup else acc.rate)(self.prior, self.weight)
         g, rate = m.best_gamma(a, layout, g_max, a_first=acc.first_rate(self.prior, self.weight) if lookup else None)
         return rate, g
@@ -371,11 +372,11 @@ class StrategyChooser:
         """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed,
         `available` the strategies that can draft now (default: all)."""
         self._round += 1
-        names = [n for n in self.names if available is None or n in available]
+        names = list(self.names if available is None else available)
         if not names or k <= 0:
             self.reason = "none: no strategy can draft now"
             return None, 0
-        unexplored = [n for n in names if self.stats[n].rounds < self.explore_rounds]
+        unexplored = [n for n in names if self._stats(n).rounds < self.explore_rounds]
         model = self.tuning.model(need_draft=False)
         self._probing = None
         if unexplored or model is None:
@@ -383,7 +384,7 @@ class StrategyChooser:
             name = unexplored[0] if unexplored else names[self._round % len(names)]
             self.reason = f"exploring {name}" if unexplored else f"no cost model yet: cycling ({name})"
             return name, min(k, EXPLORE[self._round % len(EXPLORE)])
-        stale = [n for n in names if self._round - self.stats[n].last_round >= self.tuning.probe_every]
+        stale = [n for n in names if self._round - self._stats(n).last_round >= self.tuning.probe_every]
         if stale:
             self.reason = f"re-probing {stale[0]} (every {self.tuning.probe_every} rounds)"
             self._probing = stale[0]
@@ -398,9 +399,13 @@ class StrategyChooser:
         self.reason = f"{best}: predicts {rate:.1f} tok/s at gamma {g} (target alone {alone:.1f})"
         return best, g
 
+    def _stats(self, name: str) -> StrategyStats:
+        """A strategy's record; a lookup's per matched length ("ngram@3") starts when that length first drafts."""
+        return self.stats.setdefault(name, StrategyStats())
+
     def observe_round(self, name: str, drafted: int, accepted: int) -> None:
         """A round `name` drafted: its acceptance (drafted tokens, of which accepted)."""
-        st = self.stats[name]
+        st = self._stats(name)
         st.rounds += 1
         st.last_round = self._round
         st.acceptance.observe(drafted, accepted)
@@ -411,7 +416,9 @@ class StrategyChooser:
     def summary(self) -> dict:
         out = {}
         for n, st in self.stats.items():
-            c, acc = self.cost_fns[n](), st.acceptance
+            if not st.rounds and any(k.startswith(f"{n}@") for k in self.stats):
+                continue  # a lookup drafts under its matched lengths' names
+            c, acc = self.cost_fns[n.partition("@")[0]](), st.acceptance
             out[n] = {"rounds": st.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
                       "first_token_acceptance": round(acc.first_rate(self.prior, self.weight), 4),
                       "acceptance_after_accepted": round(acc.next_rate(self.prior, self.weight), 4),
