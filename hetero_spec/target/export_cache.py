@@ -118,10 +118,13 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
                                                       indent=2))
 
     entry = build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
-    with open(entry.parent / f"{entry.name}.lock", "w") as lock:  # an entry exported before logits_from existed
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if add_logits_from(entry):
-            log.info("%s: gave the cached export an input logits_from (prefill computes one row of logits)", role)
+    try:
+        with open(entry.parent / f"{entry.name}.lock", "w") as lock:  # an entry exported before logits_from existed
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if add_logits_from(entry):
+                log.info("%s: gave the cached export an input logits_from (prefill: one row of logits)", role)
+    except OSError as exc:  # a read-only cache: the export runs as it is (full logits in a prefill)
+        log.warning("%s: cannot upgrade the cached export %s: %s", role, entry, exc)
     return entry
 
 
