@@ -78,6 +78,8 @@ class OnnxDecoder:
                  spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         path = model_dir / "model.onnx"
+        if (model_dir / "model.logits_from.onnx").is_file():  # draft/export.add_logits_from
+            path = model_dir / "model.logits_from.onnx"
         if not path.is_file():
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
         providers = providers or ["CPUExecutionProvider"]

@@ -83,12 +83,14 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
 def add_logits_from(out_dir: Path) -> bool:
     """Give the exported graph an input `logits_from` (int64 [1]): the LM head runs on the positions from there on
     (a Slice of its input), so a prefill of n tokens computes one row of logits, not n (OnnxDecoder feeds n - 1;
-    a verification 0). On the real 1.5B target the LM head was 330 ms of a 2.05 s prefill of 118 tokens. Edits
-    model.onnx only (the weights file is untouched); False when the graph has it already or has no `logits`."""
+    a verification 0). On the real 1.5B target the LM head was 330 ms of a 2.05 s prefill of 118 tokens. Writes
+    LOGITS_FROM_MODEL beside model.onnx (the weights file is shared); False when it is there or there is no `logits`."""
     import onnx
     from onnx import TensorProto, helper
 
-    path = Path(out_dir) / "model.onnx"
+    path, dest = Path(out_dir) / "model.onnx", Path(out_dir) / LOGITS_FROM_MODEL
+    if dest.is_file():
+        return False
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     if any(i.name == "logits_from" for i in graph.input):
@@ -106,10 +108,14 @@ def add_logits_from(out_dir: Path) -> bool:
         name="/lm_head/logits_from/Slice"))
     head.input[0] = sliced
     out.type.tensor_type.shape.dim[1].dim_param = "logits_length"
-    tmp = path.with_suffix(".onnx.tmp")
+    tmp = dest.with_suffix(".tmp")
     onnx.save(model, str(tmp))
-    os.replace(tmp, path)
+    os.replace(tmp, dest)  # model.onnx stays as the builder wrote it, for onnxruntime-genai (which never feeds it)
     return True
+
+
+#: the graph with `logits_from`, next to model.onnx and reading the same weights file (OnnxDecoder prefers it)
+LOGITS_FROM_MODEL = "model.logits_from.onnx"
 
 
 #: what the recipe quantizes beyond the builder's defaults (part of the export cache's key): int4 also quantizes an
