@@ -269,11 +269,13 @@ def test_a_pruned_head_proposes_only_its_tokens_and_the_output_stays_the_targets
     pruned = OnnxDecoder(head.prune_head(llama_copy_onnx, tmp_path / "pruned", n))
     keep = pruned.head_tokens
     assert len(keep) == n and pruned.model_vocab == full.model_vocab and pruned.head_width == n
+    assert pruned.has_logits_from and full.has_logits_from  # the copy is made from the logits_from graph
     assert head._special_ids(llama_copy_onnx, full.model_vocab) <= set(keep.tolist())
     counts = head.token_counts(llama_copy_onnx / "tokenizer.json", files)[:full.model_vocab]
     assert counts[keep].sum() > counts.sum() * n / full.model_vocab  # the frequent ones, not any quarter
     prompt = [5, 17, 33, 2, 99, 100, 7]
     a, b = full.append(full.new_state(), prompt), pruned.append(pruned.new_state(), prompt)
+    np.testing.assert_allclose(pruned.append(pruned.new_state(), prompt, last_only=True), b[-1:], rtol=1e-5, atol=1e-5)
     out = np.setdiff1d(np.arange(full.model_vocab), keep)
     np.testing.assert_allclose(b[:, keep], a[:, keep], rtol=1e-5, atol=1e-5)
     assert np.isneginf(b[:, out]).all()

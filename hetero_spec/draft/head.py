@@ -69,8 +69,11 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
     import onnx
     from onnx import numpy_helper
 
+    from .export import LOGITS_FROM_MODEL
+
     export_dir, out_dir = Path(export_dir), Path(out_dir)
-    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    graph_file = LOGITS_FROM_MODEL if (export_dir / LOGITS_FROM_MODEL).is_file() else "model.onnx"
+    model = onnx.load(str(export_dir / graph_file), load_external_data=False)  # the copy's only graph
     graph = model.graph
     head = next((node for node in graph.node if "logits" in node.output), None)
     inits = {i.name: i for i in graph.initializer}
@@ -102,7 +105,7 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
     logits.type.tensor_type.shape.dim[-1].dim_value = len(keep)
     onnx.save(model, str(out_dir / "model.onnx"))
     for f in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
-        if f.is_file() and f.name != "model.onnx" and not (out_dir / f.name).exists():
+        if f.is_file() and f.name not in ("model.onnx", LOGITS_FROM_MODEL) and not (out_dir / f.name).exists():
             try:
                 os.link(f, out_dir / f.name)
             except OSError:
