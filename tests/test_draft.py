@@ -270,6 +270,7 @@ def test_a_pruned_head_proposes_only_its_tokens_and_the_output_stays_the_targets
     keep = pruned.head_tokens
     assert len(keep) == n and pruned.model_vocab == full.model_vocab and pruned.head_width == n
     assert pruned.has_logits_from and full.has_logits_from  # the copy is made from the logits_from graph
+    assert head.unpruned(tmp_path / "pruned") == llama_copy_onnx.resolve() and head.unpruned(llama_copy_onnx) == llama_copy_onnx
     assert head._special_ids(llama_copy_onnx, full.model_vocab) <= set(keep.tolist())
     counts = head.token_counts(llama_copy_onnx / "tokenizer.json", files)[:full.model_vocab]
     assert counts[keep].sum() > counts.sum() * n / full.model_vocab  # the frequent ones, not any quarter

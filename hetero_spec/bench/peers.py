@@ -18,6 +18,7 @@ from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
+from ..draft.head import unpruned
 from .harness import SEED, WARMUP_TOKENS, BenchContext, RunOutput, System, cores, gguf_of, tune  # noqa: F401
 
 COMPLETION, SPECULATIVE = "llama-completion", "llama-speculative-simple"
@@ -120,7 +121,7 @@ class OrtGenaiTargetOnly(Peer):
                 _place(f, self.dir / f.name)
         if self.speculative:  # ORT GenAI refuses model paths outside the target's folder: the draft goes inside
             (self.dir / "draft").mkdir(exist_ok=True)
-            for f in Path(ctx.config.draft.model).iterdir():
+            for f in unpruned(ctx.config.draft.model).iterdir():  # ORT GenAI needs the draft's whole vocabulary
                 if f.name.startswith("model.onnx"):  # model.onnx and its external data, names kept
                     _place(f, self.dir / "draft" / f.name)
         eos = json.loads((self.dir / "genai_config.json").read_text())["model"].get("eos_token_id", [])
@@ -132,7 +133,7 @@ class OrtGenaiTargetOnly(Peer):
             k = setting[1]
             overlay: dict[str, Any] = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
             if k:
-                draft = json.loads((Path(self.ctx.config.draft.model) / "genai_config.json").read_text())
+                draft = json.loads((unpruned(self.ctx.config.draft.model) / "genai_config.json").read_text())
                 block = {**draft["model"]["decoder"], "filename": "draft/model.onnx"}
                 block["session_options"] = {**block.get("session_options", {}), "intra_op_num_threads": threads}
                 overlay = {"model": {**overlay["model"], "draft": block}, "speculative": {"max_draft_tokens": k}}

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 HEAD_TOKENS = "head_tokens.npy"  # the token id of each logit the pruned head outputs, in order
+HEAD_SOURCE = "head_source.txt"  # the export the copy was pruned from
 
 
 def corpus_files() -> list[Path]:
@@ -111,7 +112,14 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
             except OSError:
                 shutil.copy2(f, out_dir / f.name)
     np.save(out_dir / HEAD_TOKENS, keep)
+    (out_dir / HEAD_SOURCE).write_text(str(export_dir.resolve()))
     return out_dir
+
+
+def unpruned(model_dir: Path) -> Path:
+    """The export a pruned copy was made from (peers that need the whole vocabulary: ORT GenAI), else model_dir."""
+    source = Path(model_dir) / HEAD_SOURCE
+    return Path(source.read_text().strip()) if source.is_file() else Path(model_dir)
 
 
 def _array(init, base: Path) -> np.ndarray:
