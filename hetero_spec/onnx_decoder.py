@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .draft.export import LOGITS_FROM_MODEL
+from .draft.head import HEAD_TOKENS
 from .errors import ConfigError, ModelLoadError
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -78,8 +80,8 @@ class OnnxDecoder:
                  spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         path = model_dir / "model.onnx"
-        if (model_dir / "model.logits_from.onnx").is_file():  # draft/export.add_logits_from
-            path = model_dir / "model.logits_from.onnx"
+        if (model_dir / LOGITS_FROM_MODEL).is_file():  # draft/export.add_logits_from
+            path = model_dir / LOGITS_FROM_MODEL
         if not path.is_file():
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
         providers = providers or ["CPUExecutionProvider"]
@@ -94,6 +96,9 @@ class OnnxDecoder:
         self.model_dir = model_dir
         self._setup_io(model_dir)
         self.vocab_width = vocab_width or self.model_vocab
+        if self.head_tokens is not None:  # fit_width's scatter, worked out once (it runs every draft step)
+            self._head_in = self.head_tokens < self.vocab_width
+            self._head_cols = self.head_tokens[self._head_in]
         declared = bool(self.search_config.get("past_present_share_buffer")) and bool(self.past_names)
         on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
         self.shared = (declared and on_cpu) if shared_buffer is None else (shared_buffer and declared)
@@ -142,7 +147,7 @@ class OnnxDecoder:
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
         # a pruned LM head (draft.head, draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is
         # the tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
-        tokens = model_dir / "head_tokens.npy"
+        tokens = model_dir / HEAD_TOKENS
         self.head_tokens = np.load(tokens) if tokens.is_file() else None
         self.head_width = self.model_vocab
         if self.head_tokens is not None:
@@ -314,8 +319,7 @@ class OnnxDecoder:
         w = self.vocab_width
         if self.head_tokens is not None:
             out = np.full((*logits.shape[:-1], w), -np.inf, dtype=logits.dtype)
-            inside = self.head_tokens < w
-            out[..., self.head_tokens[inside]] = logits[..., inside]
+            out[..., self._head_cols] = logits[..., self._head_in]
             return out
         if logits.shape[-1] >= w:
             return logits[..., :w]

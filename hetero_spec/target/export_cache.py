@@ -106,7 +106,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
                   execution_provider: str = "cpu") -> Path:
     """The ONNX export of model_dir at `precision` for the builder's `execution_provider` (its `-e`: the graph
     differs per provider; fp16 needs a GPU one), exported now if the cache has none for this checkpoint."""
-    from ..draft.export import add_logits_from, export_draft
+    from ..draft.export import LOGITS_FROM_MODEL, add_logits_from, export_draft
 
     entry = entry_dir(model_dir, precision, root, execution_provider)
 
@@ -118,6 +118,8 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
                                                       indent=2))
 
     entry = build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
+    if (entry / LOGITS_FROM_MODEL).is_file():
+        return entry
     try:
         with open(entry.parent / f"{entry.name}.lock", "w") as lock:  # an entry exported before logits_from existed
             fcntl.flock(lock, fcntl.LOCK_EX)
