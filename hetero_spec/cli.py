@@ -43,7 +43,7 @@ def _command(sub, name: str, run, help: str, description: str, config: str | Non
 def _overrides(pairs: list[str]) -> dict[str, Any]:
     from .config import parse_override
 
-    return dict(parse_override(p) for p in pairs)
+    return dict(map(parse_override, pairs))
 
 
 def _require(ok: bool, flag: str, value: Any, why: str) -> None:
@@ -53,19 +53,16 @@ def _require(ok: bool, flag: str, value: Any, why: str) -> None:
 
 def _add_generate(sub) -> None:
     p = _command(sub, "generate", _cmd_generate, "generate a completion with speculative decoding",
-                 "Generate a completion. Greedy output (temperature 0) is token-identical to the target model "
-                 "alone; sampled output keeps its distribution.",
-                 overrides="override any config key, validated like the file (repeatable), "
-                           "e.g. --set speculation.gamma=6 --set draft.kind=ngram",
+                 "Generate a completion. Greedy output (temperature 0) is token-identical to the target model alone; "
+                 "sampled output keeps its distribution.", overrides="override any config key, validated like the "
+                 "file (repeatable), e.g. --set speculation.gamma=6 --set draft.kind=ngram",
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--prompt", default=None,
-                   help="prompt text; read from standard input when omitted and stdin is not a terminal")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="most tokens to generate (default: generation.max_new_tokens)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation.temperature)")
-    p.add_argument("--top-k", type=int, default=None, help="top-k filter, 0 = off (default: generation.top_k)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass, 1 = off (default: generation.top_p)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: generation.seed)")
+    p.add_argument("--prompt", help="prompt text; read from standard input when omitted and stdin is not a terminal")
+    p.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: generation.max_new_tokens)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: generation.temperature)")
+    p.add_argument("--top-k", type=int, help="top-k filter, 0 = off (default: generation.top_k)")
+    p.add_argument("--top-p", type=float, help="nucleus mass, 1 = off (default: generation.top_p)")
+    p.add_argument("--seed", type=int, help="seed for sampling (default: generation.seed)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids (generated only), finish_reason, stats")
     p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
@@ -77,16 +74,15 @@ def _add_export(sub) -> None:
     p = _command(sub, "export", _cmd_export, "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
                  "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
                  "onnxruntime-genai's model builder, optionally quantized. Prints one progress line per stage on "
-                 "stderr; the builder's full output goes to OUT/export.log.",
-                 config=None, overrides=None, aliases=["export-draft"])
-    p.add_argument("--model", required=True,
-                   help="Hugging Face model directory (config.json, weights, tokenizer.json), or a GGUF file "
-                        "(converted once to a Hugging Face checkpoint in the cache first)")
+                 "stderr; the builder's full output goes to OUT/export.log.", config=None, overrides=None,
+                 aliases=["export-draft"])
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, weights, "
+                   "tokenizer.json), or a GGUF file (converted once to a Hugging Face checkpoint in the cache first)")
     p.add_argument("--out", required=True, help="output directory for model.onnx and genai_config.json")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
     p.add_argument("--execution-provider", default="cpu", choices=PROVIDERS,
                    help="execution provider the export targets (default cpu)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=int,
                    help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
 
 
@@ -101,11 +97,11 @@ def _add_keys(sub) -> None:
 
 def _add_draft_worker(sub) -> None:
     p = _command(sub, "draft-worker", _cmd_draft_worker, "run a draft worker on this host for a remote target",
-                 "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port "
-                 "(the target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, "
-                 "using the keys of a `hetero-spec keys` directory (client.key_secret and the target's "
-                 "server.key). The worker outlives its targets: when the target restarts, it connects again. "
-                 "It exits on SIGTERM or Ctrl-C, or with code 2 when the target refuses its key.",
+                 "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port (the "
+                 "target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, using the "
+                 "keys of a `hetero-spec keys` directory (client.key_secret and the target's server.key). The worker "
+                 "outlives its targets: when the target restarts, it connects again. It exits on SIGTERM or Ctrl-C, "
+                 "or with code 2 when the target refuses its key.",
                  config=None, overrides=None, formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="example (docs/features-two-process.md, \"Draft workers on other hosts\"):\n"
                         "  hetero-spec draft-worker --connect tcp://10.0.0.5:5555 --keys keys/ --model draft-onnx/")
@@ -131,18 +127,17 @@ def _cmd_draft_worker(args) -> int:
 
 def _add_profile(sub) -> None:
     p = _command(sub, "profile", _cmd_profile, "measure this machine's costs, fit the cost model, recommend gamma",
-                 "Measure, on the configured target backend and draft: verification time of k = 0..16 draft "
-                 "tokens, the draft's time per token, transfer and prefill time, acceptance on calibration prompts "
-                 "and goodput at a few gammas; the same for each --draft and target precision; and each layout and "
-                 "core split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost "
-                 "model, recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). "
-                 "Use it with speculation: {gamma: auto, profile: PROFILE.yaml}.",
+                 "Measure, on the configured target backend and draft: verification time of k = 0..16 draft tokens, "
+                 "the draft's time per token, transfer and prefill time, acceptance on calibration prompts and "
+                 "goodput at a few gammas; the same for each --draft and target precision; and each layout and core "
+                 "split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost model, "
+                 "recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). Use it "
+                 "with speculation: {gamma: auto, profile: PROFILE.yaml}.",
                  config="YAML config (its target and onnx draft are measured)")
     p.add_argument("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
     p.add_argument("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
-    p.add_argument("--prompts-file", default=None, metavar="FILE",
-                   help='calibration prompts: JSONL, one {"prompt": "text"} or {"token_ids": [...]} per line '
-                        "(default: held-out prompts)")
+    p.add_argument("--prompts-file", metavar="FILE", help='calibration prompts: JSONL, one {"prompt": "text"} or '
+                   '{"token_ids": [...]} per line (default: held-out prompts)')
     p.add_argument("--draft", dest="drafts", action="append", default=[], metavar="DIR",
                    help="another ONNX draft to measure next to draft.model, e.g. another precision "
                         "(repeatable): its time per token, acceptance and best gamma")
@@ -156,10 +151,10 @@ def _add_profile(sub) -> None:
 def _add_serve(sub) -> None:
     p = _command(sub, "serve", _cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, health, metrics)",
                  "Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, POST "
-                 "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health "
-                 "(probes the target and the draft worker; 503 when either is down or hung) and GET /metrics "
-                 "(Prometheus). Streaming is server-sent events (stream: true). Requests are batched by the "
-                 "Engine. Binds loopback unless --host says otherwise.",
+                 "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health (probes "
+                 "the target and the draft worker; 503 when either is down or hung) and GET /metrics (Prometheus). "
+                 "Streaming is server-sent events (stream: true). Requests are batched by the Engine. Binds "
+                 "loopback unless --host says otherwise.",
                  formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="examples:\n"
                         "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
@@ -169,14 +164,12 @@ def _add_serve(sub) -> None:
                         "\"temperature\": 0}'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--model-name", default=None,
-                   help="the model id clients send (default: the target directory's name)")
+    p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
     p.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve: serving.ray.num_replicas Engines (or autoscaling) behind Serve's "
                         "HTTP proxy, each replica on its own cores (needs the 'ray' extra; docs/serving.md)")
-    p.add_argument("--address", default=None,
-                   help="with --ray: the Ray cluster to join (auto, ray://HOST:10001); default serving.ray.address, "
-                        "else a local Ray instance")
+    p.add_argument("--address", help="with --ray: the Ray cluster to join (auto, ray://HOST:10001); default "
+                   "serving.ray.address, else a local Ray instance")
 
 
 def _add_load(sub) -> None:
@@ -215,11 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser, cmd_bench
 
     parser = argparse.ArgumentParser(
-        prog="hetero-spec",
-        description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, the target "
-                    "verifies them on the backend fastest for its device (PyTorch on CUDA, ONNX Runtime on a "
-                    "CPU). Output is identical to the target alone (greedy).",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+        prog="hetero-spec", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, the target verifies "
+                    "them on the backend fastest for its device (PyTorch on CUDA, ONNX Runtime on a CPU). Output is "
+                    "identical to the target alone (greedy).")
     parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
                         help="logging level (INFO logs the resolved config); also accepted after COMMAND")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -252,7 +244,7 @@ def _read_prompt(arg: str | None) -> str:
     return decode_utf8(raw.read(), "standard input")
 
 
-def _cmd_generate(args) -> int:
+def _cmd_generate(args) -> None:
     from .config import load_config
     from .engine import Engine
     from .metrics import Stats
@@ -264,11 +256,12 @@ def _cmd_generate(args) -> int:
     config = load_config(args.config, overrides=_overrides(args.overrides))
     request_args(config, flags=True, **kw)  # bad arguments fail now, not after the models have loaded
     with Engine(config) as eng:
-        if args.json or args.no_stream:
+        if args.json:
+            print(json.dumps(eng.generate(prompt, **kw).to_dict()))
+            return
+        if args.no_stream:
             out = eng.generate(prompt, **kw)
-            print(json.dumps(out.to_dict()) if args.json else out.text)
-            if args.json:
-                return 0
+            print(out.text)
             s = out.stats
         else:
             stats = Stats()
@@ -281,10 +274,9 @@ def _cmd_generate(args) -> int:
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
     print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, acceptance {rate}, {s['rounds']} rounds, "
           f"draft={s['proposer']} gamma={s['gamma']}, finish={s['finish_reason']}]", file=sys.stderr)
-    return 0
 
 
-def _cmd_export(args) -> int:
+def _cmd_export(args) -> None:
     from .draft.export import LOG_NAME, export_draft
     from .draft.weights import weight_report
     from .gguf_source import cached_hf, is_gguf
@@ -294,10 +286,9 @@ def _cmd_export(args) -> int:
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
           f"builder log: {out / LOG_NAME}")
     print(weight_report(out).line())
-    return 0
 
 
-def _cmd_keys(args) -> int:
+def _cmd_keys(args) -> None:
     from .transport.channel import write_keys
 
     out = Path(args.out)
@@ -306,17 +297,15 @@ def _cmd_keys(args) -> int:
     write_keys(out)
     print(f"wrote CURVE keys to {out}: server.key_secret, client.key_secret (keep them private); "
           f"set runtime.curve_keys: {out}")
-    return 0
 
 
-def _cmd_profile(args) -> int:
+def _cmd_profile(args) -> None:
     from .profile_cmd import run_profile
 
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
                 overrides=_overrides(args.overrides), drafts=[Path(d) for d in args.drafts],
                 placement=not args.no_placement, precisions=not args.no_precisions)
-    return 0
 
 
 def _cmd_serve(args) -> int:
@@ -334,7 +323,7 @@ def _cmd_serve(args) -> int:
                  overrides=_overrides(args.overrides), log_level=args.log_level.lower())
 
 
-def _cmd_load(args) -> int:
+def _cmd_load(args) -> None:
     from .bench.load import run_load
 
     try:
@@ -346,10 +335,9 @@ def _cmd_load(args) -> int:
              (args.requests, args.max_new_tokens, args.repeats), "must be >= 1")
     run_load(Path(args.config), levels, args.requests, args.max_new_tokens, Path(args.out),
              overrides=_overrides(args.overrides), repeats=args.repeats)
-    return 0
 
 
-def _cmd_soak(args) -> int:
+def _cmd_soak(args) -> None:
     from .bench.soak import run_soak
     from .config import load_config
 
@@ -361,7 +349,6 @@ def _cmd_soak(args) -> int:
     load_config(args.config, overrides=_overrides(args.overrides))  # a bad config fails now, not in the server
     run_soak(Path(args.config), args.streams, args.duration, args.max_tokens, args.warmup, Path(args.out),
              overrides=list(args.overrides), port=args.port)
-    return 0
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -374,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.run(args)
+        return args.run(args) or 0  # a command returns its exit status, or None for 0
     except HeteroSpecError as exc:
         print(f"hetero-spec: error: {exc}", file=sys.stderr)
         return 2

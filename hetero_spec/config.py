@@ -1,15 +1,16 @@
 """Typed configuration: one pydantic model per YAML section.
 
-Every field has a default and a docstring. Unknown keys are errors that name the key path. Overrides
-(`--set a.b=v` on the CLI, `overrides={"a.b": v}` in Python) go through the same validator; their errors
-are blamed on `--set`. Relative paths (target.model, draft.model, runtime.curve_keys) are resolved against
-the directory of the YAML file that names them, and against the current directory when an override does.
+Every field has a default and a docstring. Unknown keys are errors that name the key path. Overrides (`--set a.b=v` on
+the CLI, `overrides={"a.b": v}` in Python) go through the same validator; their errors are blamed on `--set`. Relative
+paths (target.model, draft.model, runtime.curve_keys) are resolved against the directory of the YAML file that names
+them, and against the current directory when an override does.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable
 from os import PathLike
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,11 +38,10 @@ def _int_or(*words: Any, hi: int | None = None, text: str) -> BeforeValidator:
 
 class TargetConfig(_Section):
     model: Path | None = None
-    """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or,
-    for the onnx backend, a directory exported by `hetero-spec export` (model.onnx + genai_config.json), or a
-    GGUF file (`.gguf`, e.g. llama.cpp's Q4_K_M): converted once to a Hugging Face checkpoint in
-    $HETERO_SPEC_CACHE (fp32, dequantized; every EOS id and the chat template kept), then used as one
-    (gguf_source.py; needs the `gguf` extra)."""
+    """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or, for the onnx
+    backend, a directory exported by `hetero-spec export` (model.onnx + genai_config.json), or a GGUF file (`.gguf`,
+    e.g. llama.cpp's Q4_K_M): converted once to a Hugging Face checkpoint in $HETERO_SPEC_CACHE (fp32, dequantized;
+    every EOS id and the chat template kept), then used as one (gguf_source.py; needs the `gguf` extra)."""
     backend: Literal["torch", "onnx", "auto"] = "torch"
     """`torch`: transformers on `device` (the CUDA path). `onnx`: ONNX Runtime with `providers`, about 3x
     faster than eager PyTorch on a CPU, never imports torch; a Hugging Face `model` is exported once on first
@@ -72,8 +72,7 @@ class TargetConfig(_Section):
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of the target: torch intra-op threads (None keeps torch's default), or ONNX Runtime
     intra-op threads with the onnx backend (None: 1)."""
-    prefill_threads: Annotated[int | Literal["auto"],
-                               _int_or("auto", text="an integer >= 1 or 'auto'")] = "auto"
+    prefill_threads: Annotated[int | Literal["auto"], _int_or("auto", text="an integer >= 1 or 'auto'")] = "auto"
     """onnx backend: threads for the prompt's prefill, a second ONNX Runtime session of the target on the same KV
     cache (a second copy of the weights in memory). `auto`: in two_process, every core this process may use (the
     worker's core is mostly free while the prompt is read: docs/features-two-process.md, "Prefill on every
@@ -102,10 +101,9 @@ class NgramConfig(_Section):
 
 class DraftConfig(_Section):
     kind: Literal["onnx", "ngram", "none"] = "ngram"
-    """`onnx`: an exported draft model under ONNX Runtime; `ngram`: prompt lookup; `none`: target only.
-    When a config file (or an override) gives `draft.model` but no `kind`, the kind is inferred from the
-    directory: `onnx` when it holds a model.onnx, otherwise an error asking for `kind`. With neither
-    `kind` nor `model` the draft is `ngram`."""
+    """`onnx`: an exported draft model under ONNX Runtime; `ngram`: prompt lookup; `none`: target only. When a config
+    file (or an override) gives `draft.model` but no `kind`, the kind is inferred from the directory: `onnx` when it
+    holds a model.onnx, otherwise an error asking for `kind`. With neither `kind` nor `model` the draft is `ngram`."""
     model: Path | None = None
     """Directory with the exported draft (model.onnx + tokenizer.json), made by `hetero-spec export`; or, with
     `precision`, a Hugging Face checkpoint exported at that precision on first use (cached); or a GGUF file
@@ -134,10 +132,9 @@ class DraftConfig(_Section):
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     candidates: list[Literal["onnx", "ngram"]] = Field(default_factory=list)
-    """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g.
-    [onnx, ngram] (onnx uses draft.model). two_process: the n-gram lookup runs on the target side while the
-    worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in
-    stats.extra.draft_selection."""
+    """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g. [onnx, ngram]
+    (onnx uses draft.model). two_process: the n-gram lookup runs on the target side while the worker keeps drafting with
+    the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in stats.extra.draft_selection."""
 
 
 class SpeculationConfig(_Section):
@@ -232,8 +229,7 @@ class RayAutoscaling(_Section):
 
 class RayConfig(_Section):
     num_replicas: int = Field(default=1, ge=1)
-    """Engines Serve runs (each its own target, and in two_process its own draft worker); not with
-    `autoscaling`."""
+    """Engines Serve runs (each its own target, and in two_process its own draft worker); not with `autoscaling`."""
     autoscaling: RayAutoscaling | None = None
     """Let Serve scale the replicas between `min_replicas` and `max_replicas` on `target_ongoing_requests`."""
     max_ongoing_requests: int | None = Field(default=None, ge=1)
@@ -293,10 +289,8 @@ class Config(_Section):
     _override_keys: tuple[str, ...] = PrivateAttr(default=())  # dotted keys set by `--set` / overrides
 
     def blame(self, key_path: str) -> str:
-        """Where the value at key_path came from, for error messages: `--set` when an override wrote it
-        (or a section around it), else the config's source."""
-        loc = tuple(key_path.split("[")[0].split("."))
-        return "--set" if _from_overrides(loc, list(self._override_keys)) else self.source
+        """Where the value at key_path came from: `--set` when an override wrote it (or a section around it)."""
+        return "--set" if _from_overrides(key_path.split("[")[0].split("."), self._override_keys) else self.source
 
     def error(self, key_path: str, value: Any, problem: str) -> ConfigError:
         """The ConfigError for the value at key_path, blamed where it came from."""
@@ -307,7 +301,8 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
 
 
-_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("runtime", "worker_keys"), ("speculation", "profile"))
+_PATH_KEYS = (("target", "model"), ("draft", "model"), ("runtime", "curve_keys"), ("runtime", "worker_keys"),
+              ("speculation", "profile"))
 
 
 def _section_model(parts: list[str]) -> type[BaseModel] | None:
@@ -327,25 +322,19 @@ def _known_keys(parts: list[str]) -> str:
     return f"{'.'.join(parts) or 'the top level'} has: {', '.join(names)}"
 
 
-def _check_override_key(dotted: str, value: Any) -> list[str]:
-    """The key path of an override, checked against the schema: its errors blame `--set`."""
+def _set_path(raw: dict, dotted: str, value: Any, source: str) -> None:
+    """Apply one override (`--set a.b=v`) to the raw mapping read from `source`. The key path is checked against
+    the schema first: its errors blame `--set`."""
     parts = dotted.split(".")
     if not all(parts):
         raise ConfigError("--set", dotted, value, "empty key in the path; expected KEY.PATH=VALUE")
     for i, part in enumerate(parts):
         model = _section_model(parts[:i])
         if model is None:
-            raise ConfigError("--set", dotted, value,
-                              f"unknown key: {'.'.join(parts[:i])} is a value, not a section")
+            raise ConfigError("--set", dotted, value, f"unknown key: {'.'.join(parts[:i])} is a value, not a section")
         if part not in model.model_fields or (model is Config and part == "source"):
             what = f"unknown section {part!r}" if i == 0 else "unknown key"
             raise ConfigError("--set", dotted, value, f"{what}; {_known_keys(parts[:i])}")
-    return parts
-
-
-def _set_path(raw: dict, dotted: str, value: Any, source: str) -> None:
-    """Apply one override (`--set a.b=v`) to the raw mapping read from `source`."""
-    parts = _check_override_key(dotted, value)
     cur = raw
     for i, part in enumerate(parts[:-1]):
         nxt = cur.setdefault(part, {})
@@ -370,17 +359,16 @@ def _infer_draft_kind(raw: dict, where: str) -> None:
     draft = raw.get("draft")
     if not isinstance(draft, dict) or "kind" in draft or not isinstance(draft.get("model"), str | PathLike):
         return
-    if ((Path(draft["model"]) / "model.onnx").is_file() or draft.get("precision") is not None
-            or Path(draft["model"]).suffix.lower() == ".gguf"):
+    model = Path(draft["model"])
+    if (model / "model.onnx").is_file() or draft.get("precision") is not None or model.suffix.lower() == ".gguf":
         draft["kind"] = "onnx"  # an export, or a checkpoint (or GGUF) to export at draft.precision
         return
-    found = "has no model.onnx" if Path(draft["model"]).is_dir() else "does not exist"
-    raise ConfigError(where, "draft.kind", None,
-                      f"not set, and draft.model ({draft['model']}) {found} to infer it from; "
-                      "set draft.kind: onnx (export a draft with `hetero-spec export`), ngram or none")
+    found = "has no model.onnx" if model.is_dir() else "does not exist"
+    raise ConfigError(where, "draft.kind", None, f"not set, and draft.model ({draft['model']}) {found} to infer it "
+                      "from; set draft.kind: onnx (export a draft with `hetero-spec export`), ngram or none")
 
 
-def _from_overrides(loc: tuple[Any, ...], keys: list[str]) -> bool:
+def _from_overrides(loc: Iterable[Any], keys: Iterable[str]) -> bool:
     """Whether an override wrote the value at loc (or a section around it, or a key inside it)."""
     parts = [str(p) for p in loc]
     return any(parts[:len(k)] == k or k[:len(parts)] == parts for k in (key.split(".") for key in keys))
@@ -399,34 +387,28 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None,
                  overrides: dict[str, Any] | None = None) -> Config:
-    """Validate a raw mapping (+ dotted overrides) into a Config; errors name source, key path, value.
-
-    An error is blamed on `--set` when an override wrote the value at fault, else on `source`. Relative
-    paths (_PATH_KEYS) resolve against base_dir (default: the current directory) when they come from `raw`,
-    against the current directory when they come from an override.
-    """
+    """Validate a raw mapping (+ dotted overrides) into a Config; errors name source, key path and value, and blame
+    `--set` when an override wrote the value at fault. Relative paths (_PATH_KEYS) resolve against base_dir (default:
+    the current directory) when they come from `raw`, against the current directory when from an override."""
     if not isinstance(raw, dict):
         raise ConfigError(source, "", raw, "the top level must be a mapping of sections")
-    raw = copy.deepcopy(raw)
+    raw, overrides = copy.deepcopy(raw), overrides or {}
     _resolve_paths(raw, base_dir or Path.cwd())
-    keys = list(overrides or {})
-    for key, value in (overrides or {}).items():
+    for key, value in overrides.items():
         _set_path(raw, key, copy.deepcopy(value), source)
     _resolve_paths(raw, Path.cwd())
-    _infer_draft_kind(raw, "--set" if {"draft", "draft.model"} & set(keys) else source)
+    _infer_draft_kind(raw, "--set" if {"draft", "draft.model"} & set(overrides) else source)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(err["loc"])
-        if err["type"] == "extra_forbidden":
-            problem = f"unknown key; {_known_keys([str(p) for p in loc[:-1]])}"
-        else:
-            problem = err["msg"]
-        where = "--set" if _from_overrides(loc, keys) else source
-        raise ConfigError(where, _fmt_loc(loc), err["input"], problem) from None
+        problem = (f"unknown key; {_known_keys([str(p) for p in loc[:-1]])}" if err["type"] == "extra_forbidden"
+                   else err["msg"])
+        raise ConfigError("--set" if _from_overrides(loc, overrides) else source, _fmt_loc(loc), err["input"],
+                          problem) from None
     cfg.source = source
-    cfg._override_keys = tuple(keys)
+    cfg._override_keys = tuple(overrides)
     return cfg
 
 

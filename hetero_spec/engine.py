@@ -78,7 +78,7 @@ class Detokenizer:
         if text.endswith("\ufffd") and not final:
             return ""
         self.prefix_off, self.read_off = self.read_off, len(self.ids)
-        return text[len(prefix):] if len(text) > len(prefix) else ""
+        return text[len(prefix):]
 
     def pieces(self, chunks: Iterator[list[int]]) -> Iterator[str]:
         """The new text of each round's tokens (when there is some), then the text that waited to the end."""
@@ -102,17 +102,14 @@ class Engine:
 
     Thread-safe: `generate`/`stream` may be called from many threads; requests queue and are decoded together
     (serving.max_batch). `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
-
     Per-request keyword arguments (`**kw` below): max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-    gamma; each is validated like the config field it overrides, and an unset one (or None) takes its value.
-    """
+    gamma; each is validated like the config field it overrides, and an unset one (or None) takes its value."""
 
     #: a request decoded alone, with at least this many new tokens, tells the placement the layout's real goodput
     OBSERVE_MIN_TOKENS = 16
 
     def __init__(self, config: Config, controller=None):
-        """controller: a factory of the speculation controller, called as tuning/controller.Controller is
-        (tests hold it in one state); None: the Controller."""
+        """controller: the speculation controller's factory, called like tuning/controller.Controller (default)."""
         self._make_controller = controller or Controller
         self._checked: Config | None = None
         self._preflight(config)  # paths, host, providers, vocabulary: before anything loads
@@ -124,8 +121,7 @@ class Engine:
         log.info("target backend: %s (%s)", choice.backend, choice.reason)
         # what gamma: auto learns across requests (acceptance, costs), seeded by a profile if one is given
         self.tuning = load_tuning(config.speculation.profile, source=config.blame("speculation.profile"))
-        # target.precision (or its alias dtype) checked for the backend and made explicit; a Hugging Face draft
-        # with draft.precision replaced by its cached export
+        # target.precision (or dtype) checked for the backend and made explicit; draft.precision: its cached export
         config = resolve_auto(config, self.tuning.recommended_precision)
         cuda = choice.backend == "torch" and _device_is_cuda(config.target.device)
         config.target.precision = check_target(config, choice.backend, cuda)
@@ -145,13 +141,10 @@ class Engine:
             self._seed_tuning()
             self.placement["switches"] = []
             self._replacer = pl.Replacer(self._auto_config, self.placement)
-        # Held by the scheduler's loop for each round: health probes the models only when it can take it
-        self.lock = threading.Lock()
-        # Held while a re-placement swaps the models: a caller validating a request waits for the new target
-        self._swap = threading.Lock()
+        self.lock = threading.Lock()  # held for each round: health probes the models only when it can take it
+        self._swap = threading.Lock()  # held while a re-placement swaps the models: requests wait for the new target
         self.closed = False
-        # What close() releases; also released when the Engine is garbage-collected or at exit.
-        self._parts: dict[str, Callable[[], Any]] = {}
+        self._parts: dict[str, Callable[[], Any]] = {}  # what close() releases; also at garbage collection or exit
         self._finalizer = weakref.finalize(self, _release, self._parts)
         try:
             self._build(config)
@@ -209,8 +202,7 @@ class Engine:
             self._parts["source"] = self.source.close
 
     def _make_source(self, config: Config):
-        """The draft source of a built config: the worker (two_process), a selection among candidates
-        (draft.candidates), one local proposer kind, or None (draft.kind none)."""
+        """The draft source: the worker (two_process), a selection (draft.candidates), one local kind, or None."""
         d, slots = config.draft, config.serving.max_batch
         if d.kind == "ngram" and d.ngram.min_n > d.ngram.max_n:
             raise ConfigError(config.source, "draft.ngram.min_n", d.ngram.min_n,
@@ -304,9 +296,8 @@ class Engine:
         """The placement measured the chosen layout's costs: gamma auto starts from them (no exploration)."""
         if self.placement.get("costs") is None or self.tuning.profile is not None:
             return
-        lay = pl.Layout(**self.placement["chosen"])
-        costs = pl.Costs.from_dict(self.placement["costs"])
-        if lay.target_threads in costs.verify and lay.draft_threads in costs.draft_token_s:
+        lay, costs = pl.Layout(**self.placement["chosen"]), pl.Costs.from_dict(self.placement["costs"])
+        if costs.covers(lay):
             self.tuning.seed_costs(costs.model(lay))
 
     def _teardown(self) -> None:
@@ -317,17 +308,15 @@ class Engine:
 
     # -- health --------------------------------------------------------------------------------------
     def health(self, timeout_s: float | None = None) -> dict:
-        """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a
-        ping. While a request runs, the probes would disturb it, so the answer comes from what the
-        request loop knows (the worker process alive and heard from within the heartbeat).
-        `draft_restarts`/`draft_failures` are running totals over the Engine's life. The worker must answer
-        within timeout_s (default: runtime.heartbeat_s), else it is reported unresponsive."""
+        """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a ping
+        (within timeout_s, default runtime.heartbeat_s, else it is reported unresponsive). While a request runs,
+        probes would disturb it: the answer is what the request loop knows (the worker alive and heard from within
+        the heartbeat). `draft_restarts`/`draft_failures` are running totals over the Engine's life."""
         self._check_open()
         locked = self.lock.acquire(blocking=False)
         if not locked or self._scheduler.running:
-            # a round is on, or requests run between rounds (two_process: their proposals share the worker's
-            # channel, which a ping would read): the request loop reports each round, and silent longer than the
-            # heartbeat means stuck
+            # a round is on, or requests run between rounds (two_process: a ping would read their proposals'
+            # channel): the request loop reports each round, and silent longer than the heartbeat means stuck
             if locked:
                 self.lock.release()
             stalled = time.monotonic() - self._progress_at
@@ -355,8 +344,7 @@ class Engine:
             raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
 
     def _request(self, prompt: str | list[int], kw: dict[str, Any]) -> Request:
-        """Validate a request and tokenize its prompt (waiting out a re-placement, which swaps the target).
-        RequestError names the argument and the value."""
+        """Validate a request (RequestError names argument and value), tokenize its prompt; waits out a re-placement."""
         with self._swap:
             self._check_open()
             g, vocab = self.config.generation, self.target.vocab_width
@@ -387,13 +375,11 @@ class Engine:
 
     def submit(self, prompt: str | list[int], sink, stats: Stats | None = None,
                cancel: threading.Event | None = None, **kw) -> Ticket:
-        """The request scheduler's own interface: validate a request and queue it; `sink(item)` is then called
-        from the scheduler's thread with each round's token ids, and last with `scheduler.DONE` or the exception
-        that ended it. Keep sink short (it runs between rounds); if it raises, nobody listens any more: the
-        request is cancelled (the others go on)."""
+        """The scheduler's own interface: validate a request and queue it; `sink(item)` is then called from the
+        scheduler's thread with each round's token ids, and last with `scheduler.DONE` or the exception that ended
+        it. Keep sink short (it runs between rounds); if it raises, the request is cancelled (the others go on)."""
         req = self._request(prompt, kw)
-        ticket = Ticket(req, stats if stats is not None else Stats(), sink,
-                        cancel if cancel is not None else threading.Event())
+        ticket = Ticket(req, Stats() if stats is None else stats, sink, threading.Event() if cancel is None else cancel)
         self._scheduler.submit(ticket, self.config.serving.max_batch, self.config.serving.max_waiting)
         return ticket
 
@@ -407,16 +393,14 @@ class Engine:
         return self._output([t for chunk in self.stream_tokens(prompt, stats=stats, **kw) for t in chunk], stats)
 
     def stream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> Iterator[str]:
-        """An iterator of text pieces as rounds commit tokens. Pass a Stats object to read the statistics
-        after. The request is validated here, when stream() is called (RequestError at once, before any
-        output), not at the iterator's first next()."""
+        """An iterator of text pieces as rounds commit tokens (pass a Stats to read the statistics after). The request
+        is validated when stream() is called (RequestError at once, before any output), not at the first next()."""
         return Detokenizer(self.decode_text).pieces(self.stream_tokens(prompt, stats=stats, **kw))
 
     def stream_tokens(self, prompt: str | list[int], stats: Stats | None = None,
                       cancel: threading.Event | None = None, **kw) -> Iterator[list[int]]:
-        """An iterator of each round's committed token ids (validated at once, like stream()). Closing it
-        early, or setting `cancel` from any thread (a client gone), ends the request before its next round
-        (finish_reason "cancelled") and frees the Engine for the next one."""
+        """An iterator of each round's committed token ids (validated at once, like stream()). Closing it early, or
+        setting `cancel` from any thread (a client gone), ends the request before its next round ("cancelled")."""
         items: queue.Queue = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, items.put, stats, cancel, **kw)

@@ -37,16 +37,12 @@ DRAFT_PRECISION = "int4"  # a GGUF draft without draft.precision
 # the ids the file declares for these keys, FIM pad/repo/file-separator (declared, else found by text), and the
 # tokens spelt as below wherever the vocabulary has them (llama.cpp takes them whatever their token type).
 _EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-_FIM_EOG = {
-    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
-}
-_EOG_TEXT = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-})
+_FIM_EOG = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+            "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+            "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+_EOG_TEXT = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>"})
 # transformers' legacy GGUF loader renames these architectures before checking them (load_gguf_checkpoint)
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 _TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # model_type of the text backbone it loads
@@ -141,10 +137,9 @@ def hf_architecture(info: GGUFInfo) -> str | None:
 
 
 def check(path: Path, source: str, key: str, onnx: bool = False) -> None:
-    """Fail now, before anything heavy loads, on a GGUF that cannot be converted (or, with onnx, exported): missing,
-    not a GGUF, or an architecture transformers (or the ONNX model builder) does not handle. ConfigError names the
-    source, the key and the value. A file already converted is not read again (an export of its conversion is
-    checked by export_cache.exportable, as for any Hugging Face directory)."""
+    """Fail now, before anything heavy loads, with a ConfigError (source, key, value) on a GGUF that cannot be converted
+    (or, with onnx, exported): missing, not a GGUF, or an architecture transformers (or the ONNX model builder) does not
+    handle. A file already converted is not read again (export_cache.exportable checks its conversion's export)."""
     path = Path(path)
 
     def bad(why: str) -> ConfigError:
@@ -191,8 +186,7 @@ def _complete(entry: Path) -> bool:
     return (entry / "config.json").is_file() and (entry / SOURCE_NAME).is_file()
 
 
-def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", onnx: bool = False,
-              progress: Callable[[str], None] | None = None) -> Path:
+def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", onnx: bool = False) -> Path:
     """The Hugging Face directory converted from the GGUF at path, converted now if the cache has none for it."""
     path = Path(path)
     check(path, source, key, onnx)
@@ -205,7 +199,7 @@ def cached_hf(path: Path, source: str = "<config>", key: str = "target.model", o
         _convert(path, scratch, read_info(path), say, f"{source}: {key} = {str(path)!r}")
         say(f"converted in {time.monotonic() - start:.1f} s")
 
-    return build_once(entry, _complete, convert, f"{key}: using the cached conversion {entry} of {path}", progress)
+    return build_once(entry, _complete, convert, f"{key}: using the cached conversion {entry} of {path}")
 
 
 def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], where: str) -> None:
@@ -263,18 +257,17 @@ def resolve(cfg: Config) -> Config:
     made now or found in the cache. Every GGUF is checked before the first converts. A GGUF draft without
     draft.precision is exported at DRAFT_PRECISION. cfg itself when it names no GGUF."""
     t, d = cfg.target, cfg.draft
-    keys = [k for k, m in (("target.model", t.model), ("draft.model", d.model if d.kind == "onnx" else None))
-            if is_gguf(m)]
-    if not keys:
+    ggufs = {k: m for k, m in (("target.model", t.model), ("draft.model", d.model if d.kind == "onnx" else None))
+             if is_gguf(m)}
+    if not ggufs:
         return cfg
     onnx = {"target.model": t.backend == "onnx", "draft.model": True}
-    for key in keys:
-        check(t.model if key == "target.model" else d.model, cfg.blame(key), key, onnx[key])
+    for key, model in ggufs.items():
+        check(model, cfg.blame(key), key, onnx[key])
     out = cfg.model_copy(deep=True)
-    for key in keys:
-        section = out.target if key == "target.model" else out.draft
-        section.model = cached_hf(section.model, cfg.blame(key), key, onnx[key])
-    if "draft.model" in keys and out.draft.precision is None:
+    for key, model in ggufs.items():
+        (out.target if key == "target.model" else out.draft).model = cached_hf(model, cfg.blame(key), key, onnx[key])
+    if "draft.model" in ggufs and out.draft.precision is None:
         out.draft.precision = DRAFT_PRECISION
         log.info("draft.model is a GGUF and draft.precision is unset: exporting the draft at %s", DRAFT_PRECISION)
     return out

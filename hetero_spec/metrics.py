@@ -48,8 +48,7 @@ class Stats:
     @property
     def time_idle_s(self) -> float:
         """Time in the loop that was neither prefill, drafting nor verifying (bookkeeping, sampling)."""
-        busy = self.time_prefill_s + self.time_draft_s + self.time_verify_s
-        return max(0.0, self.time_total_s - busy)
+        return max(0.0, self.time_total_s - (self.time_prefill_s + self.time_draft_s + self.time_verify_s))
 
     def to_dict(self) -> dict:
         rate = self.acceptance_rate

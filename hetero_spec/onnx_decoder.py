@@ -1,16 +1,12 @@
-"""One runner for a decoder exported by onnxruntime-genai's model builder, with a rollback-able KV cache; used by
-the ONNX drafter and the ONNX target backend. Imports onnxruntime and numpy, never torch.
-
-Inputs: `input_ids`, `attention_mask` (total length), optionally `position_ids`, and `past_key_values.N.key/value`
-[batch, kv_heads, past, head_dim]; outputs: `logits` and `present.N.key/value`. Each request's cache lives in a
-`DecoderState`, so one loaded model serves several requests. Two cache layouts, chosen per model:
+"""One runner for a builder-exported decoder (onnxruntime-genai) with a rollback-able KV cache, for the ONNX drafter
+and the ONNX target. Never imports torch. Inputs: `input_ids`, `attention_mask` (total length), maybe `position_ids`,
+`past_key_values.N.key/value` [batch, kv_heads, past, head_dim]; outputs: `logits`, `present.N.key/value`. Each
+request's cache is a `DecoderState`, so one loaded model serves several requests. Two cache layouts, per model:
 - shared (the builder's `search.past_present_share_buffer: true`, CPU provider): one preallocated buffer per past
-  tensor, [1, kv_heads, capacity, head_dim], bound through IO binding as both `past_key_values.N` and `present.N`.
-  GroupQueryAttention writes the new positions in place, so a step copies no past, and rolling back only lowers
-  `n_past` (later writes overwrite the rolled-back positions). The buffer doubles when it fills, up to the context.
-  25 % less per step at a 1000-token context (docs/benchmarks.md, "ONNX decoder cost").
-- copy (any other export or provider): past in, present out as fresh numpy arrays (onnxruntime's plain `run`);
-  rolling back slices the past along its third axis.
+  tensor, [1, kv_heads, capacity, head_dim], IO-bound as both `past_key_values.N` and `present.N`: attention writes
+  the new positions in place, so a step copies no past (25 % less per step at a 1000-token context,
+  docs/benchmarks.md), and a rollback only lowers `n_past`. The buffer doubles when it fills, up to the context.
+- copy (any other export or provider): past in, present out as fresh arrays; a rollback slices the past.
 """
 
 from __future__ import annotations
@@ -34,14 +30,12 @@ _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 def check_providers(providers: list[str], source: str = "<config>", key: str = "draft.providers") -> None:
     """Every requested execution provider must exist in this onnxruntime build."""
     available = ort.get_available_providers()
+    if not providers:
+        raise ConfigError(source, key, providers, f"at least one provider is needed; available: {', '.join(available)}")
     for i, p in enumerate(providers):
         if p not in available:
-            raise ConfigError(source, f"{key}[{i}]", p,
-                              f"execution provider not available in onnxruntime {ort.__version__}; "
-                              f"available: {', '.join(available)}")
-    if not providers:
-        raise ConfigError(source, key, providers, f"at least one provider is needed; available: "
-                                                  f"{', '.join(available)}")
+            raise ConfigError(source, f"{key}[{i}]", p, f"execution provider not available in onnxruntime "
+                              f"{ort.__version__}; available: {', '.join(available)}")
 
 
 @dataclass
@@ -54,9 +48,8 @@ class DecoderState:
     binding: Any = None
     pool: KvPool | None = None  # a slot of a batched buffer (KvPool), or None: buffers of its own
     slot: int = -1
-    # one-token steps (shared layout): input_ids, position_ids and logits buffers bound to `binding` once and
-    # rewritten in place each step; None until the first step, and again after a run of several tokens or a
-    # new binding rebinds those names
+    # shared layout, one-token steps: input_ids, position_ids and logits buffers bound to `binding` once and
+    # rewritten each step; None until the first step, and after a several-token run or a new binding
     step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
@@ -79,18 +72,17 @@ class OnnxDecoder:
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
                  spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
-        path = model_dir / "model.onnx"
-        if (model_dir / LOGITS_FROM_MODEL).is_file():  # draft/export.add_logits_from
-            path = model_dir / LOGITS_FROM_MODEL
+        path = model_dir / LOGITS_FROM_MODEL  # draft/export.add_logits_from
+        if not path.is_file():
+            path = model_dir / "model.onnx"
         if not path.is_file():
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
         providers = providers or ["CPUExecutionProvider"]
         check_providers(providers, key=f"{role}.providers")
         self.session = self._load(path, providers, threads, spin, role)
-        # prefill_threads > threads: a second session of the same model, used only for runs marked wide (a
-        # prompt's prefill) and bound to the same KV buffers. In two processes the target decodes on one core
-        # while the worker's core is mostly free during the prompt (docs/features-two-process.md). Its pool
-        # threads never spin: after the prefill the other core is the worker's.
+        # prefill_threads > threads: a second session over the same KV buffers for runs marked wide (a prompt's
+        # prefill): in two processes the worker's core is mostly free during the prompt (docs/features-two-process.md).
+        # Its pool threads never spin: after the prefill the other core is the worker's.
         self.prefill_threads = prefill_threads if prefill_threads and prefill_threads > threads else None
         self._wide = self._load(path, providers, self.prefill_threads, False, role) if self.prefill_threads else None
         self.model_dir = model_dir
@@ -107,14 +99,11 @@ class OnnxDecoder:
     @staticmethod
     def _load(path: Path, providers: list[str], threads: int, spin: bool, role: str):
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
+        opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 3
         if threads > 1 and not spin:
-            # a pool thread spins for a while after each run; when another session (the draft, the target) runs
-            # right after on the same cores, the spinning threads take the cores it needs (measured in process,
-            # demo pair on 2 cores, target and draft at 2 threads: a round of 4 drafts + verify 17.0 -> 9.2 ms)
+            # pool threads spin for a while after each run, taking the cores the next session (draft or target)
+            # needs (demo pair on 2 cores, both at 2 threads: a round of 4 drafts + verify 17.0 -> 9.2 ms)
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
@@ -127,8 +116,8 @@ class OnnxDecoder:
                                  key=lambda n: (int(n.split(".")[1]), n.endswith("value")))
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self.has_position_ids = "position_ids" in inputs
-        # `logits_from` [1] (added by export.add_logits_from): the graph computes logits from that position on, so a
-        # prefill or a catch-up pays the LM head for its last position only
+        # `logits_from` [1] (export.add_logits_from): logits from that position on, so a prefill or a catch-up pays
+        # the LM head for its last position only
         self.has_logits_from = "logits_from" in inputs
         self._zero = np.zeros(1, dtype=np.int64)  # logits_from of a run that wants every position (stays bound)
         first = inputs[self.past_names[0]] if self.past_names else None
@@ -145,8 +134,8 @@ class OnnxDecoder:
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         width = logits_out.shape[-1]
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
-        # a pruned LM head (draft.head, draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is
-        # the tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
+        # a pruned LM head (draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is the
+        # tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
         tokens = model_dir / HEAD_TOKENS
         self.head_tokens = np.load(tokens) if tokens.is_file() else None
         self.head_width = self.model_vocab
@@ -169,19 +158,15 @@ class OnnxDecoder:
             self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         if n == 1 and self.shared:
             return self._step_shared(state, tokens[0])
-        feeds = {
-            "input_ids": np.asarray([tokens], dtype=np.int64),
-            "attention_mask": self._ones[:, :total],  # a contiguous view: no per-step allocation
-        }
+        feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
+                 "attention_mask": self._ones[:, :total]}  # a contiguous view: no per-step allocation
         if self.has_position_ids:
-            feeds["position_ids"] = np.arange(state.n_past, state.n_past + n, dtype=np.int64)[None]
-        rows = n
+            feeds["position_ids"] = np.arange(state.n_past, total, dtype=np.int64)[None]
+        rows = 1 if last_only and self.has_logits_from else n
         if self.has_logits_from:
-            rows = 1 if last_only else n
             feeds["logits_from"] = np.asarray([n - rows], dtype=np.int64)
         session = self._wide if wide and n > 1 and self._wide is not None else self.session
-        logits = (self._run_shared(state, feeds, rows, session) if self.shared
-                  else self._run_copy(state, feeds, session))
+        logits = self._run_shared(state, feeds, rows, session) if self.shared else self._run_copy(state, feeds, session)
         state.n_past += n
         return self.fit_width(logits[0, -1:] if last_only else logits[0])
 
@@ -194,17 +179,21 @@ class OnnxDecoder:
         return outs[0]
 
     def _make_room(self, state: DecoderState, n: int) -> None:
-        """Shared layout: buffers with room for n more positions (the state's own, or its KV pool's)."""
-        if state.n_past + n > state.capacity:
-            if state.pool is not None:
-                state.pool.ensure(state.n_past + n)
-            else:
-                self._grow(state, state.n_past + n)
+        """Shared layout: buffers with room for n more positions (the state's own, or its KV pool's). A state's
+        own grow into new buffers holding the cached positions, bound anew as past and present."""
+        needed = state.n_past + n
+        if needed <= state.capacity:
+            return
+        if state.pool is not None:
+            return state.pool.ensure(needed)
+        kv = self._alloc(1, needed, state.capacity)
+        for new, old in zip(kv, state.kv):
+            new[:, :, :state.n_past] = old[:, :, :state.n_past]
+        self._bind(state, kv)
 
     def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session) -> np.ndarray:
         """rows: the positions the logits come out for (all n fed, or the last one)."""
-        n = feeds["input_ids"].shape[1]
-        self._make_room(state, n)
+        self._make_room(state, feeds["input_ids"].shape[1])
         if session is self.session:
             io = state.binding
             state.step = None  # input_ids and logits are bound to this run's arrays now
@@ -224,9 +213,9 @@ class OnnxDecoder:
         return logits
 
     def _step_shared(self, state: DecoderState, token: int) -> np.ndarray:
-        """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the attention
-        mask, whose length grows, is bound anew (binding every input and the logits each step cost as much as 0.1-0.2
-        ms of Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
+        """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the
+        attention mask, whose length grows, is bound anew (binding every input and the logits cost 0.1-0.2 ms of
+        Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
         self._make_room(state, 1)
         io = state.binding
         if state.step is None:
@@ -238,19 +227,11 @@ class OnnxDecoder:
                 io.bind_cpu_input("logits_from", self._zero)
             state.step = (ids, pos, self._bind_logits(io, 1, 1))
         ids, pos, logits = state.step
-        ids[0, 0] = token
-        pos[0, 0] = state.n_past
+        ids[0, 0], pos[0, 0] = token, state.n_past
         io.bind_cpu_input("attention_mask", self._ones[:, :state.n_past + 1])
         self.session.run_with_iobinding(io)
         state.n_past += 1
         return self.fit_width(logits[0].copy())
-
-    def _grow(self, state: DecoderState, needed: int) -> None:
-        """New buffers of at least `needed` positions holding the cached ones; rebinds past and present."""
-        kv = self._alloc(1, needed, state.capacity)
-        for new, old in zip(kv, state.kv):
-            new[:, :, :state.n_past] = old[:, :, :state.n_past]
-        self._bind(state, kv)
 
     def _alloc(self, rows: int, needed: int, capacity: int) -> list[np.ndarray]:
         """Zeroed buffers [rows, kv_heads, cap, head_dim]: cap doubles `capacity` (up to the context) or is `needed`."""
@@ -277,20 +258,18 @@ class OnnxDecoder:
 
     def append_batch(self, states: list[DecoderState], tokens: list[int]) -> np.ndarray:
         """One token after each state's past, all states slots of one KvPool, in ONE run; logits [B, vocab].
-
-        The builder's GroupQueryAttention takes a batch with a different past per row only for one new token
-        per row ("batch_size must be 1 when sequence_length > 1 and past context is given"), so blocks of
-        several tokens run one sequence at a time (`append`). The run covers the slots lo..hi of the states;
-        a slot in that range that is not in the batch gets a dummy token written at its n_past, which is past
-        what it caches (harmless: its next append writes there)."""
+        GroupQueryAttention batches rows with different pasts only for one new token per row, so blocks of several
+        tokens run one sequence at a time (`append`). The run covers the states' slots lo..hi; a slot in that range
+        not in the batch gets a dummy token at its n_past, past what it caches (its next append overwrites it)."""
         pool = states[0].pool
         if pool is None or any(s.pool is not pool for s in states):
             raise ValueError("append_batch needs states from one KvPool")
         lo, hi = min(s.slot for s in states), max(s.slot for s in states) + 1
+        rows = [s.slot - lo for s in states]
         past = [pool.n_past(slot) for slot in range(lo, hi)]
         pool.ensure(max(past) + 1)
         ids = np.zeros((hi - lo, 1), dtype=np.int64)
-        ids[[s.slot - lo for s in states], 0] = tokens
+        ids[rows, 0] = tokens
         mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
         io = pool.binding(lo, hi)
         io.bind_cpu_input("input_ids", ids)
@@ -303,16 +282,15 @@ class OnnxDecoder:
         self.session.run_with_iobinding(io)
         for s in states:
             s.n_past += 1
-        return self.fit_width(logits[[s.slot - lo for s in states], 0])
+        return self.fit_width(logits[rows, 0])
 
     def rewind(self, state: DecoderState, n: int) -> None:
         """Keep only the first n cached positions."""
         if n > state.n_past:
             raise ValueError(f"cannot rewind to {n}; cache holds {state.n_past}")
-        if n < state.n_past:
-            if not self.shared:
-                state.kv = [p[:, :, :n, :] for p in state.kv]
-            state.n_past = n
+        if n < state.n_past and not self.shared:
+            state.kv = [p[:, :, :n, :] for p in state.kv]
+        state.n_past = n
 
     def fit_width(self, logits: np.ndarray) -> np.ndarray:
         """Make the logits as wide as vocab_width (-inf where the model has no column, or its head no row)."""
@@ -355,12 +333,11 @@ class KvPool:
         free = next((i for i in range(self.slots) if i not in self._states), None)
         if free is None:
             return None
-        state = DecoderState(pool=self, slot=free)
-        self._states[free] = state
-        if not self.kv:
-            self.ensure(1)
-        else:
+        state = self._states[free] = DecoderState(pool=self, slot=free)
+        if self.kv:
             self._bind(state)
+        else:
+            self.ensure(1)
         return state
 
     def release(self, state: DecoderState) -> None:
@@ -383,13 +360,10 @@ class KvPool:
     def binding(self, lo: int, hi: int):
         """An IO binding with slots lo..hi of every past buffer bound as both past and present (made once per
         range and capacity: binding 2 x layers OrtValues costs more than the inputs)."""
-        io = self._bindings.get((lo, hi))
-        if io is None:
-            dec = self.decoder
-            io = dec.session.io_binding()
-            dec._bind_kv(io, [buf[lo:hi] for buf in self.kv])
-            self._bindings[(lo, hi)] = io
-        return io
+        if (lo, hi) not in self._bindings:
+            io = self._bindings[(lo, hi)] = self.decoder.session.io_binding()
+            self.decoder._bind_kv(io, [buf[lo:hi] for buf in self.kv])
+        return self._bindings[(lo, hi)]
 
     def _bind(self, state: DecoderState) -> None:
         self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.kv])

@@ -1,19 +1,14 @@
-"""Precision switches: `target.precision` (with `target.dtype` as its alias) and `draft.precision`.
+"""Precision switches: `target.precision` (with `target.dtype` as its alias), `target.kv_cache_dtype` and
+`draft.precision`, checked against what the backend can run here (config.py's docstrings say what each value does).
 
-- onnx target: the model builder's export at the precision (fp32, int8 and int4 run on the CPU provider; the
-  builder's CPU graph computes in fp32, so fp16 needs a GPU provider: the export is made for the first of
-  target.providers, e.g. `-e cuda` for CUDAExecutionProvider), exported on first use
-  and cached (target/export_cache.py).
-- torch target: fp32/fp16/bf16 are the dtype; int8 is PyTorch's dynamic quantization of every nn.Linear
-  (int8 weights, activations quantized per call) on a CPU. int4 and int8 on CUDA need torchao, which this
-  project does not install: a clear error says so.
-- KV cache (`target.kv_cache_dtype`, torch backend): fp16/bf16 storage, or int8/fp8 with a scale per token and
-  head (target/kv_store.py); the onnx backend keeps its export's cache.
-- draft: a Hugging Face `draft.model` with `draft.precision` is exported at that precision on first use
-  (cached like the target's); an exported draft has its own precision and takes no `draft.precision`.
+The onnx backend runs the model builder's export at the precision, made once and cached (target/export_cache.py);
+its CPU graph computes in fp32, so fp16 needs a GPU provider's export (made for the first of target.providers). The
+torch backend quantizes to int8 on a CPU only (PyTorch's dynamic quantization); int4, and int8 on CUDA, need torchao,
+which this project does not install: a clear error says so. A Hugging Face `draft.model` with `draft.precision` is
+exported like the target; an exported draft has its own precision.
 
-Quantization changes the model itself. The lossless promise is relative to the configured target: output is
-identical to that target decoding alone with the same settings (tested per precision).
+Quantization changes the model itself. The lossless promise is relative to the configured target: output is identical to
+that target decoding alone with the same settings (tested per precision).
 """
 
 from __future__ import annotations
@@ -68,10 +63,9 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
 def _check_backend(cfg: Config, backend: str, cuda: bool, p: str) -> None:
     t = cfg.target
     if backend == "onnx" and t.kv_cache_dtype != "auto":
-        raise cfg.error("target.kv_cache_dtype", t.kv_cache_dtype,
-                        "the onnx backend keeps the export's KV cache (fp32 in the builder's CPU graph; the "
-                        "builder quantizes KV caches only for GroupQueryAttention/PagedAttention on GPU "
-                        "providers): use auto, or the torch backend")
+        raise cfg.error("target.kv_cache_dtype", t.kv_cache_dtype, "the onnx backend keeps the export's KV cache "
+                        "(fp32 in the builder's CPU graph; the builder quantizes KV caches only for "
+                        "GroupQueryAttention/PagedAttention on GPU providers): use auto, or the torch backend")
     if backend != "onnx":
         if p == "int4" or (p == "int8" and cuda):
             raise cfg.error("target.precision", p,
@@ -85,14 +79,12 @@ def _check_backend(cfg: Config, backend: str, cuda: bool, p: str) -> None:
         return
     first = (t.providers or ["CPUExecutionProvider"])[0]
     if first == "CPUExecutionProvider" and p not in ONNX_CPU:
-        raise cfg.error("target.precision", p,
-                        "the ONNX model builder's CPU export computes in fp32: choose fp32, int8 or int4 for "
-                        "the CPU provider (fp16 needs a GPU provider's export: target.providers: "
+        raise cfg.error("target.precision", p, "the ONNX model builder's CPU export computes in fp32: choose fp32, "
+                        "int8 or int4 for the CPU provider (fp16 needs a GPU provider's export: target.providers: "
                         "[CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend on CUDA)")
     if first != "CPUExecutionProvider" and p not in ONNX_GPU:
-        raise cfg.error("target.precision", p,
-                        f"the ONNX model builder exports fp32, fp16, int8 or int4 for {first}: choose one "
-                        "of them (bf16: the torch backend on CUDA)")
+        raise cfg.error("target.precision", p, f"the ONNX model builder exports fp32, fp16, int8 or int4 for "
+                        f"{first}: choose one of them (bf16: the torch backend on CUDA)")
 
 
 def resolve_draft(cfg: Config) -> Config:

@@ -19,8 +19,7 @@ def check_config(cfg: Config) -> None:
     if rt.mode != "in_process" and rt.transport == "tcp":
         from .transport.channel import check_bind_host
 
-        why = check_bind_host(rt.host, rt.curve_keys is not None)
-        if why:
+        if why := check_bind_host(rt.host, rt.curve_keys is not None):
             raise cfg.error("runtime.host", rt.host, why)
     if rt.worker == "remote":
         _check_remote(cfg)
@@ -47,9 +46,8 @@ def _check_remote(cfg: Config) -> None:
         raise cfg.error("runtime.worker", "remote", f"needs runtime.mode: two_process (got {rt.mode!r})")
     if rt.transport != "tcp" or not rt.port:
         raise cfg.error("runtime.port" if rt.transport == "tcp" else "runtime.transport",
-                        rt.port if rt.transport == "tcp" else rt.transport,
-                        "runtime.worker remote needs runtime.transport: tcp and a fixed runtime.port for workers "
-                        "to connect to")
+                        rt.port if rt.transport == "tcp" else rt.transport, "runtime.worker remote needs "
+                        "runtime.transport: tcp and a fixed runtime.port for workers to connect to")
     if rt.curve_keys is None:
         raise cfg.error("runtime.curve_keys", None, "runtime.worker remote needs the target's CURVE keys "
                         "(`hetero-spec keys --out DIR`)")
@@ -103,9 +101,8 @@ def _check_target_dir(cfg: Config) -> None:
     if cfg.target.backend == "onnx" and not is_export:
         ok, why = exportable(model)
         if not ok:
-            raise cfg.error("target.model", str(model),
-                            f"target.backend onnx needs an ONNX export of the target, but {why}; use "
-                            "target.backend: torch (or auto)")
+            raise cfg.error("target.model", str(model), f"target.backend onnx needs an ONNX export of the target, "
+                            f"but {why}; use target.backend: torch (or auto)")
 
 
 def _tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
@@ -118,11 +115,8 @@ def _tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
 
 
 def check_vocab(target_dir: Path, draft_dir: Path, source: str = "<config>") -> None:
-    """The draft must emit the same token ids as the target: same tokenizer vocabulary.
-
-    Logit widths may differ (transformers pads some vocabularies); what matters is the ids the
-    tokenizers define. A draft directory without a tokenizer.json cannot be checked and is trusted.
-    """
+    """The draft must emit the same token ids as the target: the same tokenizer vocabulary (logit widths may differ:
+    transformers pads some vocabularies). A draft directory without a tokenizer.json is not checked (trusted)."""
     tv, dv = _tokenizer_vocab(target_dir), _tokenizer_vocab(draft_dir)
     if tv is None or dv is None or tv == dv:
         return

@@ -14,8 +14,7 @@ from typing import Any
 from .config import load_config
 from .engine import Engine
 from .tuning.cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
-from .tuning.profile import (median_s, batch_points, decoder_token_s, recommended_batch, transfer_points,
-                             verify_points)
+from .tuning.profile import median_s, batch_points, decoder_token_s, recommended_batch, transfer_points, verify_points
 
 IN_PROCESS = {"runtime.mode": "in_process", "runtime.cpus": None}  # every cost on its own; layouts come after
 
@@ -42,8 +41,7 @@ def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) 
 
 def _decode_goodput(stats: list[dict]) -> float:
     """Committed tokens per second of decoding (prefill excluded, as in the cost model)."""
-    return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"]
-                                                               for s in stats))
+    return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"] for s in stats))
 
 
 def _cost_model(vpoints: list[tuple[int, float]], draft_token_s: float, transfer_s: float = 0.0) -> CostModel:
@@ -113,8 +111,7 @@ def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_n
 
 
 def _profile_placement(config, acceptance: float, calib: list[list[int]], max_new: int, say) -> dict[str, Any]:
-    """Every layout this machine allows (tuning/placement.py): measured costs, predicted goodput at its
-    best gamma, and measured goodput at that gamma."""
+    """Every layout this machine allows (tuning/placement.py): costs, predicted and measured goodput at best gamma."""
     from .tuning import placement
 
     probe = config.model_copy(deep=True)
@@ -188,16 +185,14 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
         measured = {g: _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
                     for g in measured_g}
-    draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new,
-                                 reps, say)
+    draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new, reps, say)
     place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
     recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
     profile = {
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None},
-        "config": str(config_path), "target_backend": config.target.backend,
-        "target_threads": config.target.threads, "draft": str(config.draft.model),
-        "draft_threads": config.draft.threads, "quick": quick,
+        "config": str(config_path), "target_backend": config.target.backend, "target_threads": config.target.threads,
+        "draft": str(config.draft.model), "draft_threads": config.draft.threads, "quick": quick,
         "measured": {"verify_s": _by_k(vpoints), "draft_token_s": round(d_tok, 6),
                      "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
                      "prefill_s": {str(n): round(y, 6) for n, y in ppoints},

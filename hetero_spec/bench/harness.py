@@ -21,6 +21,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..preflight import check_paths
 from ..errors import BenchError
+from ..tuning.placement import allowed_cpus
 
 REFERENCE, SAMPLED_REFERENCE = "target_only", "hetero_spec_target_only"
 DEFAULT_PROMPTS, DEFAULT_MAX_NEW, QUICK_PROMPTS, QUICK_MAX_NEW = 12, 128, 4, 64
@@ -28,6 +29,9 @@ DEFAULT_PROMPT_TOKENS, WARMUP_TOKENS, SEED = 128, 16, 0
 DEFAULT_GAMMAS = (4, 6, 8, 10, 12)
 PRECISIONS = ("fp32", "int8", "int4")
 CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}  # every system computes in fp32 on the CPU
+ALONE = {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process"}  # our target alone
+cores = allowed_cpus  # the CPUs this process may run on
+SYSTEMS: dict[str, type[System]] = {}  # every System subclass with a name, in run order
 
 
 @dataclass
@@ -87,9 +91,6 @@ class BenchContext:
         return getattr(self.settings, name)
 
 
-SYSTEMS: dict[str, type[System]] = {}
-
-
 class System:
     """A benchmarked system: setup(ctx) loads it, run() decodes a prompt (by _run with its setting), describe(ctx)
     says what ran (backend, layout, target_threads, draft_threads, gamma), close() frees it. A subclass that sets
@@ -119,23 +120,21 @@ class System:
         pass
 
 
-def cores() -> int:  # the CPUs this process may run on
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def timed(run: Callable[..., Any], *args: Any, clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
+    """(seconds, run(*args)): the output's own_wall_s (a RunOutput's own clock) when set, else the clock around it."""
+    t = clock()
+    out = run(*args)
+    own = getattr(out, "own_wall_s", None)
+    return (clock() - t if own is None else own), out
 
 
-def tune(system: System, ctx: BenchContext, run: Callable[[Any, list[int], int], RunOutput],
-         candidates: Sequence) -> Any:
-    """A system's best setting before it is compared: warm up, time each candidate on the first two prompts (by a
-    run's own clock if it has one), keep the fastest; the times go to system.calibration."""
+def tune(system: System, ctx: BenchContext, run: Callable[..., RunOutput], candidates: Sequence) -> Any:
+    """A system's best setting before it is compared: warm up, time each candidate on the first two prompts (by
+    `timed`), keep the fastest; the times go to system.calibration."""
     if len(candidates) < 2:
         return candidates[0]
     run(candidates[0], ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))
-    times = {c: 0.0 for c in candidates}
-    for c in candidates:
-        for p in ctx.prompts[:2]:  # also timed later, like every prompt
-            t = time.perf_counter()
-            own = run(c, p, ctx.max_new).own_wall_s
-            times[c] += own if own is not None else time.perf_counter() - t
+    times = {c: sum(timed(run, c, p, ctx.max_new)[0] for p in ctx.prompts[:2]) for c in candidates}  # timed later too
     system.calibration = {" ".join(str(x) for x in (c if isinstance(c, tuple) else (c,)) if x is not None):
                           round(v, 4) for c, v in times.items()}
     return min(times, key=times.get)
@@ -143,8 +142,7 @@ def tune(system: System, ctx: BenchContext, run: Callable[[Any, list[int], int],
 
 def proc_state(state: tuple | None = None) -> tuple:
     """This process's (CPU affinity, torch threads); with a state, set them first. A two-process engine pins this
-    process to the target's cores: each system runs in the state its setup left, each setup starts from the
-    first state."""
+    process to the target's cores: each system runs in the state its setup left, each setup from the first."""
     import torch
 
     if state is not None:
@@ -155,34 +153,27 @@ def proc_state(state: tuple | None = None) -> tuple:
 
 
 def interleave(names: Sequence, prompts: Sequence, repeats: int, run: Callable[[Any, Any], Any],
-               must: Sequence = (), say: Callable[[str], None] | None = None,
+               must: Sequence = (), say: Callable[[str], None] = lambda text: None,
                clock: Callable[[], float] = time.perf_counter) -> tuple[dict[Any, list], dict[Any, str]]:
     """Run every name on every prompt `repeats` times, interleaved: the order rotates from prompt to prompt and
     repeat to repeat, so that no system always runs right after the same neighbour (and machine noise hits all
-    alike). run(name, prompt) -> its output; a RunOutput's own_wall_s, when set, is its time, else the clock
-    around run. A name whose run raises is dropped, its error kept; one in `must` stops everything.
-    Returns ({name: [[(seconds, output) per repeat] per prompt]}, {name: error})."""
+    alike). run(name, prompt) -> its output, `timed`. A name whose run raises is dropped, its error kept; one in
+    `must` stops everything. Returns ({name: [[(seconds, output) per repeat] per prompt]}, {name: error})."""
     names, failed, start = list(names), {}, clock()
     runs: dict[Any, list] = {n: [] for n in names}
     for i, prompt in enumerate(prompts):
-        done: dict[Any, list] = {n: [] for n in names}
+        for n in names:
+            runs[n].append([])  # this prompt's repeats
         for r in range(repeats):
             shift = (i * repeats + r) % len(names) if names else 0
             for n in [n for n in names[shift:] + names[:shift] if n not in failed]:
-                t = clock()
                 try:
-                    out = run(n, prompt)
+                    runs[n][-1].append(timed(run, n, prompt, clock=clock))
                 except Exception as exc:  # one system's failure is reported, the others go on
                     if n in must:
                         raise BenchError(f"{n} failed on prompt {i}: {type(exc).__name__}: {exc}") from exc
                     failed[n] = f"prompt {i}: {type(exc).__name__}: {exc}"
-                    continue
-                own = getattr(out, "own_wall_s", None)
-                done[n].append((own if own is not None else clock() - t, out))
-        for n in names:
-            runs[n].append(done[n])
-        if say is not None:
-            say(f"prompt {i + 1}/{len(prompts)} done ({clock() - start:.0f} s)")
+        say(f"prompt {i + 1}/{len(prompts)} done ({clock() - start:.0f} s)")
     return {n: v for n, v in runs.items() if n not in failed}, failed
 
 
@@ -211,7 +202,6 @@ def pair(ours: Sequence[dict], ref: Sequence[dict]) -> dict[str, Any] | None:
             "identical": sum(a["token_ids_hash"] == b["token_ids_hash"] for a, b in zip(ours, ref))}
 
 
-# -- one pass -------------------------------------------------------------------------------------------------
 def resolve_systems(requested: list[str] | None, temperature: float = 0.0) -> list[str]:
     """--systems: exactly those, in registry order; else all but the opt-in ones (and, greedy, the sampled one)."""
     if requested is None:
@@ -230,11 +220,10 @@ def _measured(name: str, runs: list, extra: dict, quantized: bool) -> dict[str, 
     """A system's entry from its runs (an output changing between repeats fails it, unless the target is int8
     or int4: it rounds a verified block unlike a one-token step, so that is counted)."""
     e = _entry(name, "ok", None, extra, pp := per_prompt(runs))
-    if changed := [i for i, p in enumerate(pp) if not p["stable"]]:
-        if quantized:
-            e["extra"]["changed_between_repeats"] = len(changed)
-        else:
-            e.update(status="failed", reason=f"prompt {changed[0]}: output changed between repeats")
+    if (changed := [i for i, p in enumerate(pp) if not p["stable"]]) and quantized:
+        e["extra"]["changed_between_repeats"] = len(changed)
+    elif changed:
+        e.update(status="failed", reason=f"prompt {changed[0]}: output changed between repeats")
     stats, rates = [p["stats"] or {} for p in pp], [p["tokens_per_s"] for p in pp if p["tokens_per_s"]]
     drafted, rounds = (sum(s.get(k) or 0 for s in stats) for k in ("drafted", "rounds"))
     e["tokens_per_s"] = round(statistics.median(rates), 3) if rates else None
@@ -291,8 +280,7 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
 
 
 def with_references(entries: list[dict], sampled: bool) -> None:
-    """speedup_vs_<ref>, identical_to_<ref> (prompts) against target_only, a peer's own reference, and (sampled)
-    hetero_spec_target_only."""
+    """speedup_vs_REF, identical_to_REF (prompts) for target_only, a peer's own, (sampled) hetero_spec_target_only."""
     ok = {e["name"]: e for e in entries if e["status"] == "ok"}
     for e in entries:
         cls = SYSTEMS[e["name"]]
@@ -303,9 +291,8 @@ def with_references(entries: list[dict], sampled: bool) -> None:
 
 
 def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
-    """Ours against the peers, paired per prompt: each of our speculative systems against the best peer (the
-    fastest by median tokens/s), our first against every speculative peer, target_only against every peer's
-    target alone."""
+    """Ours against the peers, paired per prompt: each of our speculative systems against the best peer (fastest by
+    median tokens/s), our first against every speculative peer, target_only against every peer's target alone."""
     ok = {e["name"]: e for e in entries if e["status"] == "ok" and e["tokens_per_s"]}
     ours = [n for n in ok if SYSTEMS[n].ours and SYSTEMS[n].speculative]
     peers = [n for n in ok if not SYSTEMS[n].ours]
@@ -319,7 +306,6 @@ def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-# -- the run --------------------------------------------------------------------------------------------------
 def _prompts(s: BenchSettings, config: Config, given: list[list[int]] | None) -> tuple[list[list[int]], dict]:
     from . import prompts as P  # -> (the prompts, where they came from)
 
@@ -418,7 +404,6 @@ def machine() -> dict[str, Any]:  # the platform, the CPU and the versions that 
                 "torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec")}}}
 
 
-# -- outputs --------------------------------------------------------------------------------------------------
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:  # Markdown lines
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(map(str, r))} |" for r in rows]
 

@@ -12,16 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .harness import interleave, table, write_report
+from .harness import ALONE, interleave, table, write_report
 
-SYSTEMS = {"target_only": {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process"},
-           "hetero_spec": {}}
+SYSTEMS = {"target_only": ALONE, "hetero_spec": {}}
 
 
 def run_level(engine, prompts: list[list[int]], concurrency: int, max_new: int) -> dict[str, Any]:
     """Serve every prompt once with `concurrency` client threads: outputs, latencies, throughput."""
-    outs: dict[int, list[int]] = {}
-    lat, ttft, lock = [], [], threading.Lock()
+    outs, lat, ttft, lock = {}, [], [], threading.Lock()  # outs: {request: its token ids}
 
     def one(i: int) -> None:
         t0, ids, first = time.perf_counter(), [], None
@@ -59,12 +57,11 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
                               "levels": levels, "repeats": repeats, "layouts": {}, "systems": {}}
     with ExitStack() as stack:
         engines = {}
-        for name, over in SYSTEMS.items():
-            say(f"{name}: loading")
-            engines[name] = stack.enter_context(Engine.from_config(config_path, overrides={**(overrides or {}),
-                                                                                             **over}))
-            engines[name].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
-            report["layouts"][name] = engines[name].config.runtime.mode
+        for n, over in SYSTEMS.items():
+            say(f"{n}: loading")
+            engines[n] = stack.enter_context(Engine.from_config(config_path, overrides={**(overrides or {}), **over}))
+            engines[n].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
+            report["layouts"][n] = engines[n].config.runtime.mode
 
         def run(key: tuple[str, int], _) -> dict[str, Any]:
             say(f"{key[0]}, concurrency {key[1]}, {n_requests} requests")

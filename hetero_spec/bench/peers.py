@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from collections import namedtuple
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,7 @@ _COUNTS = {key: re.compile(rf"\b{key}\s*=\s*(\d+)") for key in ("n_draft", "n_dr
 
 class Peer(System):
     """A peer: load(ctx), then its best setting (threads, gamma) by `tune` over one thread and every core, x
-    --gammas (else the config's gamma; 8 for auto) where it drafts."""
-
-    backend = "?"
+    --gammas (else the config's gamma; 8 for auto) where it drafts. Subclasses set `backend` (what it runs on)."""
 
     def setup(self, ctx: BenchContext) -> None:
         self.ctx, gamma = ctx, g if isinstance(g := ctx.config.speculation.gamma, int) else 8
@@ -84,15 +83,17 @@ class HfAssisted(Peer):
         return RunOutput(out[0, len(prompt_ids):].tolist())
 
 
-# -- ONNX Runtime GenAI ---------------------------------------------------------------------------------------
-def _place(src: Path, dst: Path) -> None:
-    """Hard-link (or copy) src to dst unless the same file is there already."""
-    if not dst.is_file() or any(getattr(dst.stat(), k) != getattr(src.stat(), k) for k in ("st_size", "st_mtime_ns")):
-        dst.unlink(missing_ok=True)
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
+def _place(src: Path, dst: Path, keep: Callable[[Path], bool]) -> None:
+    """Hard-link (or copy) the files of folder src that `keep` accepts into dst, but for those already there."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in filter(keep, src.iterdir()):
+        to = dst / f.name
+        if not to.is_file() or any(getattr(to.stat(), k) != getattr(f.stat(), k) for k in ("st_size", "st_mtime_ns")):
+            to.unlink(missing_ok=True)
+            try:
+                os.link(f, to)
+            except OSError:
+                shutil.copy2(f, to)
 
 
 class OrtGenaiTargetOnly(Peer):
@@ -114,25 +115,19 @@ class OrtGenaiTargetOnly(Peer):
 
         precision, self.og, self.models = precision_of(ctx.config.target), og, {}
         self.dir = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
-        self.dir.mkdir(parents=True, exist_ok=True)
         src = Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)
-        for f in src.iterdir():
-            if f.is_file() and f.name != SOURCE_NAME:
-                _place(f, self.dir / f.name)
-        if self.speculative:  # ORT GenAI refuses model paths outside the target's folder: the draft goes inside
-            (self.dir / "draft").mkdir(exist_ok=True)
-            for f in unpruned(ctx.config.draft.model).iterdir():  # ORT GenAI needs the draft's whole vocabulary
-                if f.name.startswith("model.onnx"):  # model.onnx and its external data, names kept
-                    _place(f, self.dir / "draft" / f.name)
+        _place(src, self.dir, lambda f: f.is_file() and f.name != SOURCE_NAME)
+        if self.speculative:  # ORT GenAI refuses model paths outside the target's folder: the draft goes inside,
+            # with its whole vocabulary (unpruned): model.onnx and its external data, names kept
+            _place(unpruned(ctx.config.draft.model), self.dir / "draft", lambda f: f.name.startswith("model.onnx"))
         eos = json.loads((self.dir / "genai_config.json").read_text())["model"].get("eos_token_id", [])
         self.eos = {int(e) for e in (eos if isinstance(eos, list) else [eos])}
 
     def _model(self, setting: tuple):
         """The model loaded with these threads, warmed up once (max_draft_tokens is set per generator)."""
         if (threads := setting[0]) not in self.models:
-            k = setting[1]
             overlay: dict[str, Any] = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
-            if k:
+            if k := setting[1]:
                 draft = json.loads((unpruned(self.ctx.config.draft.model) / "genai_config.json").read_text())
                 block = {**draft["model"]["decoder"], "filename": "draft/model.onnx"}
                 block["session_options"] = {**block.get("session_options", {}), "intra_op_num_threads": threads}
@@ -178,7 +173,6 @@ class OrtGenaiSpec(OrtGenaiTargetOnly):
         return super().unavailable(ctx)
 
 
-# -- llama.cpp ------------------------------------------------------------------------------------------------
 # one llama.cpp run by its own clock; decoded_tokens: what the decode phase produced
 Timings = namedtuple("Timings", "prompt_tokens prefill_s decoded_tokens decode_s drafted accepted n_max",
                      defaults=(None, None, None))
@@ -204,8 +198,7 @@ def parse_timings(stderr: str, speculative: bool) -> Timings:
 def llama_args(bin_dir: Path, target: Path, prompt_file: Path, max_new: int, threads: int, ctx_size: int,
                draft: Path | None = None, n_max: int | None = None) -> list[str]:
     """Greedy llama-completion (-no-cnv: no chat template; --no-display-prompt: stdout is the new text), or with a
-    draft llama-speculative-simple (--spec-type draft-simple: without it, it does not speculate; the draft on
-    the target's threads)."""
+    draft llama-speculative-simple (--spec-type draft-simple, else it does not draft; draft on the target's threads)."""
     common = ["-f", str(prompt_file), "-n", str(max_new), "-t", str(threads), "-tb", str(threads),
               "-c", str(ctx_size), "--temp", "0", "--top-k", "1", "-s", str(SEED)]
     if draft is None:
@@ -221,11 +214,9 @@ def generated_text(stdout: str, prompt_text: str | None) -> tuple[str, bool]:
     if prompt_text is not None:
         if (at := stdout.find(prompt_text)) < 0:
             raise ValueError("the prompt's echo is not in llama-speculative-simple's output")
-        text = stdout[at + len(prompt_text):]
-        return (text[:-4] if text.endswith("\n\n\n\n") else text), False
-    text = stdout[:-2] if stdout.endswith("\n\n") else stdout
-    eos = text.endswith(" [end of text]\n")
-    return (text[:-len(" [end of text]\n")] if eos else text), eos
+        return stdout[at + len(prompt_text):].removesuffix("\n\n\n\n"), False
+    text = stdout.removesuffix("\n\n")
+    return text.removesuffix(" [end of text]\n"), text.endswith(" [end of text]\n")
 
 
 class LlamaCppTargetOnly(Peer):
@@ -265,11 +256,9 @@ class LlamaCppTargetOnly(Peer):
         out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:
             raise RuntimeError(f"{self.tool} exited with {proc.returncode}: {' | '.join(err.splitlines()[-5:])}")
-        if not k:
-            t, (gen, eos) = parse_timings(err, False), generated_text(out, None)
-            decode_s, counted = t.decode_s, t.decoded_tokens
-        else:
-            t, (gen, _) = parse_timings(err, True), generated_text(out, text)
+        t, (gen, eos) = parse_timings(err, bool(k)), generated_text(out, text if k else None)
+        decode_s, counted = t.decode_s, t.decoded_tokens
+        if k:  # it decodes past -n: its time scaled to the tokens compared
             eos, counted = t.decoded_tokens <= max_new, min(t.decoded_tokens, max_new)  # fewer: it met EOS
             decode_s = t.decode_s * counted / t.decoded_tokens if t.decoded_tokens else t.decode_s
         ids = [int(i) for i in self.tok.encode(gen, add_special_tokens=False)][:max_new]

@@ -19,8 +19,7 @@ def load_tokenizer(model: Path):
     """The tokenizer of a Hugging Face directory, or of a .gguf file (transformers reads GGUF vocabularies)."""
     from transformers import AutoTokenizer
 
-    model = Path(model)
-    if model.suffix == ".gguf" and model.is_file():
+    if (model := Path(model)).suffix == ".gguf" and model.is_file():
         return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
     return AutoTokenizer.from_pretrained(model)
 

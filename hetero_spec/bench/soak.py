@@ -5,11 +5,11 @@ second) after the warm-up at most GROWTH_LIMIT above its first sample then. Writ
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,11 +33,9 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: f
     """Poll GET /health until it answers 200; a BenchError with the log's end if the server exits or times out."""
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(OSError, http.client.HTTPException, BenchError, ValueError):  # not up or healthy yet
             _request(port, "GET", "/health", timeout=10.0)
             return
-        except (OSError, http.client.HTTPException, BenchError, ValueError):
-            pass  # not listening, or not healthy, yet
         time.sleep(0.5)
     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:]) if log_path.is_file() else "(no log)"
     why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"was not healthy in {timeout_s:.0f} s"
@@ -46,21 +44,17 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: f
 
 def _request(port: int, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S) -> Any:
     """A JSON request: its parsed answer; a BenchError naming the request on any status but 200."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
+    with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
         conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
                      headers={"Content-Type": "application/json"} if body else {})
         if (resp := conn.getresponse()).status != 200:
             raise BenchError(f"{method} {path} {body or ''} answered HTTP {resp.status}: {resp.read()[:300]!r}")
         return json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tuple[str, dict]:
     """A streaming completion's (text, usage); RuntimeError on an HTTP error, an error event, no `data: [DONE]`."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
+    with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
         if (resp := conn.getresponse()).status != 200:
@@ -76,8 +70,6 @@ def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tupl
             pieces += [event["choices"][0].get("text") or ""] if event.get("choices") else []
             usage = event.get("usage") or usage
         raise RuntimeError("the stream ended without data: [DONE]")
-    finally:
-        conn.close()
 
 
 def rss_summary(samples: list[list[float]], warmup_s: float) -> dict[str, Any]:
@@ -93,8 +85,7 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
              warmup_s: float = 10.0, out: Path = Path("bench-out/soak"),
              overrides: list[str] | dict[str, Any] | None = None, port: int = 0,
              say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Start the server, take the references, run `streams` streams for `duration_s`, stop it; write
-    OUT/soak.json and OUT/soak.md. Returns the report."""
+    """Start the server, take the references, run the streams for `duration_s`, stop it; write OUT/soak.json and .md."""
     say = say or (lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
     if not port:
         with socket.socket() as s:  # a port nothing listens on now
@@ -154,7 +145,7 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
     finally:
         halt.set()  # on an error or Ctrl-C the clients stop after their current request
         if proc.poll() is None:  # SIGTERM, then SIGKILL
-            proc.send_signal(signal.SIGTERM)
+            proc.terminate()
             try:
                 proc.wait(60.0)
             except subprocess.TimeoutExpired:

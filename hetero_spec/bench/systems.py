@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import build_config
-from .harness import SEED, BenchContext, RunOutput, System, cores, tune
+from .harness import ALONE, SEED, BenchContext, RunOutput, System, cores, tune
 
 
 class _Engine(System):
@@ -25,9 +25,8 @@ class _Engine(System):
         if ctx.gammas and self.speculative and self.setting != "auto":  # auto picks its own each round
             self.setting = tune(self, ctx, self._run, ctx.gammas)
 
-    def _run(self, gamma: Any, prompt_ids: list[int], max_new: int) -> RunOutput:
-        out = self.engine.generate(prompt_ids, max_new_tokens=max_new, temperature=self.temperature, seed=SEED,
-                                   gamma=gamma)
+    def _run(self, gamma: Any, prompt: list[int], max_new: int) -> RunOutput:
+        out = self.engine.generate(prompt, max_new_tokens=max_new, temperature=self.temperature, seed=SEED, gamma=gamma)
         return RunOutput(out.token_ids, out.stats)
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
@@ -51,8 +50,7 @@ class TargetOnly(_Engine):
 
     def overrides(self, ctx: BenchContext) -> dict[str, Any]:
         threads = cores() if ctx.config.runtime.cpus == "auto" else ctx.config.target.threads
-        return {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process", "runtime.cpus": None,
-                **({"target.threads": threads} if threads else {})}
+        return {**ALONE, "runtime.cpus": None, **({"target.threads": threads} if threads else {})}
 
 
 class HeteroSpec(_Engine):

@@ -1,7 +1,6 @@
 """Hugging Face checkpoint -> ONNX draft with a KV cache, via onnxruntime-genai's model builder, which exports
 and quantizes (fp32, fp16, int8, int4) in a subprocess: it imports torch and transformers, which the draft side
-never does. Its full output goes to OUT/export.log; the user sees one progress line per stage.
-"""
+never does. Its full output goes to OUT/export.log; the user sees one progress line per stage."""
 
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ from ..errors import HeteroSpecError
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx", "qnn")
 LOG_NAME = "export.log"  # the builder's full output, inside the output directory
+#: the graph with `logits_from`, next to model.onnx and reading the same weights file (OnnxDecoder prefers it)
+LOGITS_FROM_MODEL = "model.logits_from.onnx"
 
 # Builder output that starts a stage worth a progress line (substring -> what the user reads), in the builder's
 # order; each is shown once. Cosmetic only: a builder that words them otherwise just shows fewer stages.
@@ -59,7 +60,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / LOG_NAME
     before = _mtime(out_dir / "model.onnx")  # a model left by an earlier export must not pass for this one
-    say = progress or ((lambda text: None) if quiet else _stderr_progress())
+    say = progress or ((lambda text: None) if quiet else stderr_progress())
     with tempfile.TemporaryDirectory(prefix="hetero-spec-export-") as cache:
         src, extra = _sliding_window_source(model_dir, Path(cache))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
@@ -70,8 +71,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
         rc = _run_builder(cmd, log_path, say)
     if rc != 0 or _mtime(out_dir / "model.onnx") in (None, before):
         raise ExportError(f"onnxruntime-genai builder failed for {str(model_dir)!r} (architecture {arch[0]}, "
-                          f"precision {precision}, exit code {rc}); full log: {log_path}; its end:\n"
-                          f"{_tail(log_path)}")
+                          f"precision {precision}, exit code {rc}); full log: {log_path}; its end:\n{_tail(log_path)}")
     # the drafter checks the vocabulary with the tokenizer; the server renders chats with the template
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
@@ -112,10 +112,6 @@ def add_logits_from(out_dir: Path) -> bool:
     return True
 
 
-#: the graph with `logits_from`, next to model.onnx and reading the same weights file (OnnxDecoder prefers it)
-LOGITS_FROM_MODEL = "model.logits_from.onnx"
-
-
 #: what the recipe quantizes beyond the builder's defaults (part of the export cache's key): int4 also quantizes an
 #: untied embedding table (GatherBlockQuantized), which stayed fp32 (0.93 GB of a 1.5B's 1.8 GB int4 export). A
 #: decode step reads one row of it, so this shrinks the export and its memory, not the bytes a token reads.
@@ -140,7 +136,6 @@ def quant_options(precision: str, config: dict | None = None, block_size: int | 
 
 def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[str]]:
     """(directory to export, builder extra options) keeping a sliding window exactly as transformers does.
-
     The builder reads the window from `layer_types`, which some configs (Mistral) leave out (the export would
     attend to the whole context): a scratch copy spells it out. `windowed_kv_cache=false`: a full-length cache
     with the window applied in attention (the drafter's sliced cache cannot drive the default ring buffer)."""
@@ -163,9 +158,10 @@ def _mtime(path: Path) -> int | None:
     return path.stat().st_mtime_ns if path.is_file() else None
 
 
-def _stderr_progress() -> Callable[[str], None]:
+def stderr_progress(prefix: str = "export") -> Callable[[str], None]:
+    """A progress callback printing timed lines on stderr: `PREFIX [  1.2 s] text`."""
     start = time.monotonic()
-    return lambda text: print(f"export [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
+    return lambda text: print(f"{prefix} [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 def _run_builder(cmd: list[str], log_path: Path, say: Callable[[str], None]) -> int:

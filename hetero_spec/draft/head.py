@@ -1,12 +1,11 @@
 """A draft whose LM head proposes only the most frequent tokens (FR-Spec, Zhao et al. 2025): `draft.head: N`.
 
 The 0.5B draft of the real pair spends a fifth of its step in its LM head over 151,936 tokens. The pruned copy of
-an export keeps the head's rows for the N tokens most frequent in a code corpus that every machine has: the
-Python standard library's source, tokenized with the draft's tokenizer, plus the tokenizer's special tokens (EOS
-must stay proposable). The copy's graph outputs N logits and `head_tokens.npy` maps them back to token ids;
-OnnxDecoder spreads them into the full vocabulary with -inf elsewhere, so the draft's q is zero outside the subset.
-Verification is untouched: greedy output is the target's, and rejection sampling and the coupled sampler stay
-exact with such a q (a draft token outside the subset is never proposed, that is all).
+an export keeps the head's rows for the N tokens most frequent in a code corpus every machine has (the Python
+standard library, tokenized with the draft's tokenizer), plus the special tokens (EOS must stay proposable). Its
+graph outputs N logits; `head_tokens.npy` maps them back to token ids, and OnnxDecoder spreads them into the full
+vocabulary with -inf elsewhere, so q is zero outside the subset. Verification is untouched: greedy output is the
+target's, and rejection sampling and the coupled sampler stay exact with such a q.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+
+from ..target.export_cache import build_once, cache_root, stamp_key
+from .export import LOGITS_FROM_MODEL
 
 HEAD_TOKENS = "head_tokens.npy"  # the token id of each logit the pruned head outputs, in order
 HEAD_SOURCE = "head_source.txt"  # the export the copy was pruned from
@@ -70,8 +72,6 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
     import onnx
     from onnx import numpy_helper
 
-    from .export import LOGITS_FROM_MODEL
-
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     graph_file = LOGITS_FROM_MODEL if (export_dir / LOGITS_FROM_MODEL).is_file() else "model.onnx"
     model = onnx.load(str(export_dir / graph_file), load_external_data=False)  # the copy's only graph
@@ -102,8 +102,7 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
         head.input[i] = new.name
     if nbits:
         attrs["N"].i = len(keep)
-    logits = next(o for o in graph.output if o.name == "logits")
-    logits.type.tensor_type.shape.dim[-1].dim_value = len(keep)
+    next(o for o in graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value = len(keep)
     onnx.save(model, str(out_dir / "model.onnx"))
     for f in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
         if f.is_file() and f.name not in ("model.onnx", LOGITS_FROM_MODEL) and not (out_dir / f.name).exists():
@@ -129,17 +128,14 @@ def _array(init, base: Path) -> np.ndarray:
     if not init.external_data:
         return numpy_helper.to_array(init)
     info = {e.key: e.value for e in init.external_data}
-    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
     with open(base / info["location"], "rb") as f:
         f.seek(int(info.get("offset", 0)))
         raw = f.read(int(info["length"]))
-    return np.frombuffer(raw, dtype=dtype).reshape(tuple(init.dims))
+    return np.frombuffer(raw, dtype=helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
 
 
 def cached_pruned(export_dir: Path, n: int, progress=None) -> Path:
     """The pruned copy of export_dir for `draft.head: n`, made once next to it in the cache."""
-    from ..target.export_cache import build_once, cache_root, stamp_key
-
     export_dir = Path(export_dir).resolve()
     key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": n})
     entry = cache_root() / "onnx" / f"{export_dir.name}-head{n}-{key}"

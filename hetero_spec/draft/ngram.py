@@ -14,7 +14,6 @@ class NgramProposer:
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n  # min_n <= max_n: checked with the config (Engine)
-        self._last: list[int] = []
         self._reset([])
 
     def spawn(self) -> NgramProposer:
@@ -23,6 +22,7 @@ class NgramProposer:
 
     def _reset(self, ids: list[int]) -> None:
         self.ids: list[int] = []
+        self._last: list[int] = []  # the last proposal
         #: n -> n-gram -> (latest start, the start before it; -1 when none)
         self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
             n: {} for n in range(self.min_n, self.max_n + 1)}
@@ -41,7 +41,6 @@ class NgramProposer:
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self._reset(list(prompt_ids))
-        self._last = []
 
     def limit_catchup(self, window: int) -> None:
         pass  # a lookup's catch-up is an index update: nothing to limit

@@ -1,7 +1,5 @@
-"""Draft model: a builder-exported decoder (`hetero-spec export`) run by the shared `OnnxDecoder`
-(onnx_decoder.py), with the stream logic of the proposer on top: propose/commit in process, and
-extend/truncate for the pipelined worker. Never imports torch.
-"""
+"""Draft model: a builder-exported decoder (`hetero-spec export`) run by the shared `OnnxDecoder`, with the stream
+logic on top: propose/commit in process, extend/truncate for the pipelined worker. Never imports torch."""
 
 from __future__ import annotations
 
@@ -49,24 +47,21 @@ class OnnxDrafter:
         pool = drafters[0]._pool
         if pool is None or len(drafters) < 2 or any(d.state.pool is not pool for d in drafters):
             return [d.propose(k) for d, k in zip(drafters, ks)]
-        dec = drafters[0].decoder
         ks = [min(k, d.context_len - len(d.ids)) for d, k in zip(drafters, ks)]
-        pending: list[int] = []
-        for d, k in zip(drafters, ks):
+        pending = [-1] * len(drafters)  # each drafter's next token to feed
+        for j, (d, k) in enumerate(zip(drafters, ks)):
             d.last_catchup_s, d._proposed = 0.0, []
-            if k <= 0:
-                pending.append(-1)
-                continue
-            start, todo = d._backlog()
-            if len(todo) > 1:
-                t0 = time.perf_counter()
-                d._feed(start, todo[:-1], last_only=True)
-                d.last_catchup_s = time.perf_counter() - t0
-            pending.append(todo[-1])
+            if k > 0:
+                start, todo = d._backlog()
+                if len(todo) > 1:
+                    t0 = time.perf_counter()
+                    d._feed(start, todo[:-1], last_only=True)
+                    d.last_catchup_s = time.perf_counter() - t0
+                pending[j] = todo[-1]
         probs: list[list[np.ndarray]] = [[] for _ in drafters]
         for i in range(max(ks, default=0)):
             live = [j for j, k in enumerate(ks) if i < k]
-            logits = dec.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
+            logits = pool.decoder.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
             for row, j in enumerate(live):
                 d = drafters[j]
                 d._at.append(len(d.ids) + i - 1)  # the token just fed: ids[-1], then this block's drafts
@@ -75,14 +70,12 @@ class OnnxDrafter:
                 if q is not None:
                     probs[j].append(q)
                 pending[j] = tok
-        return [Draft(ids=list(d._proposed), probs=np.stack(p) if p else None)
-                for d, p in zip(drafters, probs)]
+        return [Draft(ids=list(d._proposed), probs=np.stack(p) if p else None) for d, p in zip(drafters, probs)]
 
     def _attach(self, decoder: OnnxDecoder, pool, prompt_window: int | None) -> None:
-        self.decoder, self._pool = decoder, pool
-        self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
-        self.model_vocab, self.context_len = self.decoder.model_vocab, self.decoder.context_len
-        self.state = self.decoder.new_state()
+        self.decoder, self._pool, self.state = decoder, pool, decoder.new_state()
+        self.model_dir, self.vocab_width = decoder.model_dir, decoder.vocab_width
+        self.model_vocab, self.context_len = decoder.model_vocab, decoder.context_len
         self.params = SamplingParams()
         self.ids: list[int] = []
         self._proposed: list[int] = []
@@ -91,16 +84,15 @@ class OnnxDrafter:
         # past (the cache then starts at `offset`) or a catch-up skip left a gap; _base: where an empty cache starts
         self._at: list[int] = []
         self._base = 0
-        # Both limits below trade a little acceptance for speed (proposals never change the output): RoPE attention
-        # sees relative positions, so a cache with a gap, or restarted late, is the same model on less context.
-        #: draft selection (draft/select.py): of the committed tokens another strategy left to feed, only the last
-        #: catchup_skip are fed after the cached past (feeding all cost about two draft tokens a round, demo pair)
+        # Both limits trade a little acceptance for speed (proposals never change the output): RoPE attention sees
+        # relative positions, so a cache with a gap, or restarted late, is the same model on less context.
+        #: draft selection: of the committed tokens another strategy left to feed, only the last catchup_skip are
+        #: fed (feeding all cost about two draft tokens a round, demo pair)
         self.catchup_skip: int | None = None
-        #: one-shot (a re-probe after a long pause, or draft.prompt_window): a backlog longer than this restarts
-        #: the cache on its last catchup_window tokens instead of feeding it all
+        #: one-shot (a re-probe after a long pause, or draft.prompt_window): a longer backlog restarts the cache on
+        #: its last catchup_window tokens instead of feeding it all
         self.catchup_window: int | None = None
-        #: draft.prompt_window: the catchup_window each stream's first feed starts with (see begin); None: all
-        self.prompt_window = prompt_window
+        self.prompt_window = prompt_window  #: draft.prompt_window: each stream's first catchup_window (begin)
 
     @property
     def n_past(self) -> int:
@@ -132,8 +124,7 @@ class OnnxDrafter:
         """An empty cache that starts at ids[base] (in a slot of the pool, when there is one free)."""
         if self.state.pool is not None:
             self.state.pool.release(self.state)
-        state = self._pool.acquire() if self._pool is not None else None
-        self.state = state if state is not None else self.decoder.new_state()
+        self.state = (self._pool and self._pool.acquire()) or self.decoder.new_state()
         self._at, self._base = [], base
 
     # -- low level: append tokens / rewind, as onnxruntime-genai's Generator does ------------------
@@ -150,11 +141,9 @@ class OnnxDrafter:
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """A new stream. A prompt_window arms the one-shot catchup_window for its first feed; positions stay
         absolute in `ids` (sampling noise is keyed by them)."""
-        self.ids = list(prompt_ids)
-        self.params = params
+        self.ids, self.params = list(prompt_ids), params
         self._restart(0)
-        self.catchup_window = self.prompt_window
-        self._proposed = []
+        self.catchup_window, self._proposed = self.prompt_window, []
 
     def _backlog(self) -> tuple[int, list[int]]:
         """(start, ids[start:]): what to feed before the next draft token: the committed tokens not cached yet,
@@ -196,8 +185,7 @@ class OnnxDrafter:
     def extend(self, n: int) -> Draft:
         """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
         n = min(n, self.context_len - len(self.ids))
-        out: list[int] = []
-        probs: list[np.ndarray] = []
+        out, probs = [], []
         self.last_catchup_s = 0.0
         for _ in range(max(n, 0)):
             start, pending = self._backlog()
@@ -223,8 +211,7 @@ class OnnxDrafter:
     def limit_catchup(self, window: int) -> None:
         """Arm catchup_window for the next feed (a re-probe after rounds without drafting stays cheap); a prompt
         window not yet used stays if shorter."""
-        armed = self.catchup_window
-        self.catchup_window = window if armed is None else min(armed, window)
+        self.catchup_window = window if self.catchup_window is None else min(self.catchup_window, window)
 
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): the common prefix stays

@@ -1,6 +1,5 @@
 """Draft sources in this process (draft/base.py has the interface): one proposer kind for every sequence, and
-the per-round selection among several sources (draft.candidates; local sources or the worker's, in both layouts).
-"""
+the per-round selection among several sources (draft.candidates; local sources or the worker's, in both layouts)."""
 
 from __future__ import annotations
 
@@ -34,11 +33,10 @@ class LocalSource:
         self._catchup_s = Ema(0.2)  # feeding what other strategies committed, per drafting round (selection)
 
     def begin(self, seq: Seq) -> None:
-        p = self.proposer.spawn()
+        p = self._props[seq.id] = self.proposer.spawn()
         if self.catchup_skip is not None and isinstance(p, OnnxDrafter):
             p.catchup_skip = self.catchup_skip
         p.begin(seq.prompt_ids, seq.params)
-        self._props[seq.id] = p
         self._proposed[seq.id] = False
         self._fresh.add(seq.id)
 
@@ -59,10 +57,8 @@ class LocalSource:
             return drafts
         props, live_ks = [self._ready(seqs[i]) for i in live], [ks[i] for i in live]
         t = time.perf_counter()
-        if isinstance(self.proposer, OnnxDrafter):  # the rows step together where they can
-            made = OnnxDrafter.propose_batch(props, live_ks)
-        else:
-            made = [p.propose(k) for p, k in zip(props, live_ks)]
+        made = (OnnxDrafter.propose_batch(props, live_ks) if isinstance(self.proposer, OnnxDrafter)  # step together
+                else [p.propose(k) for p, k in zip(props, live_ks)])
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
         self._observe(time.perf_counter() - t, props, made, fresh)
@@ -87,10 +83,9 @@ class LocalSource:
             self._proposed[seq.id] = False
 
     def end(self, seq: Seq) -> dict[str, Any]:
-        p = self._props.pop(seq.id, None)
         self._proposed.pop(seq.id, None)
         self._fresh.discard(seq.id)
-        if p is not None:
+        if (p := self._props.pop(seq.id, None)) is not None:
             p.close()
         return {}
 
@@ -163,9 +158,7 @@ class SelectingSource:
         self._chosen[seq.id] = (None, 0)
 
     def end(self, seq: Seq) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for c in self.cands.values():
-            out.update(c.end(seq))
+        out = {key: v for c in self.cands.values() for key, v in c.end(seq).items()}
         self._chosen.pop(seq.id, None)
         return {**out, "draft_selection": self.chooser.summary()}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from ..config import Config
 
@@ -56,21 +56,18 @@ class CpuPlan:
 
 
 def pin_threads(thread_ids: list[int], cpus: list[int]) -> int:
-    """Move the given threads of this process (an engine's own ZeroMQ I/O and reaper threads) onto
-    `cpus` (the worker's cores); returns how many moved.
+    """Move the given threads of this process (an engine's own ZeroMQ I/O and reaper threads) onto `cpus` (the
+    worker's cores); returns how many moved.
 
-    Every message wakes the I/O thread. Left to float, it lands on the target's compute core in the
-    middle of a verification (measured on 2 cores: verification about 10 % slower); inheriting the
-    target's pinning instead makes each send wait for a context switch (about 2 ms). On the worker's
-    core it only takes short slices from drafting, which the worker has to spare. Only this engine's
-    threads are touched (found when its context started), never another engine's."""
+    Every message wakes the I/O thread. Left to float, it lands on the target's compute core in the middle of a
+    verification (measured on 2 cores: verification about 10 % slower); inheriting the target's pinning instead makes
+    each send wait for a context switch (about 2 ms). On the worker's core it only takes short slices from drafting,
+    which the worker has to spare. Only this engine's threads are touched (found when its context started)."""
     moved = 0
     for tid in thread_ids:
-        try:
+        with suppress(OSError):  # the thread is gone, or this system does not allow it
             os.sched_setaffinity(tid, set(cpus))
             moved += 1
-        except OSError:  # the thread is gone, or this system does not allow it
-            continue
     return moved
 
 

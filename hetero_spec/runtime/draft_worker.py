@@ -88,8 +88,7 @@ class Worker:
         self.cur: _Stream | None = None
         self.max_streams = max(1, max_streams)
         self._turn = 0  # round-robin position among the streams that want to draft
-        self.running = True
-        self.refused = False
+        self.running, self.refused = True, False
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
@@ -206,8 +205,7 @@ class Worker:
         p = st.drafter.params
         if not (p.greedy or p.coupled):  # rejection sampling: each token travels with its distribution
             if len(st.unsent_probs) != len(toks):
-                log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks),
-                            len(st.unsent_probs))
+                log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks), len(st.unsent_probs))
                 st.drafter.truncate(st.sent)
                 st.reset_unsent()
                 return
@@ -283,7 +281,7 @@ class Worker:
             self.step()
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hetero_spec.runtime.draft_worker",
                                 description="hetero_spec draft worker (started by the target process)")
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint the target bound")
@@ -301,11 +299,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
     p.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
     p.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

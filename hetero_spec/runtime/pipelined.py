@@ -79,22 +79,18 @@ class StreamBuffer:
     def _match(self, ids: list[int]) -> tuple[int, bool]:
         """Compare the stream's tokens with the committed ones they cover: (how many agree, whether all do). A
         mismatch drops the stream; otherwise the covered part (verified, or compared) is dropped."""
-        end = min(len(ids), self.base + len(self.tokens))
-        for j, pos in enumerate(range(self.base, end)):
-            if self.tokens[j] != ids[pos]:
+        cut = max(0, min(len(ids), self.base + len(self.tokens)) - self.base)
+        for j in range(cut):
+            if self.tokens[j] != ids[self.base + j]:
                 self.invalidate()
                 return j, False
-        if end > self.base:
-            cut = end - self.base
-            self.tokens, self.probs, self.base = self.tokens[cut:], self.probs[cut:], end
-            return cut, True
-        return 0, True
+        self.tokens, self.probs, self.base = self.tokens[cut:], self.probs[cut:], self.base + cut
+        return cut, True
 
     def shadow(self, ids: list[int]) -> tuple[int, int]:
-        """While the target decodes alone (speculation off): compare the stream's tokens with the committed
-        ones they cover, as a verification would have, for free; (tested, accepted) as `Acceptance.observe`
-        counts them (greedy and coupled requests, where acceptance is token equality). A mismatch drops the
-        stream (the worker re-bases on the Sync, one epoch on)."""
+        """While the target decodes alone: compare the stream with the committed tokens it covers, as a verification
+        would have, for free; (tested, accepted) as `Acceptance.observe` counts them (greedy and coupled requests:
+        acceptance is token equality). A mismatch drops the stream (the worker rebases on the Sync, one epoch on)."""
         matched, agree = self._match(ids)
         return (matched, matched) if agree else (matched + 1, matched)
 
@@ -123,8 +119,7 @@ class DraftLink:
         self.w: Worker | None = None
         self.sampled = not (params.greedy or params.coupled)  # q travels with each token
         self.buf = StreamBuffer(sampled=self.sampled)
-        self.synced = 0
-        self.drafting = True
+        self.synced, self.drafting = 0, True
         self.gamma = gamma  # the worker's block length (gamma: auto changes it between rounds)
         self.shadow = (0, 0)  # draft tokens compared with what the target decoded alone: (tested, accepted)
         self.rejected = 0  # messages of this request refused for bad contents (ids out of range, ...)
@@ -175,10 +170,9 @@ class DraftLink:
         self._worker(ids)
 
     def _pump(self, w: Worker, timeout_s: float) -> bool:
-        """Receive at most one message (waiting up to timeout_s); False when nothing came.
-
-        Transfer time is sampled only for messages that arrive while we wait: a message that sat in the
-        queue while the target was busy verifying measures the queueing, not the transfer."""
+        """Receive at most one message (waiting up to timeout_s); False when nothing came. Transfer time is sampled
+        only for messages that arrive while we wait: one that sat in the queue while the target was busy verifying
+        measures the queueing, not the transfer."""
         got = w.channel.recv(timeout_s)
         if got is None:
             return False
@@ -193,8 +187,7 @@ class DraftLink:
 
     def _accept(self, w: Worker, msg, arrays: list[np.ndarray], waited: bool) -> None:
         """A Proposal of this request's stream (transfer time sampled only when we waited for it)."""
-        why = self._check_arrays(arrays)
-        if why:
+        if why := self._check_arrays(arrays):
             w.channel.reject(f"{type(msg).__name__}: {why}")
             self.rejected += 1
             return
@@ -215,9 +208,9 @@ class DraftLink:
                 return f"distributions of shape {q.shape}, the vocabulary is {self.vocab_width} wide"
             if not np.isfinite(q).all() or (q < 0).any():
                 return "distributions with NaN, infinite or negative probabilities"
-            sums = q.sum(axis=1, dtype=np.float64)
-            if np.abs(sums - 1.0).max(initial=0.0) > PROB_SUM_TOL:
-                return f"distributions that do not sum to 1 (off by up to {np.abs(sums - 1.0).max():.3g})"
+            off = np.abs(q.sum(axis=1, dtype=np.float64) - 1.0).max(initial=0.0)
+            if off > PROB_SUM_TOL:
+                return f"distributions that do not sum to 1 (off by up to {off:.3g})"
             if len(q) != len(ids):
                 return f"{len(q)} distributions for {len(ids)} tokens"
         return ""
@@ -227,8 +220,7 @@ class DraftLink:
         if k <= 0:
             self._idle_check(ids)
             return Draft(ids=[])
-        w = self._worker(ids)
-        if w is None:
+        if (w := self._worker(ids)) is None:
             return Draft(ids=[])
         while self._pump(w, 0.0):  # drain what is queued
             pass
@@ -257,15 +249,13 @@ class DraftLink:
         if now - self._last_idle_check < IDLE_CHECK_S:
             return
         self._last_idle_check = now
-        w = self._worker(ids)
-        if w is None:
+        if (w := self._worker(ids)) is None:
             return
         while self._pump(w, 0.0):
             pass
         if not self.sampled:  # what a probe drafted, checked against what the target decoded alone
             tested, accepted = self.buf.shadow(ids)
-            if tested:
-                self.shadow = (self.shadow[0] + tested, self.shadow[1] + accepted)
+            self.shadow = (self.shadow[0] + tested, self.shadow[1] + accepted)
         if not self.sup.check(w):
             self._leave(w)
 

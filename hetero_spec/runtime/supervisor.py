@@ -1,9 +1,8 @@
 """Target-side handle of the draft worker: spawn, readiness, health, restart with backoff, shutdown.
 
-Readiness and health are real probes: a worker is ready when it has loaded its model and said Ready
-over the channel; it is healthy while its process runs and it answers Ping within the heartbeat.
-A worker that dies or hangs is killed and restarted in a background thread with exponential backoff;
-meanwhile the target decodes alone.
+Readiness and health are real probes: a worker is ready once it has loaded its model and said Ready over the
+channel; it is healthy while its process runs and it answers Ping within the heartbeat. A worker that dies or hangs
+is killed and restarted in a background thread with exponential backoff; meanwhile the target decodes alone.
 """
 
 from __future__ import annotations
@@ -61,14 +60,13 @@ class Worker:
     stderr_path: str = ""
 
 
+@dataclass
 class ProcessLauncher:
     """Starts `python -m hetero_spec.runtime.draft_worker` on a fresh channel of the engine's context.
     CURVE keys (ephemeral per worker unless configured) go to the worker through its stdin pipe."""
 
+    server: ServerContext
     module = "hetero_spec.runtime.draft_worker"  # what `python -m` runs
-
-    def __init__(self, server: ServerContext):
-        self.server = server
 
     def launch(self, spec: WorkerSpec, generation: int) -> Worker:
         r, d = spec.runtime, spec.draft
@@ -102,28 +100,21 @@ class RemoteProcess:
     """Stands in for the Popen of a worker on another host: it runs as long as the link says so (heartbeat)."""
 
     returncode = None
+    pid = 0  # the remote pid, once its Ready arrives
 
-    def __init__(self):
-        self.pid = 0  # the remote pid, once its Ready arrives
-
-    def poll(self):
+    def poll(self, timeout=None):
+        """Still running (None). It is terminate, kill and wait too: a remote process is not ours to end."""
         return None
 
-    def terminate(self):
-        pass
-
-    kill = terminate
-
-    def wait(self, timeout=None):
-        return None
+    terminate = kill = wait = poll
 
 
+@dataclass
 class RemoteLauncher:
     """runtime.worker remote: bind runtime.host:runtime.port over TCP with the target's CURVE key, admit the keys
     of runtime.worker_keys, and wait there for a worker started elsewhere (`hetero-spec draft-worker --connect`)."""
 
-    def __init__(self, server: ServerContext):
-        self.server = server
+    server: ServerContext
 
     def launch(self, spec: WorkerSpec, generation: int) -> Worker:
         r = spec.runtime
@@ -136,15 +127,13 @@ class RemoteLauncher:
 
 
 class DraftSupervisor:
-    """Owns the current worker. Only the thread serving a request talks on the channel; the restart
-    thread only spawns a new worker and hands it over once it is ready. `launcher` and `clock` are
-    seams for tests (an in-memory worker, a fake clock)."""
+    """Owns the current worker. Only the thread serving a request talks on the channel; the restart thread only
+    spawns a new worker and hands it over once it is ready. `launcher` and `clock` are seams for tests."""
 
     def __init__(self, spec: WorkerSpec, launcher=None, clock=time.monotonic):
         self.spec, self.clock = spec, clock
         r = spec.runtime
-        why = check_bind_host(r.host, r.curve_keys is not None) if r.transport == "tcp" else None
-        if why:
+        if r.transport == "tcp" and (why := check_bind_host(r.host, r.curve_keys is not None)):
             raise WorkerStartError(why)
         self._server = ServerContext() if launcher is None else None
         self.remote = r.worker == "remote"
@@ -186,8 +175,7 @@ class DraftSupervisor:
             self.generation += 1
             generation = self.generation
         w = self.launcher.launch(self.spec, generation)
-        why = self._await_ready(w)
-        if why:
+        if why := self._await_ready(w):
             self._reap(w)
             raise WorkerStartError(why)
         w.last_heard = self.clock()
@@ -222,16 +210,13 @@ class DraftSupervisor:
         if self.remote:
             return (f"no draft worker connected to {w.channel.endpoint} within {timeout_s:.0f} s "
                     "(runtime.ready_timeout_s)")
-        return (f"draft worker did not become ready within {timeout_s:.0f} s "
-                f"(runtime.ready_timeout_s); model {model}")
+        return f"draft worker did not become ready within {timeout_s:.0f} s (runtime.ready_timeout_s); model {model}"
 
     def _reap(self, w: Worker, graceful: bool = False) -> None:
         if graceful and w.proc.poll() is None:
-            try:
+            with contextlib.suppress(Exception):  # escalate below
                 w.channel.send(Shutdown())
                 w.proc.wait(timeout=2.0)
-            except Exception:  # noqa: BLE001 - escalate below
-                pass
         if w.proc.poll() is None:
             w.proc.terminate()
             try:
@@ -349,8 +334,7 @@ class DraftSupervisor:
         """What is known without touching the channel (safe while a request uses it)."""
         with self._lock:
             w = self._pending or self._worker
-        down = self._down(w)
-        if down is not None:
+        if (down := self._down(w)) is not None:
             return down
         age = self.clock() - w.last_heard
         state = "ok" if age <= self.spec.runtime.heartbeat_s or w.ping_sent is None else "unresponsive"
@@ -361,8 +345,7 @@ class DraftSupervisor:
         """A real probe: ping the worker and wait for its answer. Only call it while no request is
         using the channel (the Engine makes sure): it reads and discards whatever else arrives."""
         w = self.current()
-        down = self._down(w)
-        if down is not None:
+        if (down := self._down(w)) is not None:
             if w is not None:
                 self.fail(w, f"exited with code {w.proc.returncode}")
             return down

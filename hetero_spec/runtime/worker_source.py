@@ -39,8 +39,7 @@ class WorkerSource:
     def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, max_streams: int = 8,
                  launcher=None, clock=time.monotonic):
         r, d = config.runtime, config.draft
-        self.config, self.clock, self.vocab_width = config, clock, vocab_width
-        self.trace = r.trace
+        self.config, self.clock, self.vocab_width, self.trace = config, clock, vocab_width, r.trace
         self.draft_cpus = draft_cpus(config)
         self.target_cpus = [c for c in allowed() if c not in self.draft_cpus] if self.draft_cpus else None
         msg_bytes = max_msg_bytes(vocab_width, context_len, r.max_ahead or 2 * 64 + 1)  # gamma <= 64
@@ -88,8 +87,7 @@ class WorkerSource:
             return {}
         link.end()
         failures0, restarts0 = self._counts.pop(seq.id)
-        out: dict[str, Any] = {"stale_proposals": link.buf.stale,
-                               "draft_failures": self.sup.failures - failures0,
+        out: dict[str, Any] = {"stale_proposals": link.buf.stale, "draft_failures": self.sup.failures - failures0,
                                "draft_restarts": self.sup.restarts - restarts0,
                                "dropped_messages": link.dropped, "rejected_messages": link.rejected}
         if link.trace is not None:

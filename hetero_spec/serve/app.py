@@ -1,13 +1,12 @@
 """`hetero-spec serve`: an OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template),
-GET /v1/models, GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template), GET /v1/models,
+GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
 
-Each request goes to the Engine's request scheduler (scheduler.py), which decodes up to serving.max_batch of
-them together and hands each round's tokens to the event loop through an asyncio queue (Engine.astream_tokens),
-so the loop never blocks on decoding. A client that disconnects, or a stop string that appears, sets the
-request's cancel event: it leaves the batch before its next round (or before it starts), freeing its KV state
-for a waiting one.
+Each request goes to the Engine's request scheduler (scheduler.py), which decodes up to serving.max_batch of them
+together and hands each round's tokens to the event loop through an asyncio queue (Engine.astream_tokens), so the loop
+never blocks on decoding. A client that disconnects, or a stop string that appears, sets the request's cancel event: it
+leaves the batch before its next round (or before it starts), freeing its KV state for a waiting one.
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ def _usage(stats: Stats) -> dict[str, int]:
 
 def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, own_engine: bool = True):
     """The FastAPI app serving `engine` as model `model_name`. own_engine: close the Engine at shutdown."""
-    metrics = ServeMetrics()
+    metrics, created = ServeMetrics(), int(time.time())
     template = chat_template(getattr(engine.target, "model_dir", None) or engine.config.target.model)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -87,8 +85,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
+        first = next(iter(exc.errors()), {})
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return JSONResponse(ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
                                      param=param).body(), status_code=400)
@@ -210,8 +207,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         check_model(req.model)
         if template is None:
             raise ApiError(400, f"model {model_name!r} has no chat template (tokenizer_config.json chat_template or "
-                                f"chat_template.jinja); "
-                                "use /v1/completions", param="messages", code="no_chat_template")
+                                "chat_template.jinja); use /v1/completions", param="messages", code="no_chat_template")
         try:
             prompt = render_chat(template, req.messages)
         except Exception as exc:  # a template that refuses the conversation (raise_exception) or fails
@@ -240,8 +236,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.observe_batches(engine.batch_sizes())
-        metrics.waiting.set(engine.waiting_requests())
+        metrics.scrape(engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -49,22 +49,18 @@ def deployment_options(config: Config) -> dict:
     """serving.ray as `serve.deployment` options: replicas or autoscaling, the per-replica request limit and
     the Ray resources of one replica."""
     rc = config.serving.ray
-    gpu = str(config.target.device).startswith("cuda")
     batch = config.serving.max_batch if isinstance(config.serving.max_batch, int) else 8  # auto: its fallback
-    if rc.max_ongoing_requests and rc.max_ongoing_requests > batch + config.serving.max_waiting:
-        limit = batch + config.serving.max_waiting
+    limit = batch + config.serving.max_waiting
+    if rc.max_ongoing_requests and rc.max_ongoing_requests > limit:
         raise config.error("serving.ray.max_ongoing_requests", rc.max_ongoing_requests,
                            f"must be at most serving.max_batch + serving.max_waiting ({limit}): a replica refuses "
                            "requests beyond its batch and queue")
-    opts: dict = {"max_ongoing_requests": rc.max_ongoing_requests or batch,
-                  "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
-                  "health_check_period_s": rc.health_check_period_s,
-                  "health_check_timeout_s": rc.health_check_timeout_s}
-    if rc.autoscaling is not None:
-        opts["autoscaling_config"] = rc.autoscaling.model_dump()
-    else:
-        opts["num_replicas"] = rc.num_replicas
-    return opts
+    scale = ({"num_replicas": rc.num_replicas} if rc.autoscaling is None
+             else {"autoscaling_config": rc.autoscaling.model_dump()})
+    gpu = str(config.target.device).startswith("cuda")
+    return {"max_ongoing_requests": rc.max_ongoing_requests or batch, **scale,
+            "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
+            "health_check_period_s": rc.health_check_period_s, "health_check_timeout_s": rc.health_check_timeout_s}
 
 
 def core_slice(cores: list[int], n: int, local_rank: int) -> list[int] | None:
@@ -103,8 +99,7 @@ class Replica:
         self.tag = ctx.replica_tag
         mine = core_slice(allowed(), replica_cpus(config), ctx.rank.local_rank)
         if mine and hasattr(os, "sched_setaffinity"):
-            # every thread of the replica's process (Ray's own ones too), before the Engine: its threads and its
-            # worker inherit the slice
+            # all threads of the replica's process (Ray's own too), before the Engine: its threads and worker inherit it
             pin_threads([int(t) for t in os.listdir("/proc/self/task")], mine)
             log.info("replica %s pinned to cpus %s", self.tag, mine)
         self.engine = Engine.from_config(config)
@@ -134,8 +129,7 @@ class Replica:
         metrics = self.web.state.metrics
         while True:
             try:
-                metrics.observe_batches(self.engine.batch_sizes())
-                metrics.waiting.set(self.engine.waiting_requests())
+                metrics.scrape(self.engine)
                 mirror_metrics(metrics.registry, gauge_for, {"replica": self.tag})
             except Exception:  # metrics never take the replica down
                 log.exception("mirroring metrics to Ray failed")

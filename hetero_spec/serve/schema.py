@@ -112,22 +112,18 @@ class StopMatcher:
         if self.stopped:
             return ""
         self.buf += piece
-        if self.stops:
-            cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                out, self.buf, self.stopped = self.buf[:cut], "", True
-                return out
-        cut = len(self.buf) - (0 if final or not self.stops else self._tail())
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.buf, self.stopped = self.buf[:cut], "", True
+            return out
+        cut = len(self.buf) - (0 if final else self._tail())  # no stops: _tail() is 0
         out, self.buf = self.buf[:cut], self.buf[cut:]
         return out
 
     def _tail(self) -> int:
         """Length of the longest suffix of buf that is a proper prefix of a stop string."""
-        for n in range(min(self.hold, len(self.buf)), 0, -1):
-            tail = self.buf[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
+        return next((n for n in range(min(self.hold, len(self.buf)), 0, -1)
+                     if any(s.startswith(self.buf[-n:]) for s in self.stops)), 0)
 
 
 def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:

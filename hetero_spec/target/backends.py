@@ -9,14 +9,11 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 from .export_cache import cached_export, exportable
-
-log = logging.getLogger("hetero_spec.target")
 
 
 @dataclass(frozen=True)
@@ -59,9 +56,7 @@ def choose_backend(t, source: str = "<config>") -> BackendChoice:
 
 def precision_of(t) -> str:
     """target.precision, else its alias target.dtype (auto: fp32 here; the Engine resolves auto per device)."""
-    if t.precision is not None:
-        return t.precision
-    return {"float16": "fp16", "bfloat16": "bf16"}.get(t.dtype, "fp32")
+    return t.precision if t.precision is not None else {"float16": "fp16", "bfloat16": "bf16"}.get(t.dtype, "fp32")
 
 
 #: the model builder's `-e` for the first of target.providers (the graph it writes differs per provider)

@@ -1,9 +1,7 @@
-"""The target-side interface: what the decode loop (scheduler.py) needs of a verifier.
-
-Two backends implement it: `verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget` (ONNX
-Runtime; never imports torch). Each request's state (KV cache and its length, `n_cached`) lives in the object
-`new_state()` returns, never in the model, so one loaded model serves many requests, and the request scheduler
-verifies several states' blocks in one pass (`verify_batch`).
+"""The target-side interface: what the decode loop (scheduler.py) needs of a verifier. Two backends implement it:
+`verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget` (ONNX Runtime; never imports torch).
+Each request's state (KV cache and its length, `n_cached`) lives in the object `new_state()` returns, never in the
+model, so one loaded model serves many requests and one pass can verify several states' blocks (`verify_batch`).
 
 Cache invariant: the state caches every committed token but the last, which is fed at the start of the next pass
 together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
@@ -21,6 +19,7 @@ class Verifier(Protocol):
     context_len: int  # prompt + generated tokens may not exceed it
     eos_token_ids: set[int]
     tokenizer: Any  # encode(text) / decode(ids, skip_special_tokens=...), or None
+    batch_blocks: bool  # rows with draft blocks of different lengths share a verify_batch pass (else 1-token rows)
 
     def new_state(self) -> Any:
         """A fresh per-request state (empty cache, n_cached == 0)."""
@@ -33,9 +32,6 @@ class Verifier(Protocol):
 
     def rollback(self, state: Any, n_keep: int) -> None:
         """Keep the first n_keep cached positions (drop the rejected drafts)."""
-
-    #: whether rows with draft blocks of different lengths share a verify_batch pass (else only 1-token rows)
-    batch_blocks: bool
 
     def enable_batching(self, slots: int) -> None:
         """Prepare for up to `slots` states verified together (the request scheduler's serving.max_batch)."""

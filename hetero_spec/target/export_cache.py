@@ -1,5 +1,4 @@
-"""The ONNX export of a Hugging Face target, made once on first use and reused: `target.backend: onnx` (or `auto`
-on a CPU) with a Hugging Face `target.model`.
+"""The ONNX export of a Hugging Face `target.model` (`target.backend: onnx`, or `auto` on a CPU), made once, reused.
 
 Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `onnx/NAME-PRECISION-KEY`. KEY hashes
 what identifies the checkpoint cheaply (its resolved path, config.json, and every weight file's name, size and
@@ -16,10 +15,11 @@ import json
 import logging
 import os
 import shutil
-import sys
-import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
+
+from ..draft.export import quant_options, stderr_progress
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,9 @@ def cache_root() -> Path:
 
 def architecture(model_dir: Path) -> str | None:
     try:
-        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+        return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
     except (OSError, ValueError):
         return None
-    return archs[0] if archs else None
 
 
 def exportable(model_dir: Path) -> tuple[bool, str]:
@@ -68,8 +67,6 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
     files = sorted(p for p in model_dir.iterdir()
                    if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model"))
     try:
-        from importlib.metadata import version
-
         builder = version("onnxruntime-genai")
     except Exception:  # metadata missing: still a stable key
         builder = "?"
@@ -78,8 +75,6 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
              "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     if execution_provider != "cpu":
         stamp["execution_provider"] = execution_provider
-    from ..draft.export import quant_options
-
     if options := quant_options(precision, stamp["config"]):  # a recipe change re-exports (other keys predate it)
         stamp["quant_options"] = options
     return stamp
@@ -146,18 +141,9 @@ def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[P
         scratch = entry.parent / f"{entry.name}.tmp-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            build(scratch, progress or _stderr_progress())
+            build(scratch, progress or stderr_progress("hetero-spec"))
             shutil.rmtree(entry, ignore_errors=True)
             scratch.rename(entry)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return entry
-
-
-def _stderr_progress() -> Callable[[str], None]:
-    start = time.monotonic()
-
-    def say(text: str) -> None:
-        print(f"hetero-spec [{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
-
-    return say

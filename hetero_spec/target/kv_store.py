@@ -4,8 +4,7 @@ a float32 scale per token and head (absmax over the head's dimensions), or plain
 A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass stores
 exactly what one-token steps store: output stays identical to the target decoding alone with the same cache dtype,
 while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4. Dequantizing the whole cache each
-pass costs time: this trades speed for memory (docs/features-precision.md).
-"""
+pass costs time: this trades speed for memory (docs/features-precision.md)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ class StoredKVLayer(DynamicLayer):
         return [q.to(_STORE[self.kind]), scale]
 
     def _unpack(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        if len(parts) == 1:
-            return parts[0].to(dtype)
-        return (parts[0].float() * parts[1]).to(dtype)
+        return parts[0].to(dtype) if len(parts) == 1 else (parts[0].float() * parts[1]).to(dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
@@ -50,9 +47,8 @@ class StoredKVLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count (tokens to remove)")
-        if tokens_to_remove == 0 or not self.parts:
-            return
-        self.parts = [p[..., :tokens_to_remove, :] for p in self.parts]
+        if tokens_to_remove and self.parts:
+            self.parts = [p[..., :tokens_to_remove, :] for p in self.parts]
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parts)

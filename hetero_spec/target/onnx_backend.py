@@ -1,9 +1,6 @@
-"""ONNX Runtime target backend: the same verifier interface as the PyTorch one (target/verifier.py),
-run by the shared `OnnxDecoder` on a builder-exported target (`hetero-spec export --model HF_DIR`).
-
-On a CPU, ONNX Runtime's kernels are about 3x faster than transformers' eager forward for the same fp32
-weights (docs/benchmarks.md). Never imports torch: an edge box can run both sides on ONNX Runtime.
-"""
+"""ONNX Runtime target backend: the verifier interface (target/base.py) run by the shared `OnnxDecoder` on a
+builder-exported target (`hetero-spec export --model HF_DIR`). On a CPU, ONNX Runtime's kernels are about 3x faster
+than transformers' eager forward for the same fp32 weights (docs/benchmarks.md). Never imports torch."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ class OnnxTarget:
                                  "needs an exported target (`hetero-spec export --model HF_DIR --out DIR`)")
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
                                    prefill_threads=prefill_threads)
-        self.model_dir = model_dir
-        self.vocab_width = self.decoder.vocab_width
+        self.model_dir, self.vocab_width = model_dir, self.decoder.vocab_width
         ctx = self.decoder.context_len
         self.context_len = min(ctx, max_context) if max_context else ctx
         eos = self.decoder.genai_config.get("eos_token_id")
@@ -64,8 +60,7 @@ class OnnxTarget:
             self._pool = self.decoder.new_pool(slots)
 
     def new_state(self) -> DecoderState:
-        state = self._pool.acquire() if self._pool is not None else None
-        return state if state is not None else self.decoder.new_state()
+        return (self._pool and self._pool.acquire()) or self.decoder.new_state()
 
     def release_state(self, state: DecoderState) -> None:
         """Free the state's pool slot (a request ended); a no-op for a state with buffers of its own."""
@@ -92,7 +87,6 @@ class OnnxTarget:
             self.forward(state, prompt_ids[:-1], last_only=True, wide=True)
 
     def verify(self, state: DecoderState, last_token: int, draft_ids: list[int], greedy: bool) -> list | np.ndarray:
-        """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
     def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
@@ -107,14 +101,10 @@ class OnnxTarget:
             logits = self.decoder.append_batch([rows[i][0] for i in singles], [rows[i][1] for i in singles])
             for j, i in enumerate(singles):
                 results[i] = _outputs(logits[j:j + 1], greedy[i])
-        for i, (state, last, draft) in enumerate(rows):
-            if results[i] is None:
-                results[i] = self.verify(state, last, draft, greedy[i])
-        return results
+        return [self.verify(state, last, draft, g) if r is None else r
+                for r, (state, last, draft), g in zip(results, rows, greedy)]
 
 
 def _outputs(logits: np.ndarray, greedy: bool) -> list[int] | np.ndarray:
     """A verify pass's result for one row: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
-    if greedy:
-        return logits.argmax(axis=-1).tolist()
-    return logits.astype(np.float32, copy=False)
+    return logits.argmax(axis=-1).tolist() if greedy else logits.astype(np.float32, copy=False)

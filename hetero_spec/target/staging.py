@@ -1,13 +1,11 @@
-"""Host -> device staging of candidate token ids for the target's forward pass. Only token ids travel this way:
-the draft's q and the target's p never touch the device here (verification runs in numpy, `sampling`).
+"""Host -> device staging of candidate token ids for the target's forward pass (only ids: q and p stay in numpy).
 
-On CUDA: one reusable pinned host buffer and one device buffer; ids are written into the host buffer and copied
-with non_blocking=True on a side stream, and the compute stream waits on an event for that copy. Two orderings keep
-the reused buffers safe: the side stream first waits for the compute stream (a forward pass queued earlier, such as
-the prefill, whose logits nobody reads, may still read the device buffer), and the host waits for the previous
-copy's event before writing the pinned buffer (that copy reads it asynchronously and may not have run yet). In the
-decode loop the host has already synchronised on the previous verify, so neither wait normally blocks. On a CPU
-(or a torch build without CUDA, where pin_memory=True raises) it is a plain tensor: there is nothing to copy.
+On CUDA: one reused pinned host buffer and one device buffer; ids are copied with non_blocking=True on a side
+stream, and the compute stream waits on an event for that copy. Two orderings keep the reused buffers safe: the side
+stream first waits for the compute stream (an earlier forward pass, such as the prefill, may still read the device
+buffer), and the host waits for the previous copy's event before writing the pinned buffer (that copy may not have
+run yet). In the decode loop neither wait normally blocks. On a CPU (or a torch build without CUDA, where
+pin_memory=True raises) it is a plain tensor: there is nothing to copy.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ class Staging:
             self._copied = torch.cuda.Event()  # the last host -> device copy (unrecorded: no wait)
 
     def sync(self) -> None:
-        """Wait until the device has done the work queued so far (CUDA launches return at once): a stage timed on
-        the host, such as the prefill, whose logits nobody reads, ends here and not inside the next one."""
+        """Wait for the work queued so far (CUDA launches return at once): a stage timed on the host, such as the
+        prefill, ends here and not inside the next one."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -39,9 +37,8 @@ class Staging:
         return self.cuda and self._tok_host.is_pinned()
 
     def tokens(self, ids: list[int]) -> torch.Tensor:
-        """ids -> a [1, len] long tensor on the device (async on CUDA; the compute stream waits).
-
-        On CUDA the result is a view of the reused device buffer: valid until the next call."""
+        """ids -> a [1, len] long tensor on the device (async on CUDA; the compute stream waits). On CUDA the
+        result is a view of the reused device buffer: valid until the next call."""
         n = len(ids)
         if not self.cuda:
             return torch.tensor([ids], dtype=torch.long)

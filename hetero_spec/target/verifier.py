@@ -17,25 +17,26 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.utils import logging as hf_logging
 
 from ..errors import ModelLoadError
+from .kv_store import StoredKVLayer
+from .staging import Staging
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"target.device is {device!r} but this torch build has no CUDA device "
                              f"(torch {torch.__version__}); use device: cpu or auto")
-    return torch.device(device)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype == "auto" else _DTYPES[dtype]
 
 
 @dataclass
@@ -50,12 +51,10 @@ class TargetModel:
     """A loaded Hugging Face causal LM used as the verifier (implements target.base.Verifier)."""
 
     backend = "torch"
+
     def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
                  threads: int | None = None, max_context: int | None = None, quantize: str | None = None,
                  kv_cache_dtype: str = "auto"):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
@@ -76,13 +75,11 @@ class TargetModel:
             from torch.ao.quantization import quantize_dynamic
 
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
-        self.kv_cache_dtype = kv_cache_dtype
         # verified row by row: int8 weights take one activation scale per call (rows sharing a pass would change
         # each other's rounding), and the padded batch reads raw keys, which a stored cache does not keep
         self.quantized = quantize is not None or kv_cache_dtype != "auto"
-        #: whether rows with draft blocks of different lengths share one pass (padding masks), not only 1-token rows
-        self.batch_blocks = not self.quantized
-        self.config, self.model_dir = config, model_dir
+        self.batch_blocks = not self.quantized  # blocks of different lengths share a pass (padding masks)
+        self.config, self.model_dir, self.kv_cache_dtype = config, model_dir, kv_cache_dtype
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError):
@@ -96,18 +93,11 @@ class TargetModel:
         if self.windowed and kv_cache_dtype != "auto":
             raise ModelLoadError(f"target model {str(model_dir)!r} has sliding-window layers; target.kv_cache_dtype "
                                  f"{kv_cache_dtype} supports full-attention caches only (use auto)")
-        from .staging import Staging
-
         self.staging = Staging(self.device)
 
-    # -- per-request state ------------------------------------------------------------------------
     def new_state(self) -> TargetState:
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=self.config)
         if self.kv_cache_dtype != "auto":
-            from .kv_store import StoredKVLayer
-
             cache.layers = [StoredKVLayer(self.kv_cache_dtype) for _ in cache.layers]
         return TargetState(cache=cache)
 
@@ -151,20 +141,16 @@ class TargetModel:
         state.cache.activate_past_recording()
 
     def verify(self, state: TargetState, last_token: int, draft_ids: list[int], greedy: bool) -> list[int] | np.ndarray:
-        """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: list[bool]) -> list:
-        """Verify several requests' blocks in ONE forward pass; rows are (state, last_token, draft_ids) and
-        each gets what `verify` would return for it (greedy: one flag per row).
-
-        The batch is built padded: each row's past is right-aligned in [B, heads, L, dim] (L the longest past;
-        masked zeros on its left) and its block left-aligned in [B, K] (K the longest block; the pad tokens
-        after it are seen by nothing real, attention being causal), with explicit positions. Afterwards each row
-        takes back its own new positions, so a rollback never leaves a pad behind. Sliding-window caches, whose
-        recorded past a padded copy cannot keep, and quantized models (see __init__) verify one row per pass.
-        """
+        """Verify several requests' blocks in ONE forward pass: what `verify` returns for each row. Padded: each
+        row's past right-aligned in [B, heads, L, dim] (L the longest past; masked zeros on its left), its block
+        left-aligned in [B, K] (the pad tokens after it are seen by nothing real, attention being causal), explicit
+        positions. Each row then takes back its own new positions, so a rollback never leaves a pad behind.
+        Sliding-window caches (a padded copy cannot keep their recorded past) and quantized models (see __init__)
+        verify one row per pass."""
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         if len(rows) == 1 or self.windowed or self.quantized:
@@ -183,8 +169,8 @@ class TargetModel:
                          position_ids=pos.to(self.device), cache=batch, use_cache=True)
         results = []
         for i, ((state, _, _), block) in enumerate(zip(rows, blocks)):
+            end = big_l + len(block)
             for layer, new in zip(state.cache.layers, batch.layers):
-                end = big_l + len(block)
                 layer.update(new.keys[i:i + 1, :, big_l:end], new.values[i:i + 1, :, big_l:end])
             state.n_cached += len(block)
             results.append(_outputs(out.logits[i, :len(block)], greedy[i]))
@@ -192,27 +178,23 @@ class TargetModel:
 
     def _padded_cache(self, caches: list, lens: list[int], big_l: int):
         """One DynamicCache [B, heads, big_l, dim] per layer: each row's past right-aligned, zeros before it."""
-        from transformers import DynamicCache
-
         batch = DynamicCache(config=self.config)
         if not big_l:
             return batch
         like = next(cache for cache, n in zip(caches, lens) if n).layers  # a row with a past: shapes the empty ones
+
+        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:  # each [1, heads, >= n, dim] -> [B, heads, big_l, dim]
+            return torch.cat([F.pad(t[:, :, :n], (0, 0, big_l - n, 0)) for t, n in zip(tensors, lens)])
+
         for li, layer in enumerate(batch.layers):
-            keys, values = [], []
-            for cache, n in zip(caches, lens):
-                src = cache.layers[li] if n else like[li]
-                keys.append(F.pad(src.keys[:, :, :n], (0, 0, big_l - n, 0)))  # [1, heads, big_l, dim]
-                values.append(F.pad(src.values[:, :, :n], (0, 0, big_l - n, 0)))
-            layer.update(torch.cat(keys), torch.cat(values))
+            srcs = [cache.layers[li] if n else like[li] for cache, n in zip(caches, lens)]
+            layer.update(padded([s.keys for s in srcs]), padded([s.values for s in srcs]))
         return batch
 
 
 def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
     """A verify pass's result for one row: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
-    if greedy:
-        return logits.argmax(dim=-1).tolist()
-    return logits.float().cpu().numpy()
+    return logits.argmax(dim=-1).tolist() if greedy else logits.float().cpu().numpy()
 
 
 def _check_rollback(config, model_dir: Path) -> bool:
@@ -220,11 +202,7 @@ def _check_rollback(config, model_dir: Path) -> bool:
 
     Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on.
     Linear-attention, conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent
-    state that crop does not restore, and any other layer type is unknown to this verifier.
-    """
-    from transformers.cache_utils import DummyLayer, DynamicCache, DynamicIndexedLayer, DynamicLayer, \
-        DynamicSlidingWindowLayer
-
+    state that crop does not restore, and any other layer type is unknown to this verifier."""
     exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, DummyLayer)
     try:
         layers = DynamicCache(config=config).layers
@@ -240,8 +218,5 @@ def _check_rollback(config, model_dir: Path) -> bool:
 
 
 def _eos_ids(model, config) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), config):
-        eos = getattr(src, "eos_token_id", None)
-        ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos or ()))
-    return ids
+    found = [getattr(src, "eos_token_id", None) for src in (getattr(model, "generation_config", None), config)]
+    return {int(e) for eos in found for e in ([eos] if isinstance(eos, int) else eos or ())}

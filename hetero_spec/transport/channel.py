@@ -47,8 +47,7 @@ class CurveKeys:
 
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
-        """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificate files, as written by
-        `zmq.auth.create_certificates` or `hetero-spec keys`) from a directory."""
+        """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificates, as `hetero-spec keys` writes them)."""
         import zmq.auth
 
         d = Path(directory)
@@ -79,8 +78,7 @@ def write_keys(directory: str | Path) -> Path:
 
 
 def worker_keys(directory: str | Path) -> dict:
-    """A remote worker's side of the link, from a `hetero-spec keys` directory: its own client.key_secret
-    and the target's public server.key."""
+    """A remote worker's keys, from a `hetero-spec keys` directory: its client.key_secret, the target's server.key."""
     import zmq.auth
 
     d = Path(directory)
@@ -197,7 +195,7 @@ class Channel:
                  client_key: bytes | None = None, server: ServerContext | None = None):
         self.sock, self.endpoint, self._ipc_path, self._own_ctx = sock, endpoint, ipc_path, own_ctx
         self._client_key, self._server = client_key, server
-        self.dropped = self.sent = self.received = 0
+        self.dropped = self.received = 0
         self.closed = False
         self._monitor: zmq.Socket | None = None
 
@@ -215,19 +213,17 @@ class Channel:
             sock.curve_publickey = curve.server_public
             sock.curve_server = True
         ipc_path = server.path(f"{name}.sock") if transport == "ipc" else None
+        endpoint = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
         try:
-            if ipc_path:
-                sock.bind(f"ipc://{ipc_path}")
-            elif port:
-                sock.bind(f"tcp://{host}:{port}")
+            if ipc_path or port:
+                sock.bind(endpoint)
             else:
-                port = sock.bind_to_random_port(f"tcp://{host}")
+                endpoint = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
         except zmq.ZMQError:
             sock.close(linger=0)
             if curve is not None:
                 server.revoke(curve.client_public)
             raise
-        endpoint = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
         return cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
 
     @classmethod
@@ -271,7 +267,6 @@ class Channel:
         except zmq.ZMQError as exc:  # Again: the peer is not keeping up; else the socket went away (a reap)
             log.debug("send on %s failed: %s", self.endpoint, exc)
             return False
-        self.sent += 1
         return True
 
     def poll(self) -> bool:

@@ -1,14 +1,12 @@
 """Wire protocol between the target process and the draft worker. The one place the frame layout lives.
 
-A message is one ZeroMQ multipart message:
+A message is one ZeroMQ multipart message. Frame 0 is the header: a msgspec Struct, msgpack-encoded, tagged by its
+class (field "t"). Frames 1..n are raw arrays, C-contiguous little-endian bytes, whose dtype and shape are in
+header.arrays, in order: [ArrayMeta(dtype="int32", shape=[k]), ...].
 
-    frame 0      header: a msgspec Struct, msgpack-encoded, tagged by its class (field "t")
-    frame 1..n   raw arrays, C-contiguous little-endian bytes; their dtype and shape are in
-                 header.arrays, in order: [ArrayMeta(dtype="int32", shape=[k]), ...]
-
-No pickle anywhere. Arrays of COPY_THRESHOLD bytes or more are sent zero-copy (copy=False); smaller ones are
-copied, which is faster below tens of kB. A message that fails to decode, names an unknown tag, or whose frames
-do not match header.arrays is a `MalformedMessage`: the receiving loop drops, counts and logs it, and goes on.
+No pickle anywhere. Arrays of COPY_THRESHOLD bytes or more are sent zero-copy (copy=False); smaller ones are copied,
+which is faster below tens of kB. A message that fails to decode, names an unknown tag, or whose frames do not match
+header.arrays is a `MalformedMessage`: the receiving loop drops, counts and logs it, and goes on.
 
 Sizes from the wire are bounded before anything is allocated: each message type names the arrays it carries
 (ARRAY_SCHEMA: dtype and number of dimensions, in order; trailing ones optional), a dimension has at most MAX_DIM

@@ -35,8 +35,7 @@ G_MAX = 16
 
 @dataclass
 class SharedPassCost:
-    """S(t) = c0 + c1 t: the seconds of one target pass over t positions shared by several requests, fitted to
-    the passes seen (a sliding window)."""
+    """S(t) = c0 + c1 t: seconds of one target pass over t positions shared by several requests (a sliding fit)."""
 
     points: deque = field(default_factory=lambda: deque(maxlen=128))  # (positions, seconds)
 
@@ -60,8 +59,7 @@ class SharedPassCost:
 
 @dataclass
 class Tuning:
-    """What the engine learns about the hardware and the draft across requests: costs and acceptance. One per
-    Engine, shared by the streams of a batch (all in the scheduler's thread)."""
+    """Costs and acceptance learned across requests: one per Engine, shared by a batch's streams (loop thread only)."""
 
     profile: CostModel | None = None
     prior_acceptance: float = 0.7
@@ -84,15 +82,13 @@ class Tuning:
         """Forget the costs (another layout or thread count); acceptance, a property of the draft, is kept."""
         self.profile, self.draft_token_s, self.transfer_s, self.shared = None, None, 0.0, SharedPassCost()
         self.verify_points.clear()
-        self._sums = [0.0] * 5
-        self.measured, self._recent = {}, {}
+        self._sums, self.measured, self._recent = [0.0] * 5, {}, {}
 
-    def seed_costs(self, model: CostModel, weight: int = 2) -> None:
+    def seed_costs(self, model: CostModel) -> None:
         """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration:
-        its verify line as points at block lengths 1 and 9, `weight` times each, and its draft cost."""
-        for k in (0, 8):
-            for _ in range(weight):
-                self.observe_verify(k, model.verify(k))
+        its verify line as points at block lengths 1 and 9, twice each, and its draft cost."""
+        for k in (0, 0, 8, 8):
+            self.observe_verify(k, model.verify(k))
         if model.draft_token_s > 0:
             self.draft_token_s = model.draft_token_s
 
@@ -118,10 +114,9 @@ class Tuning:
             self._sums[i] += sign * v
 
     def model(self, need_draft: bool = True) -> CostModel | None:
-        """The profile, else the costs learned so far: the passes seen per length and the verify line fitted to
-        them for the lengths not seen (O(1), from running sums: asked every round); None until they have two
-        distinct block lengths and (need_draft) the draft was timed. need_draft False: draft selection, whose
-        candidates have costs of their own (draft_token_s 0 then)."""
+        """The profile, else the costs learned so far: the passes seen per length, and for the others the verify line
+        fitted to them (O(1), from running sums: asked every round); None until two distinct block lengths and
+        (need_draft) the draft were timed. need_draft False: draft selection (own costs per candidate; d = 0)."""
         if self.profile is not None:
             return self.profile
         n, sx, sy, sxx, sxy = self._sums
@@ -190,8 +185,7 @@ class Controller:
         return ks
 
     def _choose(self, sc: StreamControl) -> int:
-        """A stream's gamma as if it ran alone (best predicted goodput; 0: nothing beats the target alone), or a
-        re-probe."""
+        """A stream's gamma as if it ran alone (best predicted goodput; 0: the target alone is best), or a re-probe."""
         sc.probing = False
         if sc.fixed is not None:
             return sc.fixed
@@ -223,10 +217,8 @@ class Controller:
         return g
 
     def plan_batch(self, ks: list[int], acceptances: list[float], together: bool = False) -> list[int]:
-        """Rows' own choices (speculate), or all 0 (one shared pass), by predicted committed tokens/s.
-        together: the drafting rows step together (one draft run per token for all)."""
-        b = len(ks)
-        model, shared = self.tuning.model(), self.tuning.shared
+        """Rows' own choices, or all 0 (one shared pass), by predicted tok/s. together: drafting rows draft as one."""
+        b, model, shared = len(ks), self.tuning.model(), self.tuning.shared
         self.last_rates = None
         if b < 2 or not any(ks):
             self.last_plan = "one row" if b < 2 else "no row drafts"
@@ -352,8 +344,7 @@ class StrategyChooser:
         self.names, self.tuning, self.prior, self.explore_rounds = list(names), tuning, prior_acceptance, explore_rounds
         self.layouts, self.cost_fns = layouts, cost_fns
         self.stats = {n: StrategyStats() for n in self.names}
-        self.reason = ""
-        self._round = 0
+        self.reason, self._round = "", 0
         self._probing: str | None = None  # the strategy this round re-probes
 
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
@@ -369,8 +360,7 @@ class StrategyChooser:
         return rate, g
 
     def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
-        """(strategy or None for the target alone, gamma) for this round; k is the most drafts allowed,
-        `available` the strategies that can draft now (default: all)."""
+        """This round's (strategy, or None for the target alone; gamma <= k), among `available` (default: all)."""
         self._round += 1
         names = list(self.names if available is None else available)
         if not names or k <= 0:

@@ -33,11 +33,10 @@ def expected_tokens(a: float, g: int, a_first: float | None = None) -> float:
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares y = c0 + c1 * x over (x, y) points; c1 = 0 with fewer than two distinct x."""
-    n = len(points)
-    if n == 0:
+    if not points:
         raise ValueError("no points to fit")
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     sxx = sum((x - mx) ** 2 for x, _ in points)
     if sxx == 0:
         return my, 0.0
@@ -111,9 +110,7 @@ class CostModel:
                    for g in range(1, g_max + 1))
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["measured"] = {str(g): v for g, v in sorted(self.measured.items())}
-        return out
+        return {**asdict(self), "measured": {str(g): v for g, v in sorted(self.measured.items())}}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
@@ -150,8 +147,7 @@ class Acceptance:
 
     def next_rate(self, prior: float, weight: float) -> float:
         """P(a draft token is accepted, given the one before it was)."""
-        return ((self.accepted - self.first_accepted + prior * weight)
-                / (self.tested - self.first_tested + weight))
+        return (self.accepted - self.first_accepted + prior * weight) / (self.tested - self.first_tested + weight)
 
 
 class Ema:

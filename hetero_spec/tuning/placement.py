@@ -73,8 +73,7 @@ class Costs:
         return layout.target_threads in self.verify and layout.draft_threads in self.draft_token_s
 
     def model(self, layout: Layout) -> CostModel:
-        """The layout's cost model: in two processes each side's solo cost times its slowdown beside the other
-        (1.0 where none was measured)."""
+        """The layout's cost model; in two processes each side's solo cost times its slowdown beside the other."""
         c0, c1 = self.verify[layout.target_threads]
         draft = self.draft_token_s[layout.draft_threads]
         if layout.mode != "two_process":
@@ -125,9 +124,9 @@ def choose(costs: Costs, layouts: list[Layout], acceptance: float) -> tuple[Layo
 
 
 # -- measuring --------------------------------------------------------------------------------------------
-def _probe_prompt(vocab: int, n: int = 64) -> list[int]:
-    """Token ids for timing only (their values do not change a pass's cost)."""
-    return [(7 + 31 * i) % max(vocab, 2) for i in range(n)]
+def _probe_prompt(vocab: int) -> list[int]:
+    """64 token ids for timing only (their values do not change a pass's cost)."""
+    return [(7 + 31 * i) % max(vocab, 2) for i in range(64)]
 
 
 def measure_verify(target, reps: int = 7) -> tuple[float, float]:
@@ -294,9 +293,7 @@ def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: fl
     observed goodput where the engine has run it, else the prediction at the measured acceptance: a layout slower
     than predicted is left as soon as one request shows it, and not taken back on a prediction."""
     def rate(lay: Layout) -> tuple[float, str]:
-        if lay in observed:
-            return observed[lay], "observed"
-        return predict(costs, lay, acceptance)[1], "predicted"
+        return (observed[lay], "observed") if lay in observed else (predict(costs, lay, acceptance)[1], "predicted")
 
     rate_now, how_now = rate(now)
     if spec_off and now not in observed:  # what runs now is the target alone

@@ -95,8 +95,7 @@ def batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list
 
 
 def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> int:
-    """The largest measured batch size reached while each step up still raised the throughput (B / seconds)
-    by `gain` x: beyond it, more rows per pass mostly add waiting."""
+    """The largest batch size up to which each step raised throughput (B / s) `gain` x: beyond, rows mostly wait."""
     best = points[0][0]
     for (b0, s0), (b1, s1) in zip(points, points[1:]):
         if b1 / s1 < gain * (b0 / s0):
