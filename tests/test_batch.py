@@ -315,6 +315,25 @@ def test_plan_uses_the_measured_shared_pass_once_two_sizes_are_seen():
     assert plan(CPU, [4] * 8, [0.8] * 8, False, shared=shared)[0] == [4] * 8
 
 
+def test_a_stalled_shared_pass_moves_neither_its_size_nor_the_line():
+    """A loop that shares its core (a Ray Serve replica) sees some passes run 2-3x long. The shared-pass cost is the
+    median per size and a line through those medians, so the stalls move neither; a least-squares line through every
+    pass took a negative slope from them (clamped to 0, it priced a pass of 2 rows like one of 8)."""
+    def true(t):  # 8 ms a pass plus 0.7 ms a row
+        return 0.008 + 0.0007 * t
+
+    shared = SharedPassCost()
+    for i in range(20):
+        for t in (2, 4, 8):
+            stalled = i % 5 == 0 and t < 8  # one pass in five of the smaller batches (rows joining or leaving)
+            shared.observe(t, true(t) * (3.0 if stalled else 1.0))
+    for t in (2, 4, 8):
+        assert shared.cost(t, CPU) == pytest.approx(true(t))
+    assert shared.cost(6, CPU) == pytest.approx(true(6))  # unseen: the line through the medians
+    c0, c1 = shared.line()
+    assert c0 == pytest.approx(0.008) and c1 == pytest.approx(0.0007)
+
+
 def test_a_plain_plan_holds_for_an_unchanged_batch_then_is_asked_again():
     from hetero_spec.tuning.controller import PLAIN_HOLD
 

@@ -35,22 +35,37 @@ G_MAX = 16
 
 @dataclass
 class SharedPassCost:
-    """S(t) = c0 + c1 t: seconds of one target pass over t positions shared by several requests (a sliding fit)."""
+    """S(t): seconds of one target pass over t positions shared by several requests. Where passes of t positions
+    were seen, the median of the last RECENT of them; elsewhere the line c0 + c1 t fitted to those medians, one point
+    per size. Medians, as for a single request's verify (Tuning.measured): on a core the loop shares (a Ray Serve
+    replica's), one pass in ten ran 2-3x long, and a line through every pass took a negative slope from them."""
 
-    points: deque = field(default_factory=lambda: deque(maxlen=128))  # (positions, seconds)
+    _recent: dict[int, deque] = field(default_factory=dict)
+    _medians: dict[int, float] = field(default_factory=dict)
+    _line: tuple[float, float] | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
-        self.points.append((positions, seconds))
+        recent = self._recent.setdefault(positions, deque(maxlen=RECENT))
+        recent.append(seconds)
+        self._medians[positions] = sorted(recent)[len(recent) // 2]
+        self._line = None
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        """(positions, median seconds) per size seen."""
+        return sorted(self._medians.items())
 
     def line(self) -> tuple[float, float] | None:
         """(c0, c1), or None until two distinct sizes have been seen."""
-        if len({x for x, _ in self.points}) < 2:
-            return None
-        c0, c1 = fit_line(list(self.points))
-        return max(c0, 0.0), max(c1, 0.0)
+        if self._line is None and len(self._medians) >= 2:
+            c0, c1 = fit_line(self.points)
+            self._line = max(c0, 0.0), max(c1, 0.0)
+        return self._line
 
     def cost(self, positions: int, model: CostModel | None) -> float | None:
-        """Predicted seconds for a shared pass; until two sizes are known, the one-request verify line, if any."""
+        """Predicted seconds for a shared pass; until two sizes are known, the one-request verify curve, if any."""
+        if (seen := self._medians.get(positions)) is not None and len(self._medians) >= 2:
+            return seen
         line = self.line()
         if line is not None:
             return line[0] + line[1] * positions
