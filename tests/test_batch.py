@@ -18,7 +18,7 @@ import pytest
 from hetero_spec import Engine
 from hetero_spec.scheduler import DONE
 from hetero_spec.errors import EngineClosedError
-from hetero_spec.tuning.controller import Controller, SharedPassCost, Tuning
+from hetero_spec.tuning.controller import SHARED_SIZES, Controller, SharedPassCost, Tuning
 from hetero_spec.tuning.profile import recommended_batch
 from hetero_spec.tuning.cost_model import CostModel
 
@@ -332,6 +332,9 @@ def test_a_stalled_shared_pass_moves_neither_its_size_nor_the_line():
     assert shared.cost(6, CPU) == pytest.approx(true(6))  # unseen: the line through the medians
     c0, c1 = shared.line()
     assert c0 == pytest.approx(0.008) and c1 == pytest.approx(0.0007)
+    for t in range(10, 10 + SHARED_SIZES):  # padded block passes: many sizes; the oldest seen go first
+        shared.observe(t, true(t))
+    assert [t for t, _ in shared.points] == list(range(10, 10 + SHARED_SIZES))
 
 
 def test_a_plain_plan_holds_for_an_unchanged_batch_then_is_asked_again():

@@ -25,6 +25,7 @@ PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles 
 PROBE_EVERY_MAX = 512
 PROBE_GAMMA = 2
 RECENT = 5  # passes per block length whose median is that length's measured cost
+SHARED_SIZES = 64  # shared-pass sizes kept (padded block passes take many: rows x (k + 1) positions)
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
 LATENCY_SLOWDOWN = 1.5
 #: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while the
@@ -45,8 +46,12 @@ class SharedPassCost:
     _line: tuple[float, float] | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
-        recent = self._recent.setdefault(positions, deque(maxlen=RECENT))
+        recent = self._recent.pop(positions, None) or deque(maxlen=RECENT)
         recent.append(seconds)
+        self._recent[positions] = recent  # the most recently seen size last
+        if len(self._recent) > SHARED_SIZES:  # the line is refitted each round: the size seen longest ago goes
+            oldest = next(iter(self._recent))
+            del self._recent[oldest], self._medians[oldest]
         self._medians[positions] = sorted(recent)[len(recent) // 2]
         self._line = None
 
