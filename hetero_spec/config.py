@@ -168,6 +168,9 @@ class GenerationConfig(_Section):
     seeded output equals target-only sampling with that seed in any layout (docs/features-sampling.md)."""
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Extra token ids that end generation (the model's EOS ids always do). The stop token is kept."""
+    ignore_eos: bool = False
+    """Decode past the model's EOS ids, to max_new_tokens (stop_token_ids still stop): for benchmarks, as vLLM's
+    `ignore_eos` and llama.cpp's `--ignore-eos`. The EOS token is then an ordinary token of the output."""
 
 
 class RuntimeConfig(_Section):

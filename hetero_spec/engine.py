@@ -356,7 +356,8 @@ class Engine:
             params = SamplingParams(temperature=a["temperature"], top_k=a["top_k"], top_p=a["top_p"],
                                     seed=a["seed"] if a["seed"] is not None else secrets.randbits(48),
                                     sampling=self.config.speculation.sampling)
-            stops = set(self.target.eos_token_ids) | set(g.stop_token_ids) | set(a["stop_token_ids"])
+            stops = set() if a["ignore_eos"] else set(self.target.eos_token_ids)
+            stops |= set(g.stop_token_ids) | set(a["stop_token_ids"])
             req = Request(prompt_ids=self._prompt_ids(prompt), max_new_tokens=a["max_new_tokens"], params=params,
                           gamma=a["gamma"], stop_ids=frozenset(stops))
             check_request(req, self.target.context_len)  # an over-long prompt fails here, before anything streams

@@ -50,7 +50,7 @@ def check_field(section: BaseModel, name: str, value: Any, label: str | None = N
     return getattr(probe, name)
 
 
-REQUEST_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "gamma")
+REQUEST_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "gamma")
 
 
 def request_args(config: Config, *, flags: bool = False, **args: Any) -> dict[str, Any]:

@@ -173,6 +173,7 @@ def test_command_lines(tmp_path):
         ("t.gguf", "p.txt", "64", "1", "1", "256")
     assert "-no-cnv" in args and "--no-display-prompt" in args
     assert args[args.index("--temp") + 1] == "0" and args[args.index("--top-k") + 1] == "1"
+    assert "--ignore-eos" not in args and "--ignore-eos" in lc.llama_args(b, m, f, 64, 1, 256, ignore_eos=True)
     spec = lc.llama_args(b, m, f, 64, 2, 300, d, 5)
     assert spec[0] == str(b / "llama-speculative-simple")
     assert spec[spec.index("--spec-type") + 1] == "draft-simple"  # without it, it does not speculate

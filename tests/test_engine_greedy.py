@@ -105,6 +105,22 @@ def test_eos_inside_accepted_block(llama_engines, llama_target):
         assert out.stats["drafted"] > len(ref) - out.stats["rounds"]
 
 
+def test_ignore_eos_decodes_past_the_eos_to_max_new_tokens(llama_engines, llama_target, monkeypatch):
+    """generation.ignore_eos: the model's EOS ids no longer stop (stop_token_ids still do); output still the
+    target's."""
+    prompt, eng = PROMPTS[0], llama_engines["copy"]
+    free = hf_greedy(llama_target, prompt, MAX_NEW)
+    pos = next(i for i in range(4, MAX_NEW - 4) if free[i] not in free[:i] and free[i] != 0)
+    monkeypatch.setattr(eng.target, "eos_token_ids", {free[pos]})  # an EOS the greedy output meets early
+    assert eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=3).token_ids == free[:pos + 1]
+    out = eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=3, ignore_eos=True)
+    unused = eng.target.vocab_width - 1  # the reference ignores the model's EOS too: its EOS is a token not met
+    assert unused not in out.token_ids and out.finish_reason == "length"
+    assert out.token_ids == hf_greedy(llama_target, prompt, MAX_NEW, eos_token_id=unused)
+    out = eng.generate(prompt, max_new_tokens=MAX_NEW, gamma=3, ignore_eos=True, stop_token_ids=[free[pos]])
+    assert out.token_ids == free[:pos + 1] and out.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 5, 10, 11])
 def test_max_new_tokens_inside_block(llama_engines, llama_target, max_new):
     out = llama_engines["copy"].generate(PROMPTS[0], max_new_tokens=max_new, gamma=8)

@@ -45,6 +45,9 @@ def add_bench_parser(sub) -> None:
       help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
     a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
     a("--max-new-tokens", type=int, metavar="N", help="tokens generated per prompt (default 128, 64 with --quick)")
+    a("--ignore-eos", action="store_true",
+      help="every system decodes exactly --max-new-tokens, EOS does not stop it (generation.ignore_eos; llama.cpp's "
+           "--ignore-eos, ORT GenAI's min_length): a near-tie that moves EOS no longer moves a speed")
     a("--repeats", type=int, default=1, metavar="N",
       help="timed runs per system and prompt, interleaved; a prompt's time is their median (default 1)")
     a("--gammas", metavar="LIST", help="draft lengths every speculative system is calibrated over on the first two "
@@ -100,7 +103,8 @@ def settings_from_args(args) -> BenchSettings:
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
     return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
-                            "overrides": dict(parse_override(o) for o in args.overrides),
+                            "overrides": dict(parse_override(o) for o in args.overrides)
+                            | ({"generation.ignore_eos": True} if args.ignore_eos else {}),
                             "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})
 
 

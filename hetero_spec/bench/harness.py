@@ -369,6 +369,7 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
                      "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": s.max_new, "repeats": s.repeats,
                      "gamma": given.speculation.gamma, "gammas": list(s.gammas) if s.gammas else None,
                      "temperature": s.temperature, "sampling": given.speculation.sampling, "seed": SEED,
+                     "ignore_eos": given.generation.ignore_eos,
                      "overrides": s.overrides, "reference": REFERENCE if ran_ref else None},
         "memory": memory_report(peaks)}
     report.update({"passes": done} if s.precision_matrix else {k: done[0][k] for k in ("systems", "comparisons")})
@@ -459,7 +460,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"our systems sampled at temperature {s['temperature']} ({s['sampling']}, seed {s['seed']}), peers greedy"
     gamma = f"gamma calibrated per system over {s['gammas']}" if s["gammas"] else f"gamma {s['gamma']}"
     lines = ["# hetero-spec bench", "", f"`{s['command']}`", "",
-             f"{n} prompt{'s' * (n != 1)}{where} x {s['max_new_tokens']} new tokens, {decoding}, {gamma}, "
+             f"{n} prompt{'s' * (n != 1)}{where} x {s['max_new_tokens']} new tokens"
+             f"{' (EOS ignored)' * bool(s.get('ignore_eos'))}, {decoding}, {gamma}, "
              f"{m['cpu_count']} CPUs ({m['cpu_model']}); interleaved per prompt, the order rotating, after one "
              f"untimed warm-up per system; a prompt's time is the median of {s['repeats']} run(s).", ""]
     for p in report.get("passes") or [report]:

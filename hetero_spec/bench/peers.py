@@ -78,7 +78,8 @@ class HfAssisted(Peer):
         eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                      min_new_tokens=0, do_sample=False, num_beams=1, assistant_model=self.assistant,
+                                      min_new_tokens=max_new if self.ctx.config.generation.ignore_eos else 0,
+                                      do_sample=False, num_beams=1, assistant_model=self.assistant,
                                       pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else eos or 0)
         return RunOutput(out[0, len(prompt_ids):].tolist())
 
@@ -141,7 +142,8 @@ class OrtGenaiTargetOnly(Peer):
     def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
         og, model, n0 = self.og, self._model(setting), len(prompt_ids)
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=n0 + max_new, do_sample=False)
+        min_length = n0 + max_new if self.ctx.config.generation.ignore_eos else 0  # EOS masked until max_length
+        params.set_search_options(max_length=n0 + max_new, min_length=min_length, do_sample=False)
         if setting[1]:
             params.set_speculative_options(max_draft_tokens=setting[1])  # onnxruntime-genai 0.18
         gen = og.Generator(model, params)
@@ -196,11 +198,11 @@ def parse_timings(stderr: str, speculative: bool) -> Timings:
 
 
 def llama_args(bin_dir: Path, target: Path, prompt_file: Path, max_new: int, threads: int, ctx_size: int,
-               draft: Path | None = None, n_max: int | None = None) -> list[str]:
+               draft: Path | None = None, n_max: int | None = None, ignore_eos: bool = False) -> list[str]:
     """Greedy llama-completion (-no-cnv: no chat template; --no-display-prompt: stdout is the new text), or with a
     draft llama-speculative-simple (--spec-type draft-simple, else it does not draft; draft on the target's threads)."""
     common = ["-f", str(prompt_file), "-n", str(max_new), "-t", str(threads), "-tb", str(threads),
-              "-c", str(ctx_size), "--temp", "0", "--top-k", "1", "-s", str(SEED)]
+              "-c", str(ctx_size), "--temp", "0", "--top-k", "1", "-s", str(SEED)] + ["--ignore-eos"] * ignore_eos
     if draft is None:
         return [str(Path(bin_dir) / COMPLETION), "-m", str(target), *common, "-no-cnv", "--no-display-prompt"]
     return [str(Path(bin_dir) / SPECULATIVE), "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple",
@@ -251,7 +253,8 @@ class LlamaCppTargetOnly(Peer):
         path.write_bytes((text + "\n").encode("utf-8"))  # -f drops one trailing newline: keep the prompt's own
         n_ctx, t0 = len(prompt_ids) + max_new + CTX_MARGIN, time.perf_counter()
         proc = subprocess.run(llama_args(c.llama_cpp, c.llama_cpp_target, path, max_new, threads, n_ctx,
-                                         c.llama_cpp_draft if k else None, k), stdin=subprocess.DEVNULL,
+                                         c.llama_cpp_draft if k else None, k,
+                                         c.config.generation.ignore_eos), stdin=subprocess.DEVNULL,
                               capture_output=True)
         out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:

@@ -102,7 +102,8 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         try:  # validated here, in the caller: a RequestError is a 400 before anything streams
             return Job(await engine.astream_tokens(prompt, stats, cancel, max_new_tokens=max_tokens,
                                                    temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                                   stop_token_ids=req.stop_token_ids), stats, cancel)
+                                                   stop_token_ids=req.stop_token_ids,
+                                                   ignore_eos=req.ignore_eos), stats, cancel)
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except RequestError as exc:

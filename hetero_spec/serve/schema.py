@@ -2,7 +2,7 @@
 
 Requests are validated by pydantic; an unsupported option (n > 1, logprobs, echo, best_of, suffix, penalties,
 logit_bias) is a 400 naming it, never silently ignored. `stop` takes strings (cut from the text, as OpenAI
-does) and `stop_token_ids` (a vLLM extension) takes token ids.
+does); `stop_token_ids` (token ids) and `ignore_eos` are vLLM's extensions.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: decode to max_tokens past EOS
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
