@@ -34,7 +34,7 @@ from .scheduler import Request, Scheduler, Ticket, check_request, is_last
 from .target.backends import _device_is_cuda, choose_backend, load_target
 from .tuning import placement as pl
 from .tuning.controller import Controller
-from .tuning.profile import load_tuning
+from .tuning.profile import load_tuning, seed_verify_curve
 from .validation import check_stop_ids, prompt_token_ids, request_args
 
 log = logging.getLogger("hetero_spec")
@@ -148,6 +148,12 @@ class Engine:
         self._finalizer = weakref.finalize(self, _release, self._parts)
         try:
             self._build(config)
+            if self._auto_config is None and config.speculation.gamma == "auto" and self.tuning.profile is None \
+                    and self.source is not None:
+                t = time.perf_counter()
+                curve = seed_verify_curve(self.tuning, self.target, prompt_len=min(32, self.target.context_len // 2))
+                log.info("gamma auto: the verify curve, measured in %.1f s (ms per k drafts): %s",
+                         time.perf_counter() - t, {k: round(v * 1e3, 2) for k, v in curve.items()})
         except BaseException:
             self._finalizer()
             raise

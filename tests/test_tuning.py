@@ -100,6 +100,44 @@ def test_online_model_needs_two_block_lengths_and_a_draft_timing():
     assert m.draft_token_s == pytest.approx(0.0005)
 
 
+def test_the_verify_curve_measured_at_start_is_what_the_model_predicts(monkeypatch):
+    """seed_verify_curve: V(k) timed per k (a fake target on a fake clock, whose passes take rows in pairs) becomes
+    the cost model's curve, where a line through the first lengths would not follow it; real passes take over."""
+    from hetero_spec.tuning import profile
+
+    clock = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+
+    class Paired:  # a pass costs 10 ms plus 4 ms per pair of rows: k = 1 costs what k = 0 does
+        cached = 0
+
+        def new_state(self):
+            return self
+
+        def prefill(self, state, ids):
+            state.n_cached = len(ids)
+
+        def verify(self, state, last, drafts, greedy):
+            clock[0] += 0.010 + 0.004 * ((len(drafts) + 2) // 2)
+
+        def rollback(self, state, n):
+            state.n_cached = n
+
+        def release_state(self, state):
+            pass
+
+    t = Tuning()
+    curve = profile.seed_verify_curve(t, Paired(), prompt_len=12)
+    want = {k: 0.010 + 0.004 * ((k + 2) // 2) for k in range(profile.CURVE_K + 1)}
+    assert curve == pytest.approx(want)
+    t.draft_token_s = 0.001
+    m = t.model()
+    assert [m.verify(k) for k in range(9)] == pytest.approx([want[k] for k in range(9)])
+    for _ in range(3):  # three real passes of one length outvote its two seeded ones
+        t.observe_verify(3, 0.05)
+    assert t.model().verify(3) == pytest.approx(0.05) and t.model().verify(2) == pytest.approx(want[2])
+
+
 def test_config_accepts_auto_and_names_a_bad_gamma(llama_target):
     from hetero_spec.config import build_config
 
@@ -122,6 +160,7 @@ def test_gamma_auto_is_lossless_and_reports_its_choices(monkeypatch, llama_targe
     base = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
             "draft": {"kind": "onnx", "model": str(llama_random_onnx)}, "speculation": {"gamma": "auto"}}
     with Engine.from_config(base) as eng:
+        assert sorted(eng.tuning.measured) == list(range(9))  # the verify curve, measured at start
         for _ in range(2):
             for p, ref in zip(PROMPTS, reference):
                 out = eng.generate(p, max_new_tokens=40)

@@ -82,6 +82,31 @@ def verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[t
         return [(k + 1, median_s(lambda k=k: once(k), reps)) for k in ks]
 
 
+CURVE_K = 8  # gamma auto without a profile or placement: the verify curve is measured at start up to this k
+
+
+def seed_verify_curve(tuning: Tuning, target, ks: range = range(CURVE_K + 1), reps: int = 2,
+                      prompt_len: int = 32) -> dict[int, float]:
+    """Time `reps` verifications of k drafts for each k after a short cached prompt, and give each to `tuning` as a
+    pass it saw: gamma auto knows the curve's shape from its first round, and the passes of real requests take
+    over its medians. A line through the two lengths seen first misses it where the kernels take a block's rows
+    in pairs (int4 on AVX2: 4 tokens cost little more than 3, docs/real-pair.md). Returns k -> seconds."""
+    prompt = [1 + i % 64 for i in range(prompt_len)]
+    with prefilled(target, prompt) as ([state], base):
+        def once(k: int) -> float:
+            t = time.perf_counter()
+            target.verify(state, prompt[-1], [prompt[i % prompt_len] for i in range(k)], True)
+            seconds = time.perf_counter() - t
+            target.rollback(state, base)
+            return seconds
+
+        once(0)  # a warm-up, untimed
+        for k in ks:
+            for _ in range(reps):
+                tuning.observe_verify(k, once(k))
+    return {k: tuning.measured[k] for k in ks}
+
+
 def batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """Median seconds of one shared target pass (`verify_batch`) over B rows of one token each, every row after
     the same cached prompt, for each batch size B (the request scheduler's plain round)."""
