@@ -243,6 +243,13 @@ class Engine:
         d = config.draft
         if kind == "ngram":
             return LocalSource(NgramProposer(max_n=d.ngram.max_n, min_n=d.ngram.min_n))
+        if kind == "corpus":
+            from .draft.corpus import CorpusProposer, cached_table
+
+            if not (tok := Path(self.target.model_dir) / "tokenizer.json").is_file():
+                raise config.error("draft.candidates", d.candidates,
+                                   f"corpus needs the target's tokenizer.json, not found in {self.target.model_dir}")
+            return LocalSource(CorpusProposer(cached_table(tok)))
         return LocalSource(OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
                                        vocab_width=self.target.vocab_width, spin=False,
                                        prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process")),

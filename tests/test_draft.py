@@ -289,3 +289,50 @@ def test_a_pruned_head_proposes_only_its_tokens_and_the_output_stays_the_targets
             assert got.token_ids == hf_greedy(llama_target, p, 32) and got.stats["drafted"] > 0
             s = eng.generate(p, max_new_tokens=32, gamma=3, temperature=0.9, seed=11).token_ids
             assert s == alone.generate(p, max_new_tokens=32, temperature=0.9, seed=11).token_ids
+
+
+def test_the_corpus_table_keeps_what_most_often_followed_each_context():
+    """draft/corpus.py: per context of 3-6 tokens, its most frequent next token, kept only where the context was
+    seen twice and that token followed it at least half the time; no context spans two files."""
+    import numpy as np
+
+    from hetero_spec.draft.corpus import CorpusProposer, CorpusTable
+
+    a = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3, 4, 5, 9, 9, 9]
+    t = CorpusTable.build([np.array(a), np.array([7, 8, 9, 10]), np.array([11, 7, 8, 9])])
+    assert t.next([0, 1, 2, 3, 4]) == (5, 4)  # 5 twice, 6 once after 1 2 3 4
+    assert t.next([0, 0, 1, 2, 3]) == (4, 3)  # 0 1 2 3 is unseen: the 3-token context answers
+    assert t.next([5, 1, 2, 3]) == (4, 3)  # 5 1 2 3 was seen once
+    assert t.next([7, 8, 9]) is None  # seen twice, but at a file's end once: followed once only
+    assert t.next([9, 9, 9]) is None and t.next([1, 2]) is None  # once; too short a context
+    p = CorpusProposer(t)
+    p.begin([0, 1, 2, 3], None)
+    d = p.propose(16)
+    assert d.ids == [4, 5, 1] and d.match == 3  # chained while the corpus knows: 1 2 3 -> 4, 1 2 3 4 -> 5, ...
+    assert p.propose(1).ids == [4]
+    p.commit(1, 5)
+    assert p.ids == [0, 1, 2, 3, 4, 5] and p.propose(2).ids == [1]  # 4 5 1 was seen once: the chain ends
+    p.sync([7, 1, 2, 3])
+    assert p.ids == [7, 1, 2, 3] and p.propose(1).ids == [4]
+
+
+def test_the_corpus_lookup_drafts_in_selection_and_the_output_stays_the_targets(monkeypatch, llama_target):
+    """draft.candidates [corpus, ngram]: the table is made once from the (here: a slice of the) standard library
+    with the target's tokenizer, the corpus drafts where its context was seen, and greedy output is the target's."""
+    from hetero_spec import Engine
+    from hetero_spec.draft import corpus, head
+    from tests.conftest import hf_greedy
+
+    files = head.corpus_files()[:40]
+    monkeypatch.setattr(head, "corpus_files", lambda: files)
+    ids = max(head.corpus_token_ids(llama_target / "tokenizer.json", files), key=len)
+    table = corpus.cached_table(llama_target / "tokenizer.json")
+    known = next(i for i in range(6, len(ids)) if table.next(list(ids[i - 6:i])) is not None)
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32"},
+           "draft": {"kind": "ngram", "candidates": ["corpus", "ngram"]}, "speculation": {"gamma": "auto"}}
+    with Engine.from_config(cfg) as eng:
+        for prompt in ([int(t) for t in ids[max(0, known - 24):known]], [5, 17, 33, 2, 99, 100, 7]):
+            out = eng.generate(prompt, max_new_tokens=24)
+            assert out.token_ids == hf_greedy(llama_target, prompt, 24)
+        rounds = {k: v["rounds"] for k, v in out.stats["extra"]["draft_selection"]["strategies"].items()}
+        assert any(k.startswith("corpus@") and v > 0 for k, v in rounds.items()), rounds

@@ -31,8 +31,8 @@ def corpus_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.ndarray:
-    """How often each token id occurs in the corpus (files that are not UTF-8 are skipped)."""
+def corpus_token_ids(tokenizer_json: Path, files: list[Path] | None = None) -> list[np.ndarray]:
+    """The corpus tokenized with this tokenizer, one array per file (files that are not UTF-8 are skipped)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -42,11 +42,17 @@ def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.nd
             texts.append(p.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
-    counts = np.zeros(tok.get_vocab_size(with_added_tokens=True), dtype=np.int64)
-    for i in range(0, len(texts), 256):
-        for enc in tok.encode_batch(texts[i:i + 256], add_special_tokens=False):
-            np.add.at(counts, np.asarray(enc.ids, dtype=np.int64), 1)
-    return counts
+    return [np.asarray(enc.ids, dtype=np.int64) for i in range(0, len(texts), 256)
+            for enc in tok.encode_batch(texts[i:i + 256], add_special_tokens=False)]
+
+
+def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.ndarray:
+    """How often each token id occurs in the corpus."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    ids = corpus_token_ids(tokenizer_json, files)
+    return np.bincount(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64), minlength=vocab)[:vocab]
 
 
 def head_tokens(export_dir: Path, n: int, vocab: int) -> np.ndarray:
