@@ -305,6 +305,8 @@ def test_the_corpus_table_keeps_what_most_often_followed_each_context():
     assert t.next([5, 1, 2, 3]) == (4, 3)  # 5 1 2 3 was seen once
     assert t.next([7, 8, 9]) is None  # seen twice, but at a file's end once: followed once only
     assert t.next([9, 9, 9]) is None and t.next([1, 2]) is None  # once; too short a context
+    for tiny in ([], [np.array([1, 2])]):  # no corpus, or files shorter than a context: an empty table
+        assert CorpusTable.build(tiny).next([1, 2, 3, 4, 5, 6]) is None
     p = CorpusProposer(t)
     p.begin([0, 1, 2, 3], None)
     d = p.propose(16)
@@ -336,3 +338,16 @@ def test_the_corpus_lookup_drafts_in_selection_and_the_output_stays_the_targets(
             assert out.token_ids == hf_greedy(llama_target, prompt, 24)
         rounds = {k: v["rounds"] for k, v in out.stats["extra"]["draft_selection"]["strategies"].items()}
         assert any(k.startswith("corpus@") and v > 0 for k, v in rounds.items()), rounds
+
+
+def test_the_corpus_lookup_without_the_targets_tokenizer_json_names_the_key(tmp_path, llama_target):
+    import shutil
+
+    from hetero_spec import Engine
+    from hetero_spec.errors import ConfigError
+
+    bare = tmp_path / "no-tokenizer-json"
+    shutil.copytree(llama_target, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
+    cfg = {"target": {"model": str(bare), "dtype": "float32"}, "draft": {"kind": "ngram", "candidates": ["corpus"]}}
+    with pytest.raises(ConfigError, match=r"draft\.candidates.*tokenizer\.json"):
+        Engine.from_config(cfg)

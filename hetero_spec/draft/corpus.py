@@ -57,8 +57,8 @@ class CorpusTable:
         ids = np.concatenate([np.append(np.asarray(f, dtype=np.int64), -1) for f in files] or [np.array([-1])])
         tables = {}
         for n in ORDERS:
-            m = len(ids) - n
-            h, bad = np.zeros(max(m, 0), dtype=np.uint64), np.zeros(max(m, 0), dtype=bool)
+            m = max(len(ids) - n, 0)  # contexts of n tokens (each followed by one)
+            h, bad = np.zeros(m, dtype=np.uint64), np.zeros(m, dtype=bool)
             for j in range(n):
                 col = ids[j:j + m]
                 h = h * np.uint64(_P) + (col + 1).astype(np.uint64)
