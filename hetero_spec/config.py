@@ -134,8 +134,8 @@ class DraftConfig(_Section):
     candidates: list[Literal["onnx", "ngram", "corpus"]] = Field(default_factory=list)
     """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g. [onnx, ngram]
     (onnx uses draft.model; corpus: what most often followed the text's last 3-6 tokens in the Python standard
-    library's source, a table made once per tokenizer into the cache, draft/corpus.py). two_process: the n-gram lookup runs on the target side while the worker keeps drafting with
-    the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in stats.extra.draft_selection."""
+    library's source, a table made once per tokenizer into the cache, draft/corpus.py). two_process: the lookups
+    run on the target side while the worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in stats.extra.draft_selection."""
 
 
 class SpeculationConfig(_Section):

@@ -4,7 +4,8 @@ speculation controller's (tuning/controller.StrategyChooser); `draft/source.Sele
 
 from __future__ import annotations
 
-LOOKUPS = ("ngram", "corpus")  # strategies that cost microseconds: asked every round, chosen only when they found a match
+#: strategies that cost microseconds: asked every round, chosen only when they found a match
+LOOKUPS = ("ngram", "corpus")
 #: a model candidate feeds at most this many of the tokens other strategies committed since it last drafted
 #: (OnnxDrafter.catchup_skip). Measured on the repetitive bench, in process, 6 prompts x 5 repeats, selection
 #: against the n-gram lookup alone: feeding all 0.94-0.97x, the last 2 0.95x, the last 4 0.98x.
