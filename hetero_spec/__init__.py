@@ -1,8 +1,5 @@
-"""hetero_spec: heterogeneous, hardware-aware speculative decoding.
-
-An ONNX Runtime draft proposes tokens, a PyTorch target verifies them; greedy output is identical to the
-target alone and sampled output keeps the target's distribution.
-"""
+"""hetero_spec: heterogeneous, hardware-aware speculative decoding. A draft proposes tokens, the target verifies
+them; greedy output is identical to the target alone and sampled output keeps the target's distribution."""
 
 from __future__ import annotations
 
@@ -14,6 +11,5 @@ def __getattr__(name: str):
     # Lazy: `import hetero_spec` stays cheap (no torch) for the CLI's --help and the draft worker.
     if name in ("Engine", "GenerationOutput"):
         from . import engine
-
         return getattr(engine, name)
     raise AttributeError(name)

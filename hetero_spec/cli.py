@@ -35,14 +35,12 @@ def _command(sub, name: str, run, help: str, description: str, config: str | Non
     if config:
         p.add_argument("--config", required=True, help=config)
     if overrides:
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                       help=overrides)
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=overrides)
     return p
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
     from .config import parse_override
-
     return dict(map(parse_override, pairs))
 
 
@@ -70,7 +68,6 @@ def _add_generate(sub) -> None:
 
 def _add_export(sub) -> None:
     from .draft.export import PRECISIONS, PROVIDERS
-
     p = _command(sub, "export", _cmd_export, "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
                  "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
                  "onnxruntime-genai's model builder, optionally quantized. Prints one progress line per stage on "
@@ -116,7 +113,6 @@ def _add_draft_worker(sub) -> None:
 
 def _cmd_draft_worker(args) -> int:
     from .runtime import draft_worker
-
     _require(args.connect.startswith("tcp://"), "--connect", args.connect, "must be tcp://HOST:PORT")
     _require(Path(args.keys).is_dir(), "--keys", args.keys, "no such directory (make one with `hetero-spec keys`)")
     _require((Path(args.model) / "model.onnx").is_file(), "--model", args.model, "no model.onnx in this directory")
@@ -154,8 +150,7 @@ def _add_serve(sub) -> None:
                  "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health (probes "
                  "the target and the draft worker; 503 when either is down or hung) and GET /metrics (Prometheus). "
                  "Streaming is server-sent events (stream: true). Requests are batched by the Engine. Binds "
-                 "loopback unless --host says otherwise.",
-                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 "loopback unless --host says otherwise.", formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="examples:\n"
                         "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
                         "  hetero-spec serve --config configs/cpu-demo.yaml --ray --set serving.ray.num_replicas=2\n"
@@ -206,7 +201,6 @@ def _add_soak(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser, cmd_bench
-
     parser = argparse.ArgumentParser(
         prog="hetero-spec", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Heterogeneous speculative decoding: an ONNX Runtime draft proposes tokens, the target verifies "
@@ -232,7 +226,6 @@ def _read_prompt(arg: str | None) -> str:
     """--prompt, or all of standard input; either must be UTF-8 (the error names the bad byte's offset).
     Undecodable argv bytes reach Python as lone surrogates (surrogateescape), stdin is read as bytes."""
     from .validation import check_prompt_text, decode_utf8
-
     if arg is not None:
         return check_prompt_text(arg, "--prompt")
     if sys.stdin is None or sys.stdin.isatty():
@@ -249,7 +242,6 @@ def _cmd_generate(args) -> None:
     from .engine import Engine
     from .metrics import Stats
     from .validation import request_args
-
     prompt = _read_prompt(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
@@ -280,7 +272,6 @@ def _cmd_export(args) -> None:
     from .draft.export import LOG_NAME, export_draft
     from .draft.weights import weight_report
     from .gguf_source import cached_hf, is_gguf
-
     model = cached_hf(args.model, "hetero-spec export", "--model", onnx=True) if is_gguf(args.model) else args.model
     out = export_draft(model, args.out, args.precision, args.execution_provider, block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
@@ -290,7 +281,6 @@ def _cmd_export(args) -> None:
 
 def _cmd_keys(args) -> None:
     from .transport.channel import write_keys
-
     out = Path(args.out)
     if any(out.glob("*.key_secret")):
         raise HeteroSpecError(f"--out {str(out)!r} already holds keys; choose a new directory")
@@ -301,7 +291,6 @@ def _cmd_keys(args) -> None:
 
 def _cmd_profile(args) -> None:
     from .profile_cmd import run_profile
-
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
                 overrides=_overrides(args.overrides), drafts=[Path(d) for d in args.drafts],
@@ -310,13 +299,11 @@ def _cmd_profile(args) -> None:
 
 def _cmd_serve(args) -> int:
     from .serve import serve
-
     _require(0 < args.port < 65536, "--port", args.port, "must be in 1..65535")
     _require(args.ray or args.address is None, "--address", args.address, "only with --ray")
     if args.ray:
         from .config import load_config
         from .serve.ray_serve import serve_ray
-
         return serve_ray(load_config(Path(args.config), overrides=_overrides(args.overrides)), host=args.host,
                          port=args.port, address=args.address, model_name=args.model_name)
     return serve(Path(args.config), host=args.host, port=args.port, model_name=args.model_name,
@@ -325,7 +312,6 @@ def _cmd_serve(args) -> int:
 
 def _cmd_load(args) -> None:
     from .bench.load import run_load
-
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
@@ -340,7 +326,6 @@ def _cmd_load(args) -> None:
 def _cmd_soak(args) -> None:
     from .bench.soak import run_soak
     from .config import load_config
-
     _require(min(args.streams, args.max_tokens) >= 1, "--streams/--max-tokens", (args.streams, args.max_tokens),
              "must be >= 1")
     _require(args.duration > 0 and 0 <= args.warmup < args.duration, "--duration/--warmup",

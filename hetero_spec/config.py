@@ -1,10 +1,7 @@
-"""Typed configuration: one pydantic model per YAML section.
-
-Every field has a default and a docstring. Unknown keys are errors that name the key path. Overrides (`--set a.b=v` on
-the CLI, `overrides={"a.b": v}` in Python) go through the same validator; their errors are blamed on `--set`. Relative
-paths (target.model, draft.model, runtime.curve_keys) are resolved against the directory of the YAML file that names
-them, and against the current directory when an override does.
-"""
+"""Typed configuration: one pydantic model per YAML section, every field with a default and a docstring. Unknown
+keys are errors naming the key path; overrides (`--set a.b=v`, `overrides={"a.b": v}`) go through the same validator,
+their errors blamed on `--set`. Relative paths (_PATH_KEYS) resolve against the folder of the YAML file that names
+them, or the current directory when an override does."""
 
 from __future__ import annotations
 
@@ -135,7 +132,8 @@ class DraftConfig(_Section):
     """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g. [onnx, ngram]
     (onnx uses draft.model; corpus: what most often followed the text's last 3-6 tokens in the Python standard
     library's source, a table made once per tokenizer into the cache, draft/corpus.py). two_process: the lookups
-    run on the target side while the worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy acceptance and cost are in stats.extra.draft_selection."""
+    run on the target side while the worker keeps drafting with the model. Empty: draft.kind alone. Per-strategy
+    acceptance and cost are in stats.extra.draft_selection."""
 
 
 class SpeculationConfig(_Section):

@@ -1,12 +1,4 @@
-"""The public, embeddable API.
-
-    from hetero_spec import Engine
-    with Engine.from_config("configs/cpu-demo.yaml", overrides={"speculation.gamma": 4}) as eng:
-        out = eng.generate("def parse(", max_new_tokens=64, temperature=0.0, seed=0)
-        print(out.text, out.token_ids, out.stats)
-        for piece in eng.stream("def parse(", max_new_tokens=64):
-            print(piece, end="")
-"""
+"""The public, embeddable API: `Engine` (its use: docs/python-api.md)."""
 
 from __future__ import annotations
 
@@ -99,11 +91,7 @@ class Detokenizer:
 
 class Engine:
     """Speculative decoding engine: a target (PyTorch or ONNX Runtime backend) verifying proposals of a draft.
-
-    Thread-safe: `generate`/`stream` may be called from many threads; requests queue and are decoded together
-    (serving.max_batch). `close()` (or leaving a `with` block, or dropping the Engine) shuts the draft worker down.
-    Per-request keyword arguments (`**kw` below): max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-    gamma; each is validated like the config field it overrides, and an unset one (or None) takes its value."""
+    Thread-safe; requests, their keywords (`**kw`) and the lifecycle: docs/python-api.md."""
 
     #: a request decoded alone, with at least this many new tokens, tells the placement the layout's real goodput
     OBSERVE_MIN_TOKENS = 16
@@ -187,10 +175,8 @@ class Engine:
         self.source = None
         self.loop_cpus: list[int] | None = None  # the loop thread's cores (two_process: the target's)
         threads, prefill, cpu_plan = config.target.threads, config.target.prefill_threads, None
-        two_process = config.runtime.mode == "two_process"
-        if two_process:
+        if config.runtime.mode == "two_process":
             from .runtime.cpus import CpuPlan
-
             cpu_plan = CpuPlan(config)
             self._parts["cpu_plan"] = cpu_plan.restore
             threads = cpu_plan.threads
@@ -201,8 +187,8 @@ class Engine:
         self.target = load_target(config.target, threads, spin=config.target.spin, prefill_threads=prefill)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
-        self.controller = self._make_controller(self.tuning, "two_process" if two_process else "in_process",
-                                                self.target.batch_blocks, config.serving.mode)
+        self.controller = self._make_controller(self.tuning, config.runtime.mode, self.target.batch_blocks,
+                                                config.serving.mode)
         self.source = self._make_source(config)
         if self.source is not None:
             self._parts["source"] = self.source.close
@@ -216,7 +202,6 @@ class Engine:
         cands: dict[str, Any] = {}
         if config.runtime.mode == "two_process":
             from .runtime.worker_source import WorkerSource
-
             cands["onnx"] = WorkerSource(config, self.target.vocab_width, context_len=self.target.context_len,
                                          max_streams=slots)
             self.loop_cpus = cands["onnx"].target_cpus
@@ -228,7 +213,6 @@ class Engine:
             if kind not in cands:
                 cands[kind] = self._local(config, kind, slots)
         from .draft.source import SelectingSource
-
         return SelectingSource(cands, self.controller.selection, names=list(d.candidates))
 
     def _local(self, config: Config, kind: str, slots: int):
@@ -239,13 +223,11 @@ class Engine:
         from .draft.onnx_drafter import OnnxDrafter
         from .draft.select import prompt_window
         from .draft.source import LocalSource
-
         d = config.draft
         if kind == "ngram":
             return LocalSource(NgramProposer(max_n=d.ngram.max_n, min_n=d.ngram.min_n))
         if kind == "corpus":
             from .draft.corpus import CorpusProposer, cached_table
-
             if not (tok := Path(self.target.model_dir) / "tokenizer.json").is_file():
                 raise config.error("draft.candidates", d.candidates,
                                    f"corpus needs the target's tokenizer.json, not found in {self.target.model_dir}")
@@ -321,10 +303,8 @@ class Engine:
 
     # -- health --------------------------------------------------------------------------------------
     def health(self, timeout_s: float | None = None) -> dict:
-        """Real probes when the Engine is idle: the target answers a one-token forward, the draft worker a ping
-        (within timeout_s, default runtime.heartbeat_s, else it is reported unresponsive). While a request runs,
-        probes would disturb it: the answer is what the request loop knows (the worker alive and heard from within
-        the heartbeat). `draft_restarts`/`draft_failures` are running totals over the Engine's life."""
+        """Real probes when idle (the worker's ping within timeout_s, default runtime.heartbeat_s); while a request
+        runs, probes would disturb it: what the request loop knows (docs/python-api.md)."""
         self._check_open()
         locked = self.lock.acquire(blocking=False)
         if not locked or self._scheduler.running:
@@ -389,9 +369,8 @@ class Engine:
 
     def submit(self, prompt: str | list[int], sink, stats: Stats | None = None,
                cancel: threading.Event | None = None, **kw) -> Ticket:
-        """The scheduler's own interface: validate a request and queue it; `sink(item)` is then called from the
-        scheduler's thread with each round's token ids, and last with `scheduler.DONE` or the exception that ended
-        it. Keep sink short (it runs between rounds); if it raises, the request is cancelled (the others go on)."""
+        """Validate a request and queue it; `sink(item)` gets each round's token ids, then `scheduler.DONE` or the
+        exception that ended it. Keep sink short (it runs between rounds); if it raises, the request is cancelled."""
         req = self._request(prompt, kw)
         ticket = Ticket(req, Stats() if stats is None else stats, sink, threading.Event() if cancel is None else cancel)
         self._scheduler.submit(ticket, self.config.serving.max_batch, self.config.serving.max_waiting)
@@ -407,8 +386,8 @@ class Engine:
         return self._output([t for chunk in self.stream_tokens(prompt, stats=stats, **kw) for t in chunk], stats)
 
     def stream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> Iterator[str]:
-        """An iterator of text pieces as rounds commit tokens (pass a Stats to read the statistics after). The request
-        is validated when stream() is called (RequestError at once, before any output), not at the first next()."""
+        """An iterator of text pieces as rounds commit tokens (pass a Stats to read the statistics after); the request
+        is validated when stream() is called, not at the first next()."""
         return Detokenizer(self.decode_text).pieces(self.stream_tokens(prompt, stats=stats, **kw))
 
     def stream_tokens(self, prompt: str | list[int], stats: Stats | None = None,
@@ -418,7 +397,6 @@ class Engine:
         items: queue.Queue = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, items.put, stats, cancel, **kw)
-
         def rounds() -> Iterator[list[int]]:
             item = None
             try:
@@ -427,19 +405,16 @@ class Engine:
             finally:
                 if item is None or isinstance(item, list):  # left before the end: the request stops
                     cancel.set()
-
         return rounds()
 
     # -- asyncio (the server): the same requests, read from an asyncio queue instead of a thread's -------------
     async def astream_tokens(self, prompt: str | list[int], stats: Stats | None = None,
                              cancel: threading.Event | None = None, **kw) -> AsyncIterator[list[int]]:
-        """An async iterator of each round's committed token ids, validated at once (like stream_tokens).
-        Leaving the iteration early (a client gone) cancels the request before its next round."""
+        """An async iterator of each round's committed token ids, validated at once (like stream_tokens)."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), stats, cancel, **kw)
-
         async def rounds() -> AsyncIterator[list[int]]:
             item = None
             try:
@@ -448,7 +423,6 @@ class Engine:
             finally:
                 if item is None or isinstance(item, list):  # left before the end: the request stops
                     cancel.set()
-
         return rounds()
 
     async def astream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> AsyncIterator[str]:
@@ -476,9 +450,8 @@ class Engine:
         return self._scheduler.wait_idle(timeout_s)
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Release the draft; in two_process mode shut the worker down cleanly (no orphans). Running requests
-        finish first (up to wait_s; otherwise the scheduler releases everything when they end); waiting ones
-        fail with EngineClosedError, as do later calls. Safe to call twice."""
+        """Release the draft (and shut the worker down). Running requests finish first (up to wait_s; otherwise the
+        scheduler releases everything when they end); waiting ones and later calls fail. Safe to call twice."""
         self.closed = True
         if self._scheduler.stop(wait_s):
             self._finalizer()

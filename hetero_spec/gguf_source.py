@@ -1,14 +1,8 @@
-"""GGUF files as model inputs: `target.model`, `draft.model` and `hetero-spec export --model` may name a `.gguf`.
-
-Both backends and the ONNX model builder read Hugging Face directories, so transformers' GGUF loader converts a GGUF
-once into one (fp32, dequantized: the GGUF's model exactly, quantization error included), then used as any Hugging
-Face checkpoint; the draft exports it at draft.precision (int4 when unset: an fp32 export would be 4-8x the GGUF).
-Entries live in the cache (target/export_cache.py) under `gguf-hf/NAME-KEY`; KEY hashes the file's resolved path,
-size and mtime_ns with the transformers version and this converter's, so an edited file converts again and an
-unchanged one never twice. The conversion keeps what save_pretrained would lose: every end-of-generation id
-llama.cpp stops on (generation_config.json) and the chat template. Metadata is read with gguf's GGUFReader before
-anything heavy loads, so a bad file fails at once. Converting needs torch and the `gguf` extra (gguf, accelerate).
-"""
+"""GGUF files as model inputs (`target.model`, `draft.model`, `hetero-spec export --model`): converted once by
+transformers into an fp32 Hugging Face checkpoint in the cache, keeping every end-of-generation id and the chat
+template (docs/getting-started.md). A GGUF draft without draft.precision exports at int4 (fp32 would be 4-8x the
+GGUF). The cache key also hashes the transformers version and CONVERTER; metadata is read with gguf's GGUFReader
+before anything heavy loads, so a bad file fails at once."""
 
 from __future__ import annotations
 
@@ -74,7 +68,6 @@ def read_info(path: Path) -> GGUFInfo:
 @functools.lru_cache(maxsize=8)
 def _read_info(path: str, size: int, mtime_ns: int) -> GGUFInfo:
     from gguf import GGUFReader
-
     fields = GGUFReader(path).fields
 
     def get(key: str, default=None):
@@ -110,11 +103,9 @@ def convertible() -> set[str]:
     """The GGUF architectures (general.architecture) this transformers converts: its legacy loader's list and the
     newer integrations/gguf path's."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
     archs = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # keys of its mapping, not architectures
     try:
         from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
-
         archs |= set(GGUF_CONFIG_ARCHS)
     except ImportError:  # older transformers: the legacy loader only
         pass
@@ -126,7 +117,6 @@ def hf_architecture(info: GGUFInfo) -> str | None:
     "" when the model type is not a causal LM (t5, umt5)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     model_type = _RENAMED.get(info.architecture, info.architecture)
     if model_type == "llama" and "mistral" in info.name:  # as transformers reads llama.cpp's Mistral files
         model_type = "mistral"
@@ -141,10 +131,7 @@ def check(path: Path, source: str, key: str, onnx: bool = False) -> None:
     (or, with onnx, exported): missing, not a GGUF, or an architecture transformers (or the ONNX model builder) does not
     handle. A file already converted is not read again (export_cache.exportable checks its conversion's export)."""
     path = Path(path)
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(source, key, str(path), why)
-
+    bad = functools.partial(ConfigError, source, key, str(path))  # bad(why)
     if not path.is_file():
         raise bad("GGUF file not found" if not path.is_dir() else
                   "a directory named .gguf: give the GGUF file, or a Hugging Face model directory")
@@ -171,7 +158,6 @@ def check(path: Path, source: str, key: str, onnx: bool = False) -> None:
 def source_stamp(path: Path) -> dict:
     """What identifies a GGUF and its conversion, cheaply: the file's path, size and mtime, and the converter."""
     from importlib.metadata import version
-
     path = Path(path).resolve()
     st = path.stat()
     return {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
@@ -208,7 +194,6 @@ def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], 
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
         say("loading the GGUF and dequantizing its weights to fp32")
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                      low_cpu_mem_usage=True, **_dequantized())

@@ -1,12 +1,8 @@
 """One runner for a builder-exported decoder (onnxruntime-genai) with a rollback-able KV cache, for the ONNX drafter
-and the ONNX target. Never imports torch. Inputs: `input_ids`, `attention_mask` (total length), maybe `position_ids`,
+and the ONNX target; never imports torch. Inputs: `input_ids`, `attention_mask` (total length), maybe `position_ids`,
 `past_key_values.N.key/value` [batch, kv_heads, past, head_dim]; outputs: `logits`, `present.N.key/value`. Each
-request's cache is a `DecoderState`, so one loaded model serves several requests. Two cache layouts, per model:
-- shared (the builder's `search.past_present_share_buffer: true`, CPU provider): one preallocated buffer per past
-  tensor, [1, kv_heads, capacity, head_dim], IO-bound as both `past_key_values.N` and `present.N`: attention writes
-  the new positions in place, so a step copies no past (25 % less per step at a 1000-token context,
-  docs/benchmarks.md), and a rollback only lowers `n_past`. The buffer doubles when it fills, up to the context.
-- copy (any other export or provider): past in, present out as fresh arrays; a rollback slices the past.
+request's cache is a `DecoderState`. The shared (in-place, `past_present_share_buffer`) and copy cache layouts:
+docs/architecture.md ("onnx"); the shared one costs 25 % less per step at a 1000-token context (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -72,10 +68,9 @@ class OnnxDecoder:
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
                  spin: bool = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
-        path = model_dir / LOGITS_FROM_MODEL  # draft/export.add_logits_from
-        if not path.is_file():
-            path = model_dir / "model.onnx"
-        if not path.is_file():
+        # draft/export.add_logits_from's graph, else the export's own
+        path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
+        if path is None:
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
         providers = providers or ["CPUExecutionProvider"]
         check_providers(providers, key=f"{role}.providers")
@@ -121,8 +116,7 @@ class OnnxDecoder:
         self.has_logits_from = "logits_from" in inputs
         self._zero = np.zeros(1, dtype=np.int64)  # logits_from of a run that wants every position (stays bound)
         first = inputs[self.past_names[0]] if self.past_names else None
-        gcfg_path = model_dir / "genai_config.json"
-        raw = json.loads(gcfg_path.read_text()) if gcfg_path.is_file() else {}
+        raw = json.loads(gcfg.read_text()) if (gcfg := model_dir / "genai_config.json").is_file() else {}
         self.genai_config, self.search_config = raw.get("model", {}), raw.get("search", {})
         dec = self.genai_config.get("decoder", {})
         kv_heads = dec.get("num_key_value_heads") or (first.shape[1] if first is not None else 0)
@@ -136,8 +130,7 @@ class OnnxDecoder:
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
         # a pruned LM head (draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is the
         # tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
-        tokens = model_dir / HEAD_TOKENS
-        self.head_tokens = np.load(tokens) if tokens.is_file() else None
+        self.head_tokens = np.load(t) if (t := model_dir / HEAD_TOKENS).is_file() else None
         self.head_width = self.model_vocab
         if self.head_tokens is not None:
             self.model_vocab = int(self.genai_config.get("vocab_size") or self.head_tokens.max() + 1)
@@ -152,8 +145,7 @@ class OnnxDecoder:
         """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width], or [1, vocab_width]
         for the last token with last_only (computed for it alone where the graph has `logits_from`). wide: a run of
         several tokens goes to the prefill session (prefill_threads), when there is one."""
-        n = len(tokens)
-        total = state.n_past + n
+        n, total = len(tokens), state.n_past + len(tokens)
         if total > self._ones.shape[1]:
             self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         if n == 1 and self.shared:

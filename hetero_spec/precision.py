@@ -1,15 +1,6 @@
 """Precision switches: `target.precision` (with `target.dtype` as its alias), `target.kv_cache_dtype` and
-`draft.precision`, checked against what the backend can run here (config.py's docstrings say what each value does).
-
-The onnx backend runs the model builder's export at the precision, made once and cached (target/export_cache.py);
-its CPU graph computes in fp32, so fp16 needs a GPU provider's export (made for the first of target.providers). The
-torch backend quantizes to int8 on a CPU only (PyTorch's dynamic quantization); int4, and int8 on CUDA, need torchao,
-which this project does not install: a clear error says so. A Hugging Face `draft.model` with `draft.precision` is
-exported like the target; an exported draft has its own precision.
-
-Quantization changes the model itself. The lossless promise is relative to the configured target: output is identical to
-that target decoding alone with the same settings (tested per precision).
-"""
+`draft.precision`, checked against what the backend can run here. What each value does, per backend, and why
+quantized output is identical to that target alone rather than to the checkpoint: docs/features-precision.md."""
 
 from __future__ import annotations
 
@@ -104,7 +95,6 @@ def resolve_draft(cfg: Config) -> Config:
         raise cfg.error("draft.model", str(model),
                         "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
     from .target.export_cache import cached_export, exportable
-
     ok, why = exportable(model)
     if not ok:
         raise cfg.error("draft.model", str(model), f"cannot export the draft: {why}")
@@ -120,7 +110,6 @@ def _pruned(cfg: Config) -> Config:
     if cfg.draft.head is None or not (Path(cfg.draft.model) / "model.onnx").is_file():
         return cfg
     from .draft.head import cached_pruned
-
     out = cfg.model_copy(deep=True)
     try:
         out.draft.model = cached_pruned(Path(cfg.draft.model), cfg.draft.head)

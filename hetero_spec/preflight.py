@@ -18,14 +18,12 @@ def check_config(cfg: Config) -> None:
     rt = cfg.runtime
     if rt.mode != "in_process" and rt.transport == "tcp":
         from .transport.channel import check_bind_host
-
         if why := check_bind_host(rt.host, rt.curve_keys is not None):
             raise cfg.error("runtime.host", rt.host, why)
     if rt.worker == "remote":
         _check_remote(cfg)
     elif rt.mode != "in_process" and rt.curve_keys is not None:
         from .transport.channel import CurveKeys
-
         try:
             CurveKeys.load(rt.curve_keys)
         except (OSError, ValueError) as exc:
@@ -33,7 +31,6 @@ def check_config(cfg: Config) -> None:
                             "make them with `hetero-spec keys --out DIR`") from None
     if cfg.draft.kind == "onnx" and rt.worker == "spawn":
         from .onnx_decoder import check_providers
-
         check_providers(cfg.draft.providers, source=cfg.blame("draft.providers"))
         check_vocab(cfg.target.model, cfg.draft.model, source=cfg.blame("draft.model"))
 
@@ -52,7 +49,6 @@ def _check_remote(cfg: Config) -> None:
         raise cfg.error("runtime.curve_keys", None, "runtime.worker remote needs the target's CURVE keys "
                         "(`hetero-spec keys --out DIR`)")
     from .transport.channel import admitted_keys
-
     try:
         admitted_keys(rt.curve_keys, rt.worker_keys)
     except (OSError, ValueError) as exc:
@@ -110,7 +106,6 @@ def _tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
     if not path.is_file():
         return None
     from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
 
 

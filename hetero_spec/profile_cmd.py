@@ -23,7 +23,6 @@ def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of the Engine's onnx draft (0.0 for a lookup or none)."""
     from .draft.onnx_drafter import OnnxDrafter
     from .draft.source import LocalSource
-
     if isinstance(eng.source, LocalSource) and isinstance(eng.source.proposer, OnnxDrafter):
         return decoder_token_s(eng.source.proposer.decoder, prompt, reps)
     return 0.0
@@ -82,7 +81,6 @@ def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[li
 def precisions_here(config) -> list[str]:
     """Target precisions this backend runs on this machine (precision.py)."""
     from .target.backends import choose_backend
-
     if choose_backend(config.target).backend == "onnx":
         return ["fp32", "int8", "int4"] if (Path(config.target.model) / "config.json").is_file() else []
     return ["fp32", "int8"] if config.target.device == "cpu" else ["fp32", "bf16", "fp16"]
@@ -113,7 +111,6 @@ def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_n
 def _profile_placement(config, acceptance: float, calib: list[list[int]], max_new: int, say) -> dict[str, Any]:
     """Every layout this machine allows (tuning/placement.py): costs, predicted and measured goodput at best gamma."""
     from .tuning import placement
-
     probe = config.model_copy(deep=True)
     probe.runtime.mode, probe.runtime.cpus = "auto", "auto"
     layouts = placement.candidates(probe, placement.allowed_cpus())
@@ -139,11 +136,9 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
                 placement: bool = True, precisions: bool = True) -> dict[str, Any]:
     """Measure, fit, recommend; write out (YAML) and out with .png. Returns the profile dict."""
     import yaml
-
     from .bench.prompts import heldout_prompt_ids, prompts_from_file
     from .gguf_source import resolve as resolve_gguf
     from .precision import resolve_draft
-
     say = say or (lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     base_config = load_config(config_path, overrides={**(overrides or {}), **IN_PROCESS})
@@ -154,10 +149,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     n_prompts, max_new, reps = (2, 48, 8) if quick else (6, 128, 20)
     say(f"loading {config_path} (target backend {config.target.backend})")
     with Engine.from_config(config) as eng:
-        if prompts_file is not None:
-            prompts = prompts_from_file(prompts_file, config)[:n_prompts]
-        else:
-            prompts = heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128)
+        prompts = (prompts_from_file(prompts_file, config)[:n_prompts] if prompts_file is not None
+                   else heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128))
         ctx_prompt, calib = prompts[0], prompts[1:] or prompts
         ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
         say(f"target verification, k = {ks[0]}..{ks[-1]} draft tokens after {len(ctx_prompt)} cached")
@@ -199,14 +192,11 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
                      "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
         "cost_model": {k: ({g: round(x, 7) for g, x in v.items()} if isinstance(v, dict) else round(v, 7))
                        for k, v in model.to_dict().items()},
-        "acceptance": {"per_token": round(a, 4), **acc_info},
-        "recommended_gamma": recommended,
-        "drafts": draft_rows,
+        "acceptance": {"per_token": round(a, 4), **acc_info}, "recommended_gamma": recommended, "drafts": draft_rows,
         "recommended_draft": max(draft_rows, key=lambda n: max(r["predicted_tok_s"]
                                                                for r in draft_rows[n]["best"].values())),
         "placement": place,
-        "precision": (_profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions
-                      else None),
+        "precision": _profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions else None,
         "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
                   "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
                   "recommended_max_batch": recommended_batch(bpoints)},
@@ -214,8 +204,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
                                     for lay in LAYOUTS},
         "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
                    "(1 - a^g) * g * d; V(g) = measured[g], else verify_fixed_s + verify_per_token_s * (g + 1)",
-        "elapsed_s": round(time.perf_counter() - t_start, 1),
-    }
+        "elapsed_s": round(time.perf_counter() - t_start, 1)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
@@ -233,7 +222,6 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 def _plot(profile: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

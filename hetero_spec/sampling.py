@@ -11,12 +11,9 @@ Terms, used the same way everywhere (Leviathan et al. 2023; p = target, q = draf
 * **bonus**: when all ``k`` are accepted, one extra token from ``p_{k+1}`` (coupled: ``y_{k+1}``).
 
 Every round therefore yields ``n + 1`` tokens: the accepted ones and one recovered-or-bonus token, ``next_token``.
-
-Two sampling modes (`SamplingParams.sampling`, docs/features-sampling.md), with randomness passed in by the
-caller, keyed by (seed, absolute position, stream): ``rejection`` (the draft samples x_i ~ q_i and sends q;
-`rejection_accept`, `rejection_next`) and ``coupled`` (draft and target share one Gumbel noise vector per
-position, `exponential_noise`; the draft sends tokens only; `verify_coupled`: seeded output is that of
-target-only sampling, whatever the draft, gamma or process layout).
+Randomness is passed in, keyed by (seed, absolute position, stream). The two sampled modes, ``rejection``
+(`rejection_accept`, `rejection_next`) and ``coupled`` (`exponential_noise`, `verify_coupled`):
+docs/features-sampling.md.
 """
 
 from __future__ import annotations

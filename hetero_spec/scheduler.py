@@ -1,24 +1,10 @@
-"""The decode loop and the request queue in front of it.
+"""The decode loop and the request queue in front of it: one loop thread decodes up to `serving.max_batch`
+sequences together, joining and leaving between rounds; a round's five phases (plan, propose, verify, accept,
+observe) are in docs/architecture.md#the-decode-loop. One sequence's failure is its own: the others go on.
 
-Every request of an Engine runs in one loop thread, which decodes up to `serving.max_batch` sequences together
-(continuous batching: they join and leave between rounds). A round, for every running sequence:
-
-  1) plan     the speculation controller (tuning/controller.py) gives each sequence its draft length k
-              (0: none), and decides whether the rows share one target pass without drafts
-  2) propose  the draft source (draft/base.py: local, selecting, or the worker process) drafts up to k tokens
-  3) verify   ONE `target.verify_batch` call for every row (the backend shares passes as far as it can)
-  4) accept   per sequence: accept from the target's output, commit token by token with the stop checks (stop
-              token, max_new_tokens, context), stream the tokens to the caller, tell the source what was committed
-  5) observe  the controller learns acceptance and costs
-
-A sequence that finishes, fails or is cancelled leaves at once, freeing its target state (a KV slot) and its
-draft state; a waiting request takes its place. One sequence's failure is its own: the others go on.
-
-Invariants between rounds (see target/verifier.py): `seq.ids` = prompt + generated tokens; the target's state
-caches `ids[:-1]`; the draft source has seen every committed token (it reads them from seq.ids).
-
-Callers never touch the models: they submit a Ticket and read its sink (a queue for threads, an asyncio queue
-for the server). Items are lists of token ids, then DONE, or an exception that ends the request.
+Invariants between rounds: `seq.ids` = prompt + generated tokens; the target's state caches `ids[:-1]`; the draft
+source has seen every committed token (it reads them from seq.ids). Callers never touch the models: they submit
+a Ticket and read its sink (token-id lists, then DONE or the exception that ended the request).
 """
 
 from __future__ import annotations
@@ -110,8 +96,7 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
         p = logits_to_probs(out, params)  # [k + 1, vocab]
         u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0] for i in range(len(draft.ids))])
         n = rejection_accept(draft.ids, draft.probs, p, u_acc)
-        u_tok = position_uniforms(params.seed, base + n, STREAM_TARGET)[0]
-        nxt = rejection_next(draft.ids, draft.probs, p, n, u_tok)
+        nxt = rejection_next(draft.ids, draft.probs, p, n, position_uniforms(params.seed, base + n, STREAM_TARGET)[0])
     target.rollback(state, base + n)
     return n, nxt
 
@@ -305,13 +290,12 @@ class Scheduler:
             self._seqs.append(seq)
 
     def _step(self, eng: Engine) -> None:
-        """One round for every running sequence (phases in the module docstring)."""
+        """One round for every running sequence (docs/architecture.md#the-decode-loop)."""
         target, source, ctl, seqs = eng.target, eng.source, eng.controller, list(self._seqs)
-        ctx = target.context_len
         drafts = [Draft(ids=[]) for _ in seqs]
         if source is not None:
             # 1) plan
-            ks = ctl.plan([s.control for s in seqs], [s.room(ctx) for s in seqs], source.chooses_gamma)
+            ks = ctl.plan([s.control for s in seqs], [s.room(target.context_len) for s in seqs], source.chooses_gamma)
             for s in seqs:
                 s.gamma, s.probing = s.control.gamma, s.control.probing
             # 2) propose (only drafts made in another process are waited for)

@@ -1,9 +1,6 @@
-"""Checks of user input shared by the faces (CLI) and the engine: prompt text and per-request arguments.
-
-Per-request arguments are validated by the config's own pydantic fields (`GenerationConfig`,
-`SpeculationConfig`), so `--temperature`, `Engine.generate(temperature=...)` and `generation.temperature`
-in a YAML file accept exactly the same values, and a bound is written once, in config.py.
-"""
+"""Checks of user input shared by the faces (CLI) and the engine: prompt text and per-request arguments, the
+latter by the config's own pydantic fields, so `--temperature`, `Engine.generate(temperature=...)` and
+`generation.temperature` accept exactly the same values (a bound is written once, in config.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ _PROBLEMS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be >
 
 
 def _problem(err: dict[str, Any]) -> str:
-    template = _PROBLEMS.get(err["type"])
-    if template is None:
+    if (template := _PROBLEMS.get(err["type"])) is None:
         return err["msg"].removeprefix("Value error, ")
     return template.format(**{k: _bound(v) for k, v in err.get("ctx", {}).items()})
 

@@ -77,29 +77,46 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """Every prompt once, `concurrency` at a time, alternating between the urls: tokens per second overall."""
+def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_tokens: int,
+         stream: bool = False) -> dict:
+    """Every prompt once, `concurrency` at a time, alternating between the urls: tokens per second overall, and
+    the seconds to each response's first byte (with `stream`: its first token, where a balancer's wait shows)."""
     local = threading.local()
     clients: list[httpx.Client] = []
 
-    def one(i: int) -> int:
+    def one(i: int) -> tuple[int, float]:
         # one keep-alive client per thread, as a load generator keeps its connections: a new httpx client per
         # request costs the client ~45 ms of CPU (its SSL context), which throttled the load it offered
         if not hasattr(local, "client"):
             local.client = httpx.Client(timeout=600)
             clients.append(local.client)
-        r = local.client.post(urls[i % len(urls)] + "/v1/completions",
-                              json={"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        t0, first, tokens = time.perf_counter(), None, 0
+        with local.client.stream("POST", urls[i % len(urls)] + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            if not stream:
+                first = time.perf_counter() - t0
+                return json.loads(r.read())["usage"]["completion_tokens"], first
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                first = first or time.perf_counter() - t0
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+        return tokens, first or 0.0
 
     t = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, range(len(prompts))))
+        done = list(pool.map(one, range(len(prompts))))
     wall = time.perf_counter() - t
     for c in clients:
         c.close()
-    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2)}
+    tokens = sum(n for n, _ in done)
+    firsts = sorted(f for _, f in done)
+    q = {f"first_p{p}_s": round(firsts[min(len(firsts) - 1, p * len(firsts) // 100)], 3) for p in (50, 75, 90)}
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2), **q}
 
 
 def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out: Path) -> dict:
@@ -117,7 +134,7 @@ def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out:
     try:
         wait_up(urls, procs)
         load(urls, model, prompts[: args.concurrency], args.concurrency, 8)  # warm-up
-        return load(urls, model, prompts, args.concurrency, args.max_tokens)
+        return load(urls, model, prompts, args.concurrency, args.max_tokens, args.stream)
     finally:
         stop(procs)
 
@@ -130,6 +147,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="OUT")
+    p.add_argument("--stream", action="store_true",
+                   help="stream the completions (the first token's time then shows each request's wait)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another config override for both setups (repeatable)")
     p.add_argument("--ray-set", action="append", default=[], metavar="KEY=VALUE",
@@ -143,7 +162,8 @@ def main() -> int:
         for kind in ("ray", "two_serves") if rep % 2 == 0 else ("two_serves", "ray"):
             r = run_setup(kind, args.config, "demo", prompts, args, out)
             runs[kind].append(r)
-            print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s", flush=True)
+            print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s, first byte "
+                  f"p50/p75/p90 {r['first_p50_s']}/{r['first_p75_s']}/{r['first_p90_s']} s", flush=True)
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["ray"], runs["two_serves"])]
     report = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
               "max_tokens": args.max_tokens, "runs": runs, "ratios": [round(x, 3) for x in ratios],

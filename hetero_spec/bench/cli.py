@@ -78,7 +78,6 @@ def add_bench_parser(sub) -> None:
 
 def settings_from_args(args) -> BenchSettings:
     from ..config import parse_override
-
     humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
     count = (int(n) if (n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:

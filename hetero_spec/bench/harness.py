@@ -144,7 +144,6 @@ def proc_state(state: tuple | None = None) -> tuple:
     """This process's (CPU affinity, torch threads); with a state, set them first. A two-process engine pins this
     process to the target's cores: each system runs in the state its setup left, each setup from the first."""
     import torch
-
     if state is not None:
         if state[0] is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, state[0])
@@ -308,7 +307,6 @@ def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
 
 def _prompts(s: BenchSettings, config: Config, given: list[list[int]] | None) -> tuple[list[list[int]], dict]:
     from . import prompts as P  # -> (the prompts, where they came from)
-
     if given is not None:
         ids, source = given[:s.n_prompts], {"kind": "given", "available": len(given)}
     elif s.humaneval:
@@ -328,11 +326,9 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     """Run each pass (of the precision matrix, or one), write OUT/bench.json and OUT/bench.md, return the former.
     prompt_ids replaces the held-out prompts (tests)."""
     from transformers.utils import logging as hf_logging
-
     from ..gguf_source import resolve as resolve_gguf
     from ..precision import resolve_draft
     from .memory import child_peaks, memory_report
-
     s, names = settings, resolve_systems(settings.systems, settings.temperature)
     base = {**s.overrides, **({"speculation.sampling": s.sampling} if s.sampling else {}), **CPU_FP32}
     given = load_config(s.config, overrides=base)  # the models as named: a .gguf is also what llama.cpp runs
@@ -369,8 +365,8 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
                      "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": s.max_new, "repeats": s.repeats,
                      "gamma": given.speculation.gamma, "gammas": list(s.gammas) if s.gammas else None,
                      "temperature": s.temperature, "sampling": given.speculation.sampling, "seed": SEED,
-                     "ignore_eos": given.generation.ignore_eos,
-                     "overrides": s.overrides, "reference": REFERENCE if ran_ref else None},
+                     "ignore_eos": given.generation.ignore_eos, "overrides": s.overrides,
+                     "reference": REFERENCE if ran_ref else None},
         "memory": memory_report(peaks)}
     report.update({"passes": done} if s.precision_matrix else {k: done[0][k] for k in ("systems", "comparisons")})
     write_report(Path(s.out), "bench", report, render_markdown(report))
@@ -396,7 +392,6 @@ def command_line(s: BenchSettings) -> str:
 
 def machine() -> dict[str, Any]:  # the platform, the CPU and the versions that matter
     from importlib.metadata import distributions
-
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
     have = {(d.metadata["Name"] or "").lower(): d.version for d in distributions()}
     return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": next(

@@ -1,6 +1,5 @@
-"""`hetero-spec load`: throughput and latency against concurrency for target_only and the config's engine (both
-loaded): at level C, C client threads send the held-out prompts to one Engine; the (system, level) runs rotate
-over the repeats (`interleave`), each paired per repeat with the first level's, outputs checked against it."""
+"""`hetero-spec load` (docs/benchmarks.md): at level C, C client threads send the held-out prompts to one Engine;
+the (system, level) runs rotate over the repeats (`interleave`), each paired per repeat with the first level's."""
 
 from __future__ import annotations
 
@@ -45,11 +44,9 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
              overrides: dict | None = None, say=None, repeats: int = 3) -> dict[str, Any]:
     """Measure every (system, level) `repeats` times, interleaved; write OUT/load.json and OUT/load.md."""
     from contextlib import ExitStack
-
     from ..config import load_config
     from ..engine import Engine
     from .prompts import heldout_prompt_ids
-
     say = say or (lambda m: print(f"load: {m}", file=sys.stderr, flush=True))
     config = load_config(config_path, overrides=overrides)
     prompts = heldout_prompt_ids(config, Path(config_path), n_requests, 128)

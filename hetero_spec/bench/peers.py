@@ -63,7 +63,6 @@ class HfAssisted(Peer):
     def load(self, ctx: BenchContext) -> None:
         import torch
         from transformers import AutoModelForCausalLM
-
         self.model, self.assistant = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32).eval()
                                       for m in (ctx.config.target.model, ctx.draft_hf))
         gc = self.assistant.generation_config
@@ -71,7 +70,6 @@ class HfAssisted(Peer):
 
     def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
         import torch
-
         torch.set_num_threads(setting[0])
         self.assistant.generation_config.num_assistant_tokens = setting[1]
         ids, gc = torch.tensor([prompt_ids], dtype=torch.long), self.model.generation_config
@@ -110,10 +108,8 @@ class OrtGenaiTargetOnly(Peer):
 
     def load(self, ctx: BenchContext) -> None:
         import onnxruntime_genai as og
-
         from ..target.backends import precision_of
         from ..target.export_cache import SOURCE_NAME, cached_export
-
         precision, self.og, self.models = precision_of(ctx.config.target), og, {}
         self.dir = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
         src = Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)
@@ -243,7 +239,6 @@ class LlamaCppTargetOnly(Peer):
 
     def load(self, ctx: BenchContext) -> None:
         from .prompts import load_tokenizer
-
         self.tok, self._dir = load_tokenizer(ctx.config.target.model), tempfile.TemporaryDirectory(prefix="llama-cpp-")
         self.eos_id = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, int) else None
 
@@ -254,8 +249,7 @@ class LlamaCppTargetOnly(Peer):
         n_ctx, t0 = len(prompt_ids) + max_new + CTX_MARGIN, time.perf_counter()
         proc = subprocess.run(llama_args(c.llama_cpp, c.llama_cpp_target, path, max_new, threads, n_ctx,
                                          c.llama_cpp_draft if k else None, k,
-                                         c.config.generation.ignore_eos), stdin=subprocess.DEVNULL,
-                              capture_output=True)
+                                         c.config.generation.ignore_eos), stdin=subprocess.DEVNULL, capture_output=True)
         out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:
             raise RuntimeError(f"{self.tool} exited with {proc.returncode}: {' | '.join(err.splitlines()[-5:])}")

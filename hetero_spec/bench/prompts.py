@@ -18,7 +18,6 @@ from ..errors import BenchError
 def load_tokenizer(model: Path):
     """The tokenizer of a Hugging Face directory, or of a .gguf file (transformers reads GGUF vocabularies)."""
     from transformers import AutoTokenizer
-
     if (model := Path(model)).suffix == ".gguf" and model.is_file():
         return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
     return AutoTokenizer.from_pretrained(model)

@@ -1,7 +1,6 @@
-"""`hetero-spec soak`: N concurrent greedy streams against a real `hetero-spec serve` on loopback (its log in
-OUT/server.log) until the deadline, each request checked against the prompt's non-streaming reference (text and
-usage); lost: an HTTP or connection error, an error event, no `data: [DONE]`. Flat: the server's VmRSS (each
-second) after the warm-up at most GROWTH_LIMIT above its first sample then. Writes OUT/soak.json and soak.md."""
+"""`hetero-spec soak` (docs/benchmarks.md): N greedy streams against a real `hetero-spec serve` on loopback, each
+request checked against the prompt's non-streaming reference (text and usage); lost: an HTTP or connection error,
+an error event, no `data: [DONE]`. Flat: the server's VmRSS after the warm-up at most GROWTH_LIMIT above its first."""
 
 from __future__ import annotations
 

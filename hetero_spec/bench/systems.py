@@ -18,7 +18,6 @@ class _Engine(System):
 
     def setup(self, ctx: BenchContext) -> None:
         from ..engine import Engine
-
         self.temperature = 0.0 if self.greedy else ctx.temperature
         self.engine = Engine.from_config(ctx.config, overrides=self.overrides(ctx) or None)
         self.setting = self.engine.config.speculation.gamma if self.speculative else None
@@ -31,7 +30,6 @@ class _Engine(System):
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
         from ..target.backends import precision_of
-
         cfg, plan = self.engine.config, getattr(self.engine, "_cpu_plan", None)
         return {"backend": cfg.target.backend, "precision": precision_of(cfg.target), "layout": cfg.runtime.mode,
                 "target_threads": plan.threads if plan is not None else cfg.target.threads, "draft": cfg.draft.kind,

@@ -1,15 +1,7 @@
-"""What the decode loop asks of a draft: the `DraftSource` interface, and the per-request `Proposer`s that the
-local source wraps. The loop (scheduler.py) calls, per sequence:
-
-    begin(seq)                    once, before the target's prefill (a worker reads the prompt meanwhile)
-    propose(seqs, ks, budget_s)   each round: up to ks[i] tokens for seqs[i], at positions len(seq.ids)...
-    commit(seq, n, next_token)    after every round: the target accepted n of the drafts, then next_token
-    end(seq) -> dict              once, when the sequence finishes or fails: free its state; its summary
-
-Fewer drafts than asked are always allowed (verification decides every token); a source reads the committed text
-from `seq.ids` when it drafts. budget_s: how long propose may wait for drafts made in a worker. costs(): the
-source's own measurements, which the controller predicts from. No call raises because a draft is slow, wrong or
-gone: a dead worker yields empty drafts, and the target decodes alone.
+"""What the decode loop asks of a draft: the `DraftSource` interface (its calls: docs/architecture.md#the-decode-loop),
+and the per-request `Proposer`s that the local source wraps. begin(seq) comes before the target's prefill (a worker
+reads the prompt meanwhile); a source reads the committed text from `seq.ids` when it drafts; fewer drafts than
+asked are always allowed, and no call raises because a draft is slow, wrong or gone.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""A lookup in a code corpus (`draft.candidates: [..., corpus]`): the token that most often followed the text's
-last n tokens in a corpus every machine has, the Python standard library's source tokenized with the target's
-tokenizer (draft/head.py's corpus), for n = 6 down to 3; chained, a token at a time, while the corpus knows.
-
-A retrieval draft (REST, He et al. 2024) costs microseconds like the prompt lookup, and is right where code is
-idiomatic rather than repeated. On 8 HumanEval prompts x 128 tokens of the real pair's target, at the positions
-where the prompt lookup matched at most one token, a continuation the corpus gives at least half of the time was
-right 56 % of the time (125 of 1,024 positions; docs/real-pair.md). Deterministic like the prompt lookup (q is
-one-hot), so verification is exact.
+"""A lookup in a code corpus (`draft.candidates: [..., corpus]`), a retrieval draft (REST, He et al. 2024): the
+token that most often followed the text's last n tokens (n = 6 down to 3) in the Python standard library's source
+tokenized with the target's tokenizer (draft/head.py's corpus), chained while the corpus knows. Deterministic (q
+is one-hot). What it gets right: docs/real-pair.md#drafts-that-cost-nothing-the-lookups.
 """
 
 from __future__ import annotations
@@ -102,19 +97,16 @@ TABLE = "corpus.npz"
 def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
     """The table of the standard library tokenized with this tokenizer, made once into the cache (~1 minute)."""
     from . import head
-
     files = head.corpus_files()
     tokenizer_json = Path(tokenizer_json)
     key = stamp_key({"tokenizer": tokenizer_json.read_text(), "files": [str(f) for f in files],
                      "orders": ORDERS, "min_count": MIN_COUNT, "min_share": MIN_SHARE})
     entry = cache_root() / "corpus" / key
-
     def build(scratch: Path, say) -> None:
         say(f"draft.candidates corpus: counting what follows each 3-6 tokens in {len(files)} standard-library "
             f"files, once, into {entry}")
         scratch.mkdir(parents=True)
         CorpusTable.build(head.corpus_token_ids(tokenizer_json, files)).save(scratch / TABLE)
-
     build_once(entry, lambda e: (e / TABLE).is_file(), build, f"draft: using the corpus table {entry}", progress)
     return CorpusTable.load(entry / TABLE)
 

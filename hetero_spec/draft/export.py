@@ -87,7 +87,6 @@ def add_logits_from(out_dir: Path) -> bool:
     LOGITS_FROM_MODEL beside model.onnx (the weights file is shared); False when it is there or there is no `logits`."""
     import onnx
     from onnx import TensorProto, helper
-
     path, dest = Path(out_dir) / "model.onnx", Path(out_dir) / LOGITS_FROM_MODEL
     if dest.is_file():
         return False

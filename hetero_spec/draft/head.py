@@ -1,11 +1,8 @@
-"""A draft whose LM head proposes only the most frequent tokens (FR-Spec, Zhao et al. 2025): `draft.head: N`.
-
-The 0.5B draft of the real pair spends a fifth of its step in its LM head over 151,936 tokens. The pruned copy of
-an export keeps the head's rows for the N tokens most frequent in a code corpus every machine has (the Python
-standard library, tokenized with the draft's tokenizer), plus the special tokens (EOS must stay proposable). Its
-graph outputs N logits; `head_tokens.npy` maps them back to token ids, and OnnxDecoder spreads them into the full
-vocabulary with -inf elsewhere, so q is zero outside the subset. Verification is untouched: greedy output is the
-target's, and rejection sampling and the coupled sampler stay exact with such a q.
+"""A draft whose LM head proposes only the most frequent tokens (FR-Spec, Zhao et al. 2025): `draft.head: N`
+(measured: docs/real-pair.md#a-cheaper-draft-fr-spec). The pruned copy keeps the head's rows for the N tokens most
+frequent in the Python standard library, tokenized with the draft's tokenizer, plus the special tokens (EOS must
+stay proposable). `head_tokens.npy` maps its N logits back to token ids; OnnxDecoder spreads them into the full
+vocabulary with -inf elsewhere, so q is zero outside the subset and verification stays exact.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ def corpus_files() -> list[Path]:
 def corpus_token_ids(tokenizer_json: Path, files: list[Path] | None = None) -> list[np.ndarray]:
     """The corpus tokenized with this tokenizer, one array per file (files that are not UTF-8 are skipped)."""
     from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_json))
     texts = []
     for p in files if files is not None else corpus_files():
@@ -49,7 +45,6 @@ def corpus_token_ids(tokenizer_json: Path, files: list[Path] | None = None) -> l
 def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.ndarray:
     """How often each token id occurs in the corpus."""
     from tokenizers import Tokenizer
-
     vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
     ids = corpus_token_ids(tokenizer_json, files)
     return np.bincount(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64), minlength=vocab)[:vocab]
@@ -77,7 +72,6 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
     rows of `head_tokens`; the weights file is linked, not copied, and the head's rows go inline in model.onnx."""
     import onnx
     from onnx import numpy_helper
-
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     graph_file = LOGITS_FROM_MODEL if (export_dir / LOGITS_FROM_MODEL).is_file() else "model.onnx"
     model = onnx.load(str(export_dir / graph_file), load_external_data=False)  # the copy's only graph
@@ -130,7 +124,6 @@ def unpruned(model_dir: Path) -> Path:
 def _array(init, base: Path) -> np.ndarray:
     """An initializer's values, its external data read directly (onnx's reader refuses a linked weights file)."""
     from onnx import helper, numpy_helper
-
     if not init.external_data:
         return numpy_helper.to_array(init)
     info = {e.key: e.value for e in init.external_data}
@@ -145,10 +138,8 @@ def cached_pruned(export_dir: Path, n: int, progress=None) -> Path:
     export_dir = Path(export_dir).resolve()
     key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": n})
     entry = cache_root() / "onnx" / f"{export_dir.name}-head{n}-{key}"
-
     def build(scratch: Path, say) -> None:
         say(f"pruning the draft's LM head to the {n} most frequent tokens (draft.head), once, into {entry}")
         prune_head(export_dir, scratch, n)
-
     return build_once(entry, lambda e: (e / HEAD_TOKENS).is_file(), build,
                       f"draft: using the pruned head {entry}", progress)

@@ -76,21 +76,17 @@ class OnnxDrafter:
         self.decoder, self._pool, self.state = decoder, pool, decoder.new_state()
         self.model_dir, self.vocab_width = decoder.model_dir, decoder.vocab_width
         self.model_vocab, self.context_len = decoder.model_vocab, decoder.context_len
-        self.params = SamplingParams()
-        self.ids: list[int] = []
-        self._proposed: list[int] = []
-        self.last_catchup_s = 0.0
+        self.params, self.ids, self._proposed, self.last_catchup_s = SamplingParams(), [], [], 0.0
         # cached position p holds ids[_at[p]] (increasing): ids[0:n_past] unless a catch-up window dropped the far
         # past (the cache then starts at `offset`) or a catch-up skip left a gap; _base: where an empty cache starts
         self._at: list[int] = []
         self._base = 0
         # Both limits trade a little acceptance for speed (proposals never change the output): RoPE attention sees
         # relative positions, so a cache with a gap, or restarted late, is the same model on less context.
-        #: draft selection: of the committed tokens another strategy left to feed, only the last catchup_skip are
-        #: fed (feeding all cost about two draft tokens a round, demo pair)
+        #: draft selection: only the last catchup_skip of the tokens another strategy committed are fed (feeding
+        #: all cost about two draft tokens a round, demo pair)
         self.catchup_skip: int | None = None
-        #: one-shot (a re-probe after a long pause, or draft.prompt_window): a longer backlog restarts the cache on
-        #: its last catchup_window tokens instead of feeding it all
+        #: one-shot (a re-probe, or draft.prompt_window): a longer backlog restarts the cache on its last tokens
         self.catchup_window: int | None = None
         self.prompt_window = prompt_window  #: draft.prompt_window: each stream's first catchup_window (begin)
 

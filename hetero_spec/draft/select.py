@@ -1,6 +1,5 @@
-"""Per-round draft selection (`draft.candidates`, docs/features-tuning.md): its settings here. The choice is the
-speculation controller's (tuning/controller.StrategyChooser); `draft/source.SelectingSource` runs it.
-"""
+"""Per-round draft selection's settings (`draft.candidates`, docs/features-tuning.md); the choice is
+tuning/controller.StrategyChooser's, run by draft/source.SelectingSource."""
 
 from __future__ import annotations
 

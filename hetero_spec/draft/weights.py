@@ -36,7 +36,6 @@ def _nbytes(init) -> int:
 def weight_report(export_dir: Path) -> WeightReport:
     """The export's weights (model.onnx and its external data) and what one decode step reads of them."""
     import onnx
-
     model = onnx.load(str(Path(export_dir) / "model.onnx"), load_external_data=False)
     consumers: dict[str, set[str]] = defaultdict(set)
     for node in model.graph.node:

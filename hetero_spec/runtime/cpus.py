@@ -21,8 +21,7 @@ def draft_cpus(config: Config) -> list[int] | None:
     cpus = allowed()
     if not config.runtime.pin_cpus or len(cpus) < 2:
         return None
-    n = min(config.draft.threads, len(cpus) - 1)
-    return cpus[-n:]
+    return cpus[-min(config.draft.threads, len(cpus) - 1):]
 
 
 class CpuPlan:
@@ -34,7 +33,6 @@ class CpuPlan:
         self._orig_cpus = set(allowed())
         if self._torch:
             import torch
-
             self._orig_threads = torch.get_num_threads()
         self.threads = config.target.threads
         dc = draft_cpus(config)
@@ -42,8 +40,7 @@ class CpuPlan:
             n = len([c for c in self._orig_cpus if c not in dc])
             log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", dc, n)
             self.threads = self.threads or n
-        # target.prefill_threads auto: the prompt is read on every core of this process (the worker's core
-        # is mostly free meanwhile: its own prefill takes about a third of the target's)
+        # target.prefill_threads auto: the prompt is read on every core (docs/features-two-process.md)
         self.prefill_threads = len(self._orig_cpus)
 
     def restore(self) -> None:
@@ -51,18 +48,12 @@ class CpuPlan:
             os.sched_setaffinity(0, self._orig_cpus)
         if self._torch:
             import torch
-
             torch.set_num_threads(self._orig_threads)
 
 
 def pin_threads(thread_ids: list[int], cpus: list[int]) -> int:
-    """Move the given threads of this process (an engine's own ZeroMQ I/O and reaper threads) onto `cpus` (the
-    worker's cores); returns how many moved.
-
-    Every message wakes the I/O thread. Left to float, it lands on the target's compute core in the middle of a
-    verification (measured on 2 cores: verification about 10 % slower); inheriting the target's pinning instead makes
-    each send wait for a context switch (about 2 ms). On the worker's core it only takes short slices from drafting,
-    which the worker has to spare. Only this engine's threads are touched (found when its context started)."""
+    """Move the given threads of this process (an engine's own ZeroMQ I/O and reaper threads, found when its context
+    started) onto `cpus` (the worker's cores); returns how many moved. Why: docs/features-two-process.md#design."""
     moved = 0
     for tid in thread_ids:
         with suppress(OSError):  # the thread is gone, or this system does not allow it

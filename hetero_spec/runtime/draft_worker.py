@@ -1,18 +1,10 @@
 """Draft worker process: runs the ONNX draft (never torch) and streams proposals to the target over ZeroMQ.
 
-It drafts ahead of the target, assuming its own tokens are accepted, up to `max_ahead` tokens past the last
-committed position it knows. Where a Sync's committed tokens differ from its stream, it truncates the stream and
-KV cache there, starts a new epoch and drafts on from the corrected context.
-
-Each Begin opens a stream (a draft state of its own on the one loaded model, its own epoch and send batching),
-keyed by req_id; End closes it. Streams take turns a token at a time, so the one the target verifies next is never
-far behind; beyond `max_streams` the stream heard of least recently is closed (its request then decodes alone).
-
-It exits when the target process goes away (its parent pid changes; checked every loop iteration), on Shutdown or
-on SIGTERM, and ignores SIGINT (Ctrl-C reaches the whole process group; the target decides). Linux's parent-death
-signal is not used: it fires when the *thread* that spawned the worker exits, and restarts spawn from a short-lived
-thread. CURVE keys arrive as one JSON line on stdin (`--keys-stdin`), which, unlike argv or the environment, only
-this process can read.
+One stream per request (Begin opens it, End closes it; beyond `max_streams` the least recently heard of is closed),
+drafted up to `max_ahead` tokens past the committed text and rebased where a Sync differs
+(docs/features-two-process.md). It checks its parent pid every loop iteration rather than using Linux's
+parent-death signal, which fires when the *thread* that spawned the worker exits (restarts spawn from a short-lived
+thread). CURVE keys arrive as one JSON line on stdin (`--keys-stdin`), which only this process can read.
 
     python -m hetero_spec.runtime.draft_worker --endpoint ipc:///tmp/x.sock --model DIR
 """
@@ -78,12 +70,10 @@ class Worker:
 
     def __init__(self, channel: Channel, drafter: OnnxDrafter, parent_pid: int | None,
                  clock=time.monotonic, max_streams: int = MAX_STREAMS, ready: Ready | None = None):
-        """parent_pid None: a remote worker (`hetero-spec draft-worker --connect`). It has no parent to outlive,
-        a Shutdown ends the target's session only, and each new session (a target that binds again) gets
-        `ready` again, on the link's handshake, with every stream of the old session closed."""
+        """parent_pid None: a remote worker (`hetero-spec draft-worker --connect`): a Shutdown ends the target's
+        session only, and each new one gets `ready` again, on the link's handshake, with every old stream closed."""
         self.ch, self.parent_pid, self.ready = channel, parent_pid, ready
-        self.model = drafter  # the loaded draft; each stream drafts on a state of its own (spawn)
-        self.clock = clock
+        self.model, self.clock = drafter, clock  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
         self.cur: _Stream | None = None
         self.max_streams = max(1, max_streams)
@@ -92,8 +82,7 @@ class Worker:
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
-        st = self.streams.pop(req_id, None)
-        if st is not None:
+        if (st := self.streams.pop(req_id, None)) is not None:
             self.streams[req_id] = self.cur = st
         return st
 
@@ -167,8 +156,7 @@ class Worker:
             if not diverged:  # the target dropped our stream: draft it again in the new epoch
                 st.drafter.truncate(st.committed)
             st.epoch = max(st.epoch + 1, epoch) if diverged else epoch
-            st.base = st.sent = st.committed
-            st.rush = True
+            st.base, st.sent, st.rush = st.committed, st.committed, True
             st.reset_unsent()
 
     # -- drafting -----------------------------------------------------------------------------------
@@ -188,8 +176,7 @@ class Worker:
         if not draft.ids:
             return
         t0 += st.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
-        if st.unsent_t0 is None:
-            st.unsent_t0 = t0
+        st.unsent_t0 = t0 if st.unsent_t0 is None else st.unsent_t0
         st.unsent_s += t1 - t0
         st.unsent_timed += len(draft.ids)
         if draft.probs is not None:
@@ -202,8 +189,7 @@ class Worker:
             return
         toks = st.drafter.ids[st.sent:]
         arrays = [np.asarray(toks, dtype=np.int32)]
-        p = st.drafter.params
-        if not (p.greedy or p.coupled):  # rejection sampling: each token travels with its distribution
+        if not (st.drafter.params.greedy or st.drafter.params.coupled):  # rejection sampling: each token with its q
             if len(st.unsent_probs) != len(toks):
                 log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks), len(st.unsent_probs))
                 st.drafter.truncate(st.sent)
@@ -218,9 +204,8 @@ class Worker:
         st.reset_unsent()
 
     def should_flush(self, n: int) -> bool:
-        """Batch the sends: one message when the target's next block is complete, one when drafting
-        stops at max_ahead, and otherwise one per FLUSH_S (a slow draft still streams). Each message
-        wakes both processes' I/O threads, so a message per token costs the cores real time."""
+        """Batch the sends: when the target's next block is complete, when drafting stops at max_ahead, otherwise
+        one per FLUSH_S (a slow draft still streams); a message wakes both processes' I/O threads."""
         st = self.cur
         if st is None or st.sent >= len(st.drafter.ids):
             return False
@@ -235,8 +220,7 @@ class Worker:
         for rid, st in self.streams.items():
             self.cur = st
             want[rid] = self.want_to_draft()
-        got = self.ch.recv(0.0 if any(want.values()) else idle_wait_s)
-        if got is not None:
+        if (got := self.ch.recv(0.0 if any(want.values()) else idle_wait_s)) is not None:
             self.handle(*got)
             return True  # drain everything queued before drafting on a possibly stale stream
         for rid, st in list(self.streams.items()):
@@ -302,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
+    remote = bool(args.keys)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C at a terminal is the target process's to handle, unless this is a remote worker (its own terminal)
-    signal.signal(signal.SIGINT, (lambda *_: sys.exit(0)) if args.keys else signal.SIG_IGN)
+    signal.signal(signal.SIGINT, (lambda *_: sys.exit(0)) if remote else signal.SIG_IGN)
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    remote = bool(args.keys)
     keys = json.loads(sys.stdin.readline()) if args.keys_stdin else (worker_keys(args.keys) if remote else None)
     providers = args.providers.split(",")
     ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes, watch=remote)

@@ -1,12 +1,7 @@
-"""Target-side half of the two-process runtime: drafting overlaps verification.
-
-While the target verifies block n, the worker drafts block n+1 assuming block n is accepted. After each round the
-target sends the committed tokens (Sync); where they differ from the worker's stream (a rejection, or a bonus token
-other than the draft's continuation), the worker rolls back, starts a new epoch and drafts from the corrected
-context. The target drops proposals of stale epochs and checks every proposal against what it has committed, so
-output stays token-identical to target-only decoding. It waits for the draft at most the controller's
-`wait_budget`, then verifies what it has or decodes alone: a dead or hung worker costs nothing but speed.
-"""
+"""Target-side half of the two-process runtime: the worker drafts block n+1 while the target verifies block n
+(docs/features-two-process.md). Proposals of stale epochs are dropped and every proposal is checked against what
+the target has committed, so output stays token-identical to target-only decoding; a dead or hung worker costs
+nothing but speed."""
 
 from __future__ import annotations
 
@@ -65,16 +60,13 @@ class StreamBuffer:
             self.stale += 1
             return
         if fresh:
-            self.epoch, self.base, self.tokens, self.probs = p.epoch, p.base, [], []
-            self.redrafting = True
+            self.epoch, self.base, self.tokens, self.probs, self.redrafting = p.epoch, p.base, [], [], True
         self.tokens.extend(int(t) for t in ids)
         if probs is not None:
             self.probs.extend(probs)
 
     def invalidate(self) -> None:
-        self.min_epoch = self.epoch + 1
-        self.tokens, self.probs = [], []
-        self.redrafting = True
+        self.min_epoch, self.tokens, self.probs, self.redrafting = self.epoch + 1, [], [], True
 
     def _match(self, ids: list[int]) -> tuple[int, bool]:
         """Compare the stream's tokens with the committed ones they cover: (how many agree, whether all do). A
@@ -102,12 +94,10 @@ class StreamBuffer:
 
 
 class DraftLink:
-    """One request's view of the draft worker: begin, gather proposals, sync, control, end.
-
-    Every exchange with the worker goes through `_worker` (which (re)starts the request on a new
-    worker) and `_send` (which treats a failed send as a possible death). Whatever state the request
-    is in (speculating, off, mid-Begin, mid-block), a dead worker only sets `self.w` to
-    None: the target decodes alone and picks up the restarted worker at its next look."""
+    """One request's view of the draft worker: begin, gather proposals, sync, control, end. Every exchange goes
+    through `_worker` (which (re)starts the request on a new worker) and `_send` (which treats a failed send as a
+    possible death). Whatever state the request is in (speculating, off, mid-Begin, mid-block), a dead worker only
+    sets `self.w` to None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,
                  costs: LinkCosts, routes: dict[int, DraftLink], trace: list | None, vocab_width: int,
@@ -137,8 +127,7 @@ class DraftLink:
 
     def _send(self, msg, *arrays) -> bool:
         """Send to the current worker; a failed send on a dead (or reaped) worker drops it."""
-        w = self.w
-        if w is None:
+        if (w := self.w) is None:
             return False
         if w.channel.send(msg, *arrays):
             return True
@@ -173,8 +162,7 @@ class DraftLink:
         """Receive at most one message (waiting up to timeout_s); False when nothing came. Transfer time is sampled
         only for messages that arrive while we wait: one that sat in the queue while the target was busy verifying
         measures the queueing, not the transfer."""
-        got = w.channel.recv(timeout_s)
-        if got is None:
+        if (got := w.channel.recv(timeout_s)) is None:
             return False
         msg, arrays = got
         self.sup.heard(w, msg)
@@ -208,8 +196,7 @@ class DraftLink:
                 return f"distributions of shape {q.shape}, the vocabulary is {self.vocab_width} wide"
             if not np.isfinite(q).all() or (q < 0).any():
                 return "distributions with NaN, infinite or negative probabilities"
-            off = np.abs(q.sum(axis=1, dtype=np.float64) - 1.0).max(initial=0.0)
-            if off > PROB_SUM_TOL:
+            if (off := np.abs(q.sum(axis=1, dtype=np.float64) - 1.0).max(initial=0.0)) > PROB_SUM_TOL:
                 return f"distributions that do not sum to 1 (off by up to {off:.3g})"
             if len(q) != len(ids):
                 return f"{len(q)} distributions for {len(ids)} tokens"
@@ -225,9 +212,8 @@ class DraftLink:
         while self._pump(w, 0.0):  # drain what is queued
             pass
         toks, probs = self.buf.usable(ids)
-        # after a correction the worker drafts the stream afresh while the target waits: verify as soon as its
-        # first token is here (the worker sends it alone, at once: Worker.should_flush), not after a whole block
-        # (docs/features-two-process.md); the tokens drafted meanwhile make the next block
+        # after a correction the worker drafts the stream afresh while the target waits: verify as soon as its first
+        # token is here (sent alone, at once: Worker.should_flush); the tokens drafted meanwhile make the next block
         want = 1 if self.buf.redrafting else k
         deadline = self.clock() + budget_s * want / k
         while (now := self.clock()) < deadline and len(toks) < want:

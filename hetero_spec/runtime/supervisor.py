@@ -1,9 +1,5 @@
-"""Target-side handle of the draft worker: spawn, readiness, health, restart with backoff, shutdown.
-
-Readiness and health are real probes: a worker is ready once it has loaded its model and said Ready over the
-channel; it is healthy while its process runs and it answers Ping within the heartbeat. A worker that dies or hangs
-is killed and restarted in a background thread with exponential backoff; meanwhile the target decodes alone.
-"""
+"""Target-side handle of the draft worker: spawn, readiness (its Ready), health (its process runs and it answers
+Ping within the heartbeat), restart with backoff in a background thread, shutdown (docs/features-two-process.md)."""
 
 from __future__ import annotations
 
@@ -138,11 +134,10 @@ class DraftSupervisor:
         self._server = ServerContext() if launcher is None else None
         self.remote = r.worker == "remote"
         self.launcher = launcher or (RemoteLauncher if self.remote else ProcessLauncher)(self._server)
-        self._lock = threading.Lock()
+        self._lock, self._closing = threading.Lock(), threading.Event()
         self._worker: Worker | None = None
         self._pending: Worker | None = None  # a restarted worker, adopted by current()
         self._restart_thread: threading.Thread | None = None
-        self._closing = threading.Event()
         self.generation = self.restarts = self.failures = 0
         self._consecutive = 0  # failures since a worker was last heard from (the restart backoff)
         self.last_failure = ""
@@ -200,10 +195,9 @@ class DraftSupervisor:
             if isinstance(msg, Failure):
                 return f"draft worker failed to load {model}: {msg.error}"
             if w.proc.poll() is not None:
-                try:
-                    tail = Path(w.stderr_path).read_text(errors="replace")[-1500:].strip() or "(no output)"
-                except OSError:
-                    tail = "(no output)"
+                tail = "(no output)"
+                with contextlib.suppress(OSError):
+                    tail = Path(w.stderr_path).read_text(errors="replace")[-1500:].strip() or tail
                 return f"draft worker exited with code {w.proc.returncode} before it was ready ({model}): {tail}"
         if self._closing.is_set():
             return "the engine is closing"
@@ -270,10 +264,9 @@ class DraftSupervisor:
             w.ping_sent = now
             if not w.channel.send(Ping(seq=w.generation, sent=now)):
                 reason = "not accepting messages"
-        if not reason:
-            return True
-        self.fail(w, reason)
-        return False
+        if reason:
+            self.fail(w, reason)
+        return not reason
 
     def heard(self, w: Worker, msg) -> None:
         w.last_heard = self.clock()
@@ -356,8 +349,7 @@ class DraftSupervisor:
             return {"draft": "dead", **out}
         deadline = t + timeout_s
         while time.monotonic() < deadline:
-            got = w.channel.recv(deadline - time.monotonic())
-            if got is not None:
+            if (got := w.channel.recv(deadline - time.monotonic())) is not None:
                 self.heard(w, got[0])
                 if isinstance(got[0], Pong):
                     return {"draft": "ok", "pid": w.proc.pid, "rtt_ms": round((time.monotonic() - t) * 1e3, 3),

@@ -1,10 +1,7 @@
 """The worker draft source (draft/base.py's interface): the draft model runs in its own process and drafts each
-sequence's next block while the target verifies the current one (runtime/pipelined.py has the protocol).
-
-It owns the worker's supervisor, one DraftLink per sequence, and the routing of the worker's messages to them
-(requests drafted together share one channel). `commit` sends the Sync. Whatever state the worker is in, a
-dead one only empties the drafts: the target decodes alone and the supervisor restarts the worker.
-"""
+sequence's next block while the target verifies the current one (runtime/pipelined.py has the protocol). It owns
+the supervisor, one DraftLink per sequence, and the routing of the worker's messages to them (requests drafted
+together share one channel). A dead worker only empties the drafts: the target decodes alone meanwhile."""
 
 from __future__ import annotations
 
@@ -59,9 +56,9 @@ class WorkerSource:
         """The worker starts drafting block 1 while the target reads the prompt."""
         gamma = max(1, seq.gamma)
         max_ahead = self.config.runtime.max_ahead or 2 * max(gamma, 16 if seq.gamma_auto else gamma) + 1
-        link = DraftLink(self.sup, seq.id, seq.params, gamma, max_ahead, self.link_costs, self.routes,
-                         [] if self.trace else None, self.vocab_width, clock=self.clock)
-        self.links[seq.id] = link
+        trace = [] if self.trace else None
+        self.links[seq.id] = link = DraftLink(self.sup, seq.id, seq.params, gamma, max_ahead, self.link_costs,
+                                              self.routes, trace, self.vocab_width, clock=self.clock)
         self._counts[seq.id] = (self.sup.failures, self.sup.restarts)
         link.begin(seq.ids)
 

@@ -1,13 +1,7 @@
-"""`hetero-spec serve`: an OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn).
-
-Endpoints: POST /v1/completions, POST /v1/chat/completions (when the tokenizer has a chat template), GET /v1/models,
-GET /health (real probes of the target and the draft worker), GET /metrics (Prometheus).
-
-Each request goes to the Engine's request scheduler (scheduler.py), which decodes up to serving.max_batch of them
-together and hands each round's tokens to the event loop through an asyncio queue (Engine.astream_tokens), so the loop
-never blocks on decoding. A client that disconnects, or a stop string that appears, sets the request's cancel event: it
-leaves the batch before its next round (or before it starts), freeing its KV state for a waiting one.
-"""
+"""`hetero-spec serve`: an OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn; endpoints and
+behaviour: docs/serving.md). Each round's tokens reach the event loop through an asyncio queue
+(Engine.astream_tokens), so the loop never blocks on decoding; a client that disconnects, or a stop string,
+sets the request's cancel event and it leaves the batch before its next round."""
 
 from __future__ import annotations
 
@@ -165,7 +159,6 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             done("ok")
             return JSONResponse(body("chat.completion" if chat else "text_completion",
                                      [choice(text, finish_reason(), delta=False)], usage=_usage(job.stats)))
-
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def event(choices: list, **more) -> str:
@@ -226,11 +219,9 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         runs, the request loop's last round and the worker's last message. 503 when either is not ok."""
         try:
             h = await asyncio.wait_for(asyncio.to_thread(engine.health, health_timeout_s), health_timeout_s + 1.0)
-        except TimeoutError:
-            return JSONResponse({"status": "unhealthy", "reason": f"no answer within {health_timeout_s} s"},
-                                status_code=503)
-        except HeteroSpecError as exc:
-            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
+        except (TimeoutError, HeteroSpecError) as exc:
+            why = f"no answer within {health_timeout_s} s" if isinstance(exc, TimeoutError) else str(exc)
+            return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
         metrics.draft_restarts.set(h.get("draft_restarts", 0))
         ok = h.get("target") == "ok" and h.get("draft") in ("ok", "in_process", "none")
         return JSONResponse({"status": "ok" if ok else "unhealthy", **h}, status_code=200 if ok else 503)
@@ -247,7 +238,6 @@ def serve(config, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
           overrides: dict | None = None, log_level: str = "info") -> int:
     """Load the Engine and serve it until SIGINT/SIGTERM (in-flight requests finish or are cancelled)."""
     import uvicorn
-
     engine = Engine.from_config(config, overrides=overrides)
     name = model_name or engine.config.target.model.name
     app = create_app(engine, name)

@@ -44,8 +44,7 @@ class ServeMetrics:
         if drafted:
             self.acceptance.observe(accepted / drafted)
         for st in STAGES:
-            v = stats.get(f"time_{st}_s")
-            if v is not None:
+            if (v := stats.get(f"time_{st}_s")) is not None:
                 self.stage.labels(stage=st).observe(v)
         extra = stats.get("extra", {})
         self.speculation_on.set(1 if drafted > 0 else 0)

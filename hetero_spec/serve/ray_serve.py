@@ -1,17 +1,10 @@
-"""`hetero-spec serve --ray`: the OpenAI-compatible app as a Ray Serve deployment, one Engine per replica.
-
-A replica is one Engine: its target and, in the two_process layout, its draft worker (a child process of the
-replica's actor). It declares what it uses as Ray resources (`serving.ray.cpus_per_replica`, one GPU when the
-target is on CUDA) and pins itself to its own slice of the node's cores, by its rank on the node, so two replicas
-never share the cores they pin. Serve's health check calls `Engine.health`: a target that stalls, or a draft
-worker that stays dead past `RESTART_GRACE_S`, fails it, and Serve replaces the replica. Our Prometheus metrics
-are mirrored into Ray's metrics tagged with the replica, so Ray's metrics endpoint carries the whole deployment:
-Serve's own metrics and ours per replica.
-"""
+"""`hetero-spec serve --ray`: the OpenAI-compatible app as a Ray Serve deployment, one Engine per replica (its
+resources, core slice, health check and metrics: docs/serving.md, "Replicas on Ray Serve")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -66,8 +59,7 @@ def deployment_options(config: Config) -> dict:
 def core_slice(cores: list[int], n: int, local_rank: int) -> list[int] | None:
     """The `n` cores of the replica with this rank on its node, or None when the node has fewer than 2n
     cores (nothing to separate) or the rank has no slice of its own."""
-    n = max(1, int(n))
-    slots = len(cores) // n
+    slots = len(cores) // (n := max(1, int(n)))
     if slots < 2 or local_rank >= slots:
         return None
     return cores[local_rank * n:(local_rank + 1) * n]
@@ -90,11 +82,9 @@ class Replica:
 
     def __init__(self, config: Config, model_name: str | None):
         from ray import serve
-
         from ..engine import Engine
         from ..runtime.cpus import allowed, pin_threads
         from .app import create_app
-
         ctx = serve.get_replica_context()
         self.tag = ctx.replica_tag
         mine = core_slice(allowed(), replica_cpus(config), ctx.rank.local_rank)
@@ -169,13 +159,11 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     name = model_name or config.target.model.name
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
               logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
-    print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop",
-          flush=True)
+    print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop", flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
     finally:
         serve.shutdown()
         ray.shutdown()

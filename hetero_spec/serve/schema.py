@@ -1,9 +1,5 @@
-"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates.
-
-Requests are validated by pydantic; an unsupported option (n > 1, logprobs, echo, best_of, suffix, penalties,
-logit_bias) is a 400 naming it, never silently ignored. `stop` takes strings (cut from the text, as OpenAI
-does); `stop_token_ids` (token ids) and `ignore_eos` are vLLM's extensions.
-"""
+"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates. An
+unsupported option is a 400 naming it, never silently ignored (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -103,10 +99,8 @@ class StopMatcher:
     string is held back until the next piece shows whether it is."""
 
     def __init__(self, stops: list[str]):
-        self.stops = stops
+        self.stops, self.buf, self.stopped = stops, "", False
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-        self.stopped = False
 
     def feed(self, piece: str, final: bool = False) -> str:
         """Text safe to emit now. After a stop string, `stopped` is set and nothing more is emitted."""
@@ -156,7 +150,6 @@ def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:
 def render_chat(template: tuple[str, dict[str, str]], messages: list[ChatMessage]) -> str:
     """The prompt text of a conversation, with the generation prompt for the assistant's turn."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message: str):

@@ -1,11 +1,5 @@
-"""Which verifier backend runs the target, and loading it.
-
-- `torch`: transformers on `target.device` (target/verifier.py), the CUDA path.
-- `onnx`: ONNX Runtime (target/onnx_backend.py), about 3x faster than eager PyTorch on a CPU; never imports torch.
-  `target.model` is an export (model.onnx) or a Hugging Face directory, exported once into the cache.
-- `auto`: torch when the target's device is CUDA; onnx on a CPU when the builder can export the architecture (or
-  the directory is an export); torch otherwise. The choice and its reason are logged.
-"""
+"""Which verifier backend runs the target (`target.backend`: torch, onnx or auto; docs/architecture.md#target-backends),
+and loading it."""
 
 from __future__ import annotations
 
@@ -77,7 +71,6 @@ def onnx_model_dir(t, source: str = "<config>") -> Path:
         return model
     if t.providers:
         from ..onnx_decoder import check_providers
-
         check_providers(t.providers, source, key="target.providers")
     return cached_export(model, precision_of(t), execution_provider=builder_ep(t.providers))
 
@@ -88,11 +81,9 @@ def load_target(t, threads: int | None, spin: bool = True, prefill_threads: int 
     the prompt's prefill on that many threads (a second session; None or <= threads: none)."""
     if t.backend == "onnx":
         from .onnx_backend import OnnxTarget
-
         return OnnxTarget(onnx_model_dir(t), providers=t.providers, threads=threads, max_context=t.max_context,
                           spin=spin, prefill_threads=prefill_threads)
     from .verifier import TargetModel
-
     p = precision_of(t) if t.precision is not None else None
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(p, t.dtype)
     return TargetModel(t.model, device=t.device, dtype=dtype, threads=threads, max_context=t.max_context,

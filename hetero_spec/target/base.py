@@ -1,7 +1,7 @@
-"""The target-side interface: what the decode loop (scheduler.py) needs of a verifier. Two backends implement it:
-`verifier.TargetModel` (PyTorch; the CUDA path) and `onnx_backend.OnnxTarget` (ONNX Runtime; never imports torch).
-Each request's state (KV cache and its length, `n_cached`) lives in the object `new_state()` returns, never in the
-model, so one loaded model serves many requests and one pass can verify several states' blocks (`verify_batch`).
+"""The target-side interface: what the decode loop (scheduler.py) needs of a verifier (verifier.TargetModel: torch;
+onnx_backend.OnnxTarget: ONNX Runtime). Each request's state (KV cache and its length, `n_cached`) lives in the object
+`new_state()` returns, never in the model, so one loaded model serves many requests and one pass can verify several
+states' blocks (`verify_batch`).
 
 Cache invariant: the state caches every committed token but the last, which is fed at the start of the next pass
 together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.

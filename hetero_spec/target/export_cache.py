@@ -1,10 +1,7 @@
 """The ONNX export of a Hugging Face `target.model` (`target.backend: onnx`, or `auto` on a CPU), made once, reused.
 
-Entries live under `$HETERO_SPEC_CACHE` (default `~/.cache/hetero_spec`) in `onnx/NAME-PRECISION-KEY`. KEY hashes
-what identifies the checkpoint cheaply (its resolved path, config.json, and every weight file's name, size and
-mtime) with the precision and the onnxruntime-genai version, so an edited checkpoint gets a new export and an
-unchanged one is never exported twice. An entry is built in a scratch folder renamed into place when complete,
-under a file lock: two processes starting at once export once, and a killed export leaves nothing behind.
+Entries live in `cache_root()/onnx/NAME-PRECISION-KEY`; KEY hashes `source_stamp` (also the onnxruntime-genai
+version), so an edited checkpoint gets a new export and an unchanged one is never exported twice (`build_once`).
 """
 
 from __future__ import annotations
@@ -102,7 +99,6 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
     """The ONNX export of model_dir at `precision` for the builder's `execution_provider` (its `-e`: the graph
     differs per provider; fp16 needs a GPU one), exported now if the cache has none for this checkpoint."""
     from ..draft.export import LOGITS_FROM_MODEL, add_logits_from, export_draft
-
     entry = entry_dir(model_dir, precision, root, execution_provider)
 
     def export(scratch: Path, say: Callable[[str], None]) -> None:

@@ -1,10 +1,6 @@
-"""KV caches stored below the compute precision (`target.kv_cache_dtype`, torch backend): int8 or fp8 (e4m3) with
-a float32 scale per token and head (absmax over the head's dimensions), or plain fp16/bf16, dequantized on read.
-
-A token's stored values depend on that token alone (its scale is its own), so a block verified in one pass stores
-exactly what one-token steps store: output stays identical to the target decoding alone with the same cache dtype,
-while the cache holds 1 + 4/head_dim bytes per value (int8, fp8) instead of 4. Dequantizing the whole cache each
-pass costs time: this trades speed for memory (docs/features-precision.md)."""
+"""KV caches stored below the compute precision (`target.kv_cache_dtype`, torch backend): int8 or fp8 (e4m3) with a
+float32 scale per token and head (absmax over the head's dimensions: 1 + 4/head_dim bytes per value), or plain
+fp16/bf16, dequantized on read. Why output stays identical, and the cost: docs/features-precision.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """ONNX Runtime target backend: the verifier interface (target/base.py) run by the shared `OnnxDecoder` on a
-builder-exported target (`hetero-spec export --model HF_DIR`). On a CPU, ONNX Runtime's kernels are about 3x faster
-than transformers' eager forward for the same fp32 weights (docs/benchmarks.md). Never imports torch."""
+builder-exported target (`hetero-spec export --model HF_DIR`); about 3x eager PyTorch on a CPU. Never imports torch."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ class OnnxTokenizer:
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
-
         self._tok = Tokenizer.from_file(str(path))
 
     def encode(self, text: str) -> list[int]:
@@ -90,9 +88,8 @@ class OnnxTarget:
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
     def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
-        """Verify several requests' blocks; rows are (state, last_token, draft_ids), each getting what `verify`
-        returns for it (greedy: one flag per row). Rows without a draft (one token) whose states share the pool
-        run as ONE pass; rows with a draft block run one per pass (see batch_blocks)."""
+        """What `verify` returns for each row (state, last_token, draft_ids; a greedy flag per row). Rows without a
+        draft whose states share the pool run as ONE pass; rows with a draft block one per pass (batch_blocks)."""
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         results: list = [None] * len(rows)

@@ -1,11 +1,8 @@
 """Host -> device staging of candidate token ids for the target's forward pass (only ids: q and p stay in numpy).
 
-On CUDA: one reused pinned host buffer and one device buffer; ids are copied with non_blocking=True on a side
-stream, and the compute stream waits on an event for that copy. Two orderings keep the reused buffers safe: the side
-stream first waits for the compute stream (an earlier forward pass, such as the prefill, may still read the device
-buffer), and the host waits for the previous copy's event before writing the pinned buffer (that copy may not have
-run yet). In the decode loop neither wait normally blocks. On a CPU (or a torch build without CUDA, where
-pin_memory=True raises) it is a plain tensor: there is nothing to copy.
+On CUDA: one reused pinned host buffer and one device buffer, copied non_blocking on a side stream that the compute
+stream waits for (an event); two waits keep the reused buffers safe (see `tokens`), and in the decode loop neither
+normally blocks. On a CPU (or a torch build without CUDA, where pin_memory=True raises) it is a plain tensor.
 """
 
 from __future__ import annotations

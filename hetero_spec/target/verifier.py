@@ -1,13 +1,7 @@
 """PyTorch target (target/base.py's interface): prefill once, verify a block of k draft tokens in one forward pass,
-roll back. Per-request state (KV cache and its length) lives in `TargetState`.
-
-Sliding-window layers (Mistral, Qwen2 with use_sliding_window, Gemma 2/3) normally keep only their last window - 1
-states, so a rejected block could not be cut off once the window is full. After the prefill the cache records the
-past (`Cache.activate_past_recording`, as transformers' own assisted decoding does): a sliding layer then keeps the
-states a forward pass pushes out of the window until the next `crop`, which drops the rejected tokens and trims the
-layer back to the window. So each sliding layer holds at most window - 1 + k + 1 positions, and only between a
-verify pass and its rollback. Caches whose state a crop cannot restore (linear-attention, recurrent) are refused.
-"""
+roll back. Per-request state (KV cache and its length) lives in `TargetState`. Sliding-window layers record the past
+after the prefill, so a crop can undo a rejected block (docs/architecture.md#target-backends); caches whose state a
+crop cannot restore (linear-attention, recurrent) are refused."""
 
 from __future__ import annotations
 
@@ -35,10 +29,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    return (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype == "auto" else _DTYPES[dtype]
-
-
 @dataclass
 class TargetState:
     """One request's target-side state: the KV cache and how many tokens it holds."""
@@ -52,9 +42,8 @@ class TargetModel:
 
     backend = "torch"
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto",
-                 threads: int | None = None, max_context: int | None = None, quantize: str | None = None,
-                 kv_cache_dtype: str = "auto"):
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+                 max_context: int | None = None, quantize: str | None = None, kv_cache_dtype: str = "auto"):
         hf_logging.disable_progress_bar()
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
@@ -62,7 +51,8 @@ class TargetModel:
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = auto if dtype == "auto" else _DTYPES[dtype]
         try:
             config = AutoConfig.from_pretrained(model_dir)
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
@@ -73,7 +63,6 @@ class TargetModel:
             if self.device.type != "cpu":
                 raise ModelLoadError("target.precision int8 with the torch backend runs on a CPU only")
             from torch.ao.quantization import quantize_dynamic
-
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
         # verified row by row: int8 weights take one activation scale per call (rows sharing a pass would change
         # each other's rounding), and the padded batch reads raw keys, which a stored cache does not keep
@@ -199,10 +188,9 @@ def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
 
 def _check_rollback(config, model_dir: Path) -> bool:
     """Refuse a model whose cache `crop` cannot roll back exactly; return whether it has sliding-window layers.
-
-    Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on.
-    Linear-attention, conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent
-    state that crop does not restore, and any other layer type is unknown to this verifier."""
+    Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on. Linear-attention,
+    conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent state that crop does not restore,
+    and any other layer type is unknown to this verifier."""
     exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, DummyLayer)
     try:
         layers = DynamicCache(config=config).layers

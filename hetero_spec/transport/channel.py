@@ -1,12 +1,5 @@
-"""ZeroMQ PAIR channels carrying protocol messages. IPC by default; every TCP link is authenticated
-with ZeroMQ CURVE (keys never travel on the wire).
-
-Contexts: each engine owns one `ServerContext`: its own ZeroMQ context (so its own I/O thread, which
-the runtime pins), at most one ZAP authenticator admitting a *set* of client keys (ZeroMQ allows one
-authenticator per context: it binds the fixed address inproc://zeromq.zap.01), and a private directory
-(mode 0700) for IPC sockets and worker logs. `close()` ends all of it, so two engines in one process never
-share an address or a file, and closing then re-binding at once cannot collide.
-"""
+"""ZeroMQ PAIR channels carrying protocol messages: IPC by default, every TCP link authenticated with ZeroMQ CURVE
+(keys never travel on the wire). Each engine owns one `ServerContext` (docs/security.md, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from .protocol import COPY_THRESHOLD, MalformedMessage, decode, encode
 
@@ -48,8 +43,6 @@ class CurveKeys:
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
         """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificates, as `hetero-spec keys` writes them)."""
-        import zmq.auth
-
         d = Path(directory)
         sp, ss = zmq.auth.load_certificate(str(d / "server.key_secret"))
         cp, cs = zmq.auth.load_certificate(str(d / "client.key_secret"))
@@ -65,8 +58,6 @@ class CurveKeys:
 
 def write_keys(directory: str | Path) -> Path:
     """Create `server.key_secret`/`client.key_secret` (+ public halves) in a new mode-0700 directory."""
-    import zmq.auth
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
@@ -79,8 +70,6 @@ def write_keys(directory: str | Path) -> Path:
 
 def worker_keys(directory: str | Path) -> dict:
     """A remote worker's keys, from a `hetero-spec keys` directory: its client.key_secret, the target's server.key."""
-    import zmq.auth
-
     d = Path(directory)
     try:
         public, secret = zmq.auth.load_certificate(str(d / "client.key_secret"))
@@ -93,8 +82,6 @@ def worker_keys(directory: str | Path) -> dict:
 def admitted_keys(curve_keys: Path, worker_keys_dir: Path | None) -> tuple[CurveKeys, list[bytes]]:
     """A target's side of a link to remote workers: its own server key pair (curve_keys/server.key_secret) and
     the client public keys it admits (every *.key in worker_keys_dir; default curve_keys/client.key)."""
-    import zmq.auth
-
     sp, ss = zmq.auth.load_certificate(str(Path(curve_keys) / "server.key_secret"))
     files = sorted(Path(worker_keys_dir).glob("*.key")) if worker_keys_dir else [Path(curve_keys) / "client.key"]
     clients = [zmq.auth.load_certificate(str(f))[0] for f in files]
@@ -131,23 +118,23 @@ def _pair(ctx: zmq.Context, max_msg_bytes: int) -> zmq.Socket:
 
 
 class ServerContext:
-    """One engine's ZeroMQ context, ZAP authenticator and private directory. See the module docstring."""
+    """One engine's ZeroMQ context (its own I/O thread, which the runtime pins), at most one ZAP authenticator
+    admitting a *set* of client keys (ZeroMQ allows one per context: it binds inproc://zeromq.zap.01), and a private
+    directory (mode 0700) for IPC sockets and worker logs. `close()` ends all of it, so two engines in one process
+    never share an address or a file, and closing then re-binding at once cannot collide."""
 
     def __init__(self):
         before = _task_ids()
         self.ctx = zmq.Context()
-        self._probe = self.ctx.socket(zmq.PAIR)  # starts the context's threads now, so they can be pinned
-        self._probe.setsockopt(zmq.LINGER, 0)
+        self._probe = _pair(self.ctx, DEFAULT_MAX_MSG_BYTES)  # starts the context's threads now, so they can be pinned
         #: this context's own threads (I/O and reaper): pin these, not other engines' ones
         self.thread_ids = sorted(_task_ids() - before)
         self.dir = tempfile.mkdtemp(prefix="hetero-spec-")  # mode 0700: other users cannot reach the sockets
-        self._auth = None
-        self._lock = threading.Lock()
+        self._auth, self._lock, self.closed = None, threading.Lock(), False
         # the client public keys admitted, under a lock of their own: close() stops the authenticator's thread,
         # which may be in callback(), while holding _lock
         self._keys: set[bytes] = set()
         self._keys_lock = threading.Lock()
-        self.closed = False
 
     def callback(self, domain: str, key: bytes) -> bool:
         """The authenticator's credentials provider: whether a client key is admitted."""
@@ -159,7 +146,6 @@ class ServerContext:
         with self._lock:
             if self._auth is None:
                 from zmq.auth.thread import ThreadAuthenticator
-
                 self._auth = ThreadAuthenticator(self.ctx)
                 self._auth.start()
                 self._auth.configure_curve_callback(domain="*", credentials_provider=self)
@@ -196,8 +182,7 @@ class Channel:
         self.sock, self.endpoint, self._ipc_path, self._own_ctx = sock, endpoint, ipc_path, own_ctx
         self._client_key, self._server = client_key, server
         self.dropped = self.received = 0
-        self.closed = False
-        self._monitor: zmq.Socket | None = None
+        self.closed, self._monitor = False, None
 
     @classmethod
     def bind(cls, server: ServerContext, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
@@ -209,8 +194,7 @@ class Channel:
         sock = _pair(server.ctx, max_msg_bytes)
         if curve is not None:
             server.admit(curve.client_public)
-            sock.curve_secretkey = curve.server_secret
-            sock.curve_publickey = curve.server_public
+            sock.curve_secretkey, sock.curve_publickey = curve.server_secret, curve.server_public
             sock.curve_server = True
         ipc_path = server.path(f"{name}.sock") if transport == "ipc" else None
         endpoint = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
@@ -246,8 +230,6 @@ class Channel:
     def link_events(self) -> list[str]:
         """What the link did since the last call (watch only): `connected` per handshake, `refused` when the
         peer turned this end's CURVE key down."""
-        from zmq.utils.monitor import recv_monitor_message
-
         out = []
         while self._monitor is not None and not self.closed and self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
@@ -292,8 +274,7 @@ class Channel:
             except zmq.ZMQError as exc:
                 log.debug("recv on %s failed: %s", self.endpoint, exc)
                 return None
-            got = self.accept(frames)
-            if got is not None:
+            if (got := self.accept(frames)) is not None:
                 return got
         return None
 

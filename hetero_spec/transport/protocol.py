@@ -2,23 +2,10 @@
 
 A message is one ZeroMQ multipart message. Frame 0 is the header: a msgspec Struct, msgpack-encoded, tagged by its
 class (field "t"). Frames 1..n are raw arrays, C-contiguous little-endian bytes, whose dtype and shape are in
-header.arrays, in order: [ArrayMeta(dtype="int32", shape=[k]), ...].
-
-No pickle anywhere. Arrays of COPY_THRESHOLD bytes or more are sent zero-copy (copy=False); smaller ones are copied,
-which is faster below tens of kB. A message that fails to decode, names an unknown tag, or whose frames do not match
-header.arrays is a `MalformedMessage`: the receiving loop drops, counts and logs it, and goes on.
-
-Sizes from the wire are bounded before anything is allocated: each message type names the arrays it carries
-(ARRAY_SCHEMA: dtype and number of dimensions, in order; trailing ones optional), a dimension has at most MAX_DIM
-entries, and the sockets refuse frames above the channel's MAXMSGSIZE. The receiver, which knows the vocabulary,
-range-checks token ids.
-
-Target -> worker: Begin (a request: prompt ids [n] int32, sampling params, gamma, max_ahead); Sync (committed
-ids[pos:pos+len] int32, after every round: the worker rebases its stream where it diverges and bumps its epoch);
-Control (drafting on/off, gamma); End; Ping (answered by Pong); Shutdown.
-Worker -> target: Ready (the model is loaded; sent once); Proposal (draft tokens at absolute positions
-[start, start+k) int32 of stream `epoch`, whose first position not drafted by the worker is `base`; + q [k, vocab]
-float32 when sampling); Pong; Failure (an error reported before exiting).
+header.arrays, in order. No pickle. Arrays of COPY_THRESHOLD bytes or more are sent zero-copy; smaller ones are
+copied (faster below tens of kB). Sizes are bounded before anything is allocated (ARRAY_SCHEMA, MAX_DIM, the sockets'
+MAXMSGSIZE); anything that does not fit is a `MalformedMessage`, which the receiver drops, counts and logs. Each
+message's fields and arrays, and the rules, are tabled in docs/architecture.md#the-wire.
 """
 
 from __future__ import annotations
@@ -93,9 +80,9 @@ class Ready(_Msg, tag="ready"):
 
 class Proposal(_Msg, tag="proposal"):
     req_id: int
-    epoch: int
-    base: int
-    start: int
+    epoch: int          # the stream; the target drops stale ones (a Sync rebases the worker's stream, a new epoch)
+    base: int           # the stream's first position drafted by the worker (before it: committed tokens)
+    start: int          # absolute position of the first token: ids [k] int32 (+ q [k, vocab] float32 if sampled)
     draft_s: float      # worker time spent drafting the last `timed` of these tokens
     draft_t0: float     # time.monotonic() when drafting them began (system-wide clock on Linux)
     sent: float         # time.monotonic() at send

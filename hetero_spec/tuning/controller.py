@@ -1,10 +1,7 @@
-"""The speculation controller: the one place that decides whether to speculate and how far.
-
-Each round it gives every sequence its gamma (0: the target alone) and decides whether the rows share one plain
-target pass; after the round it learns from what happened. The rule, written once: speculation is never chosen
-where it is predicted slower than the target alone (`CostModel.best_gamma`, `plan_batch`). One probe schedule
+"""The speculation controller: the one place that decides whether to speculate, how far, and whether a batch's
+rows share one plain pass. Never speculate where it is predicted slower than the target alone; one probe schedule
 (`Tuning.probe_every`) brings gamma 0 and unchosen strategies back. Per-stream state lives in StreamControl, the
-hardware's in the one `Tuning`. The policies, in words: docs/features-tuning.md.
+hardware's in the one `Tuning`. The policies, in words: docs/features-tuning.md, docs/features-batching.md.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ G_MAX = 16
 
 @dataclass
 class SharedPassCost:
-    """S(t): seconds of one target pass over t positions shared by several requests. Where passes of t positions
-    were seen, the median of the last RECENT of them; elsewhere the line c0 + c1 t fitted to those medians, one point
-    per size. Medians, as for a single request's verify (Tuning.measured): on a core the loop shares (a Ray Serve
-    replica's), one pass in ten ran 2-3x long, and a line through every pass took a negative slope from them."""
+    """S(t): seconds of one target pass over t positions shared by several requests: the median of the last RECENT
+    passes of t where seen, else the line fitted to those medians (why medians: docs/features-batching.md)."""
 
     _recent: dict[int, deque] = field(default_factory=dict)
     _medians: dict[int, float] = field(default_factory=dict)
@@ -71,8 +66,7 @@ class SharedPassCost:
         """Predicted seconds for a shared pass; until two sizes are known, the one-request verify curve, if any."""
         if (seen := self._medians.get(positions)) is not None and len(self._medians) >= 2:
             return seen
-        line = self.line()
-        if line is not None:
+        if (line := self.line()) is not None:
             return line[0] + line[1] * positions
         return model.verify(positions - 1) if model is not None else None
 
@@ -105,8 +99,7 @@ class Tuning:
         self._sums, self.measured, self._recent = [0.0] * 5, {}, {}
 
     def seed_costs(self, model: CostModel) -> None:
-        """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration:
-        its verify line as points at block lengths 1 and 9, twice each, and its draft cost."""
+        """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration."""
         for k in (0, 0, 8, 8):
             self.observe_verify(k, model.verify(k))
         if model.draft_token_s > 0:
@@ -134,9 +127,8 @@ class Tuning:
             self._sums[i] += sign * v
 
     def model(self, need_draft: bool = True) -> CostModel | None:
-        """The profile, else the costs learned so far: the passes seen per length, and for the others the verify line
-        fitted to them (O(1), from running sums: asked every round); None until two distinct block lengths and
-        (need_draft) the draft were timed. need_draft False: draft selection (own costs per candidate; d = 0)."""
+        """The profile, else the costs learned so far: the passes seen per length, else the verify line (O(1), from
+        running sums: asked every round); None until two block lengths and (need_draft) the draft were timed."""
         if self.profile is not None:
             return self.profile
         n, sx, sy, sxx, sxy = self._sums
@@ -165,8 +157,8 @@ class StreamControl:
 
 
 class Controller:
-    """See the module docstring. layout: the cost model's round (in_process | two_process). batch_blocks: the
-    target verifies rows with blocks of different lengths in one pass (else one pass per drafting row)."""
+    """layout: the cost model's round (in_process | two_process). batch_blocks: the target verifies rows with blocks
+    of different lengths in one pass (else one pass per drafting row)."""
 
     def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput"):
         self.tuning, self.layout, self.batch_blocks, self.mode = tuning, layout, batch_blocks, mode
@@ -247,8 +239,7 @@ class Controller:
         if plain_s is None or spec_s is None:
             self.last_plan = "costs not measured yet: the rows' own choices"
             return ks
-        spec_rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks)) / spec_s
-        plain_rate = b / plain_s
+        spec_rate, plain_rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks)) / spec_s, b / plain_s
         self.last_rates = (spec_rate, plain_rate)
         if spec_rate > plain_rate:
             self.last_plan = (f"batch of {b}: speculation predicts {spec_rate:.0f} tok/s against {plain_rate:.0f} "
@@ -260,9 +251,8 @@ class Controller:
         return [0] * b
 
     def _spec_time(self, ks: list[int], model: CostModel | None, together: bool) -> float | None:
-        """Predicted seconds of a speculating round of the batch: drafting (in turn, or stepping together: max k
-        steps, each scaled like a shared target pass; a worker's is hidden) and verifying (one padded pass where
-        the backend can, else one pass per drafting row plus one shared pass for the rest)."""
+        """Predicted seconds of a speculating round of the batch (docs/features-batching.md#the-batch-plan); drafting
+        together: max k steps, each scaled like a shared target pass."""
         if model is None:
             return None
         shared = self.tuning.shared
@@ -281,12 +271,11 @@ class Controller:
         return None if joint is None else draft_s + alone + joint
 
     def wait_budget(self, k: int, default_s: float) -> float:
-        """How long the target may wait for k draft tokens from another process: what drafting them costs, never
-        more than one target step (longer is slower than decoding alone); half of `default_s` before any cost."""
+        """How long the target may wait for k drafts from another process: their cost, at most one target step (longer
+        is slower than decoding alone); half of `default_s` before any cost."""
         model = self.tuning.model()
         cap = model.verify(0) if model is not None else default_s
-        d = self.tuning.draft_token_s
-        if d is None:
+        if (d := self.tuning.draft_token_s) is None:
             return 0.5 * cap
         return min(cap, (k * d + self.tuning.transfer_s) * 1.5 + 0.0005)
 
@@ -327,8 +316,7 @@ class Controller:
         return StrategyChooser(names, self.tuning, layouts, cost_fns, prior_acceptance=self.tuning.prior_acceptance)
 
     def observe_shadow(self, tested: int, accepted: int) -> None:
-        """Draft tokens compared with tokens the target decoded alone join the engine-wide acceptance, so a draft
-        judged useless early can be judged again."""
+        """Drafts compared with tokens the target decoded alone: a draft judged useless early can be judged again."""
         self.tuning.acceptance.observe(tested, accepted)
 
     def initial_gamma(self, sc: StreamControl) -> int:
@@ -351,9 +339,8 @@ class StrategyStats:
 
 
 class StrategyChooser:
-    """The choice among named strategies (draft/select.py), on the engine's verify line (tuning.model(); until it
-    is known, candidates are cycled). layouts[name]: the layout the strategy drafts in; cost_fns[name](): its
-    measured DraftCosts. A strategy not chosen for tuning.probe_every rounds is re-probed (the one schedule)."""
+    """The choice among named strategies (draft/select.py) on the engine's verify line (cycled until it is known).
+    layouts[name]: where it drafts; cost_fns[name](): its DraftCosts. Re-probes on the one schedule."""
 
     weight = 8.0  # of the prior acceptance
 

@@ -1,15 +1,8 @@
 """A measured cost model of one speculative round, and the gamma that maximises predicted goodput.
 
-Notation (Leviathan et al. 2023): a = per-token acceptance (given the drafts before it were accepted), g = gamma.
-- Tokens committed per round: E(a, g) = (1 - a^(g+1)) / (1 - a)   (g + 1 when a = 1).
-- One target pass over [last, d1..dg]: V(g), measured per g where the engine has seen passes of that length
-  (`measured`), else the line verify_fixed_s + verify_per_token_s * (g + 1) (`fit_line`). The curve is not a line
-  on every CPU: int4 kernels on AVX2 take rows of the block two at a time, so a pass of 2 costs much less than one
-  of 3 (docs/real-pair.md, "Verification cost").
-- Round time: in_process (draft, then verify) R = g * d + V(g); two_process (the worker drafts block n+1 while
-  the target verifies block n, and after a rejection drafts it from the correction while the target waits)
-  R = V(g) + transfer + (1 - a^g) * g * d.
-- Goodput = E(a, g) / R(g) committed tokens per second; the target alone's is 1 / V(0).
+Notation (Leviathan et al. 2023): a = per-token acceptance, g = gamma, d = seconds per draft token, V(g) = one
+target pass over [last, d1..dg]. E(a, g) tokens per round; round time R: in_process g * d + V(g), two_process
+V(g) + transfer + (1 - a^g) * g * d; goodput E / R. The formulas and why: docs/features-tuning.md#the-cost-model.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 @dataclass
 class CostModel:
     """Seconds: V(g) = measured[g] where measured, else verify_fixed_s + verify_per_token_s * (g + 1);
-    d = draft_token_s; transfer_s (two_process); catchup_s, in process, what a drafting round pays first (feeding
-    what another strategy committed: selection)."""
+    catchup_s, in process, what a drafting round pays first (feeding what another strategy committed)."""
 
     verify_fixed_s: float
     verify_per_token_s: float

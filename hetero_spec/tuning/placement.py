@@ -1,11 +1,7 @@
-"""Placement by measurement: `runtime.mode: auto` and `runtime.cpus: auto` (docs/features-tuning.md).
-
-Which layout, and which split of this machine's cores, gives the best predicted goodput? In process the draft and
-the target take turns, each free to use every core; in two processes the worker hides the draft's time, but the
-target loses cores. The costs are measured here (cached in $HETERO_SPEC_CACHE/placement) or taken from a profile;
-for two processes they include how much slower each side runs beside the other (`corun`): both read weights over
-one memory bus (a 1.5B int4 target on one core ran at 0.86x the target alone on both cores in a layout predicted
-faster from solo costs). `Replacer` checks the choice again between requests, from what the engine observes.
+"""Placement by measurement, `runtime.mode: auto` and `runtime.cpus: auto`: the layout and split of this machine's
+cores with the best predicted goodput, from costs measured here (cached) or in a profile, including each side's
+slowdown beside the other (`corun`); `Replacer` checks the choice again between requests
+(docs/features-tuning.md#placement-layout-and-cores).
 """
 
 from __future__ import annotations
@@ -87,9 +83,8 @@ def allowed_cpus() -> int:
 
 
 def candidates(config, n_cpus: int) -> list[Layout]:
-    """The layouts `runtime.mode` and `runtime.cpus` leave open on n_cpus cores: cpus auto, the target on every
-    core in process (the draft on one or every core) and every split between target and worker; otherwise the
-    configured threads (target.threads unset: every core in process, the cores the worker leaves)."""
+    """The layouts `runtime.mode` and `runtime.cpus` leave open on n_cpus cores (docs/features-tuning.md); with
+    cpus not auto, the configured threads (target.threads unset: every core in process, those the worker leaves)."""
     rt, t_cfg, d_cfg = config.runtime, config.target.threads, config.draft.threads
     auto_cpus = rt.cpus == "auto"
     modes = ["in_process", "two_process"] if rt.mode == "auto" else [rt.mode]
@@ -138,7 +133,6 @@ def measure_verify(target, reps: int = 7) -> tuple[float, float]:
 
 def _draft_decoder(config, threads: int, vocab: int):
     from ..onnx_decoder import OnnxDecoder
-
     return OnnxDecoder(config.draft.model, providers=config.draft.providers, threads=threads, vocab_width=vocab,
                        spin=False)
 
@@ -157,16 +151,14 @@ def measure_corun(target, dec, reps: int = 7) -> tuple[float, float]:
         def verify_once():
             target.verify(state, prompt[-1], prompt[:k], True)
             target.rollback(state, base)
-
         d_beside = beside(verify_once, lambda: _draft_token_s(dec, reps))
     slow_t = (t_beside[0] + k * t_beside[1]) / max(t_alone[0] + k * t_alone[1], 1e-9)  # a block of 8 drafts
     return max(1.0, slow_t), max(1.0, d_beside / max(d_alone, 1e-9))
 
 
 def measure(config, layouts: list[Layout], say=None) -> Costs:
-    """Measure what the candidate layouts need (see the module docstring)."""
+    """Measure what the candidate layouts need (docs/features-tuning.md#placement-layout-and-cores)."""
     from ..target.backends import load_target
-
     say = say or (lambda m: log.info("placement: %s", m))
     onnx = config.draft.kind == "onnx"
     costs = Costs(verify={}, draft_token_s={lay.draft_threads: 0.0 for lay in layouts})
@@ -209,7 +201,6 @@ def _cpu_model() -> str:
 def cache_path(config, layouts: list[Layout]) -> Path:
     """Where the measured costs are cached: keyed by the models, the backend, this machine and the layouts."""
     from ..target.export_cache import cache_root
-
     t, d = config.target, config.draft
     key = {"target": _stamp(t.model), "backend": t.backend, "providers": t.providers, "device": t.device,
            "dtype": t.dtype, "precision": t.precision, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
@@ -240,7 +231,6 @@ def profile_costs(profile_path: Path | None) -> Costs | None:
     if profile_path is None:
         return None
     import yaml
-
     try:
         raw = yaml.safe_load(Path(profile_path).read_text()) or {}
         return Costs.from_dict(raw["placement"]["costs"])
@@ -286,15 +276,13 @@ def resolve(config, acceptance: float, say=None) -> tuple[Any, dict[str, Any]]:
 STALE_SHARE = 0.7
 
 
-def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: float,
-                observed: dict[Layout, float], gain: float, spec_off: bool = False
-                ) -> tuple[Layout | None, str, bool]:
+def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: float, observed: dict[Layout, float],
+                gain: float, spec_off: bool = False) -> tuple[Layout | None, str, bool]:
     """(the layout to move to or None, why, whether the costs look stale) between requests. A layout's rate is its
     observed goodput where the engine has run it, else the prediction at the measured acceptance: a layout slower
     than predicted is left as soon as one request shows it, and not taken back on a prediction."""
     def rate(lay: Layout) -> tuple[float, str]:
         return (observed[lay], "observed") if lay in observed else (predict(costs, lay, acceptance)[1], "predicted")
-
     rate_now, how_now = rate(now)
     if spec_off and now not in observed:  # what runs now is the target alone
         rate_now, how_now = 1.0 / costs.model(now).verify(0), "predicted, speculation off"
@@ -309,9 +297,8 @@ def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: fl
 
 
 class Replacer:
-    """Placement by measurement, continued, between requests: the first choice assumed an acceptance (the
-    profile's, or the prior); once the draft's acceptance is measured, or a request decoded alone shows a layout's
-    goodput, a layout predicted (or observed) GAIN x faster is returned for the Engine to apply."""
+    """Placement by measurement, continued, between requests (when: docs/features-tuning.md): the first choice
+    assumed an acceptance; a layout predicted (or observed) GAIN x faster is returned for the Engine to apply."""
 
     MIN_TESTED = 16  # tested draft tokens since the last switch before the acceptance may move the placement
     GAIN = 1.10

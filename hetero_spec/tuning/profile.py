@@ -22,7 +22,6 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
     if path is None:
         return Tuning()
     import yaml
-
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -78,7 +77,6 @@ def verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[t
         def once(k: int):
             target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
             target.rollback(state, base)
-
         return [(k + 1, median_s(lambda k=k: once(k), reps)) for k in ks]
 
 
@@ -87,10 +85,8 @@ CURVE_K = 8  # gamma auto without a profile or placement: the verify curve is me
 
 def seed_verify_curve(tuning: Tuning, target, ks: range = range(CURVE_K + 1), reps: int = 2,
                       prompt_len: int = 32) -> dict[int, float]:
-    """Time `reps` verifications of k drafts for each k after a short cached prompt, and give each to `tuning` as a
-    pass it saw: gamma auto knows the curve's shape from its first round, and the passes of real requests take
-    over its medians. A line through the two lengths seen first misses it where the kernels take a block's rows
-    in pairs (int4 on AVX2: 4 tokens cost little more than 3, docs/real-pair.md). Returns k -> seconds."""
+    """Time `reps` verifications of k drafts for each k and give each to `tuning` as a pass it saw, so gamma auto
+    knows the curve's shape (not a line: docs/features-tuning.md) from its first round. Returns k -> seconds."""
     prompt = [1 + i % 64 for i in range(prompt_len)]
     with prefilled(target, prompt) as ([state], base):
         def once(k: int) -> float:
@@ -99,7 +95,6 @@ def seed_verify_curve(tuning: Tuning, target, ks: range = range(CURVE_K + 1), re
             seconds = time.perf_counter() - t
             target.rollback(state, base)
             return seconds
-
         once(0)  # a warm-up, untimed
         for k in ks:
             for _ in range(reps):
@@ -108,14 +103,13 @@ def seed_verify_curve(tuning: Tuning, target, ks: range = range(CURVE_K + 1), re
 
 
 def batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
-    """Median seconds of one shared target pass (`verify_batch`) over B rows of one token each, every row after
-    the same cached prompt, for each batch size B (the request scheduler's plain round)."""
+    """Median seconds of one shared target pass (`verify_batch`: the scheduler's plain round) over B rows of one
+    token each after the same cached prompt, for each batch size B."""
     with prefilled(target, prompt, max(sizes)) as (states, base):
         def once(b: int):
             target.verify_batch([(st, prompt[-1], []) for st in states[:b]], [True] * b)
             for st in states[:b]:
                 target.rollback(st, base)
-
         return [(b, median_s(lambda b=b: once(b), reps)) for b in sizes]
 
 
@@ -132,17 +126,14 @@ def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> in
 def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of an OnnxDecoder, 8 at a time after the prompt (not counted)."""
     import numpy as np
-
     st = dec.new_state()
     dec.append(st, prompt)
     base = st.n_past
-
     def once():
         tok = prompt[-1]
         for _ in range(8):
             tok = int(np.argmax(dec.append(st, [tok])[-1]))
         dec.rewind(st, base)
-
     return median_s(once, reps) / 8
 
 
@@ -150,11 +141,9 @@ def beside(background, measure_fn):
     """measure_fn() while background() runs in a loop in another thread (ONNX Runtime, torch and ZeroMQ release
     the GIL while they work, so the two run on separate cores, as the worker and the target do)."""
     stop = threading.Event()
-
     def loop():
         while not stop.is_set():
             background()
-
     th = threading.Thread(target=loop, name="hetero-spec-beside", daemon=True)
     th.start()
     try:
@@ -167,15 +156,12 @@ def beside(background, measure_fn):
 def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """One-way time of a message of each size: half a ZeroMQ PAIR round trip over IPC."""
     import tempfile
-
     import zmq
-
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="hetero-spec-profile-") as tmp:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         a.bind(f"ipc://{tmp}/echo")
         b.connect(f"ipc://{tmp}/echo")
-
         def echo():
             if b.poll(50):
                 b.send(b.recv(copy=False), copy=False)
@@ -183,7 +169,6 @@ def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
         def round_trip(payload: bytes) -> None:
             a.send(payload, copy=False)
             a.recv(copy=False)
-
         out = beside(echo, lambda: [(n, median_s(lambda p=os.urandom(n): round_trip(p), reps) / 2) for n in sizes])
         a.close(0)
         b.close(0)
