@@ -397,6 +397,7 @@ class Engine:
         items: queue.Queue = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, items.put, stats, cancel, **kw)
+
         def rounds() -> Iterator[list[int]]:
             item = None
             try:
@@ -415,6 +416,7 @@ class Engine:
         items: asyncio.Queue = asyncio.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), stats, cancel, **kw)
+
         async def rounds() -> AsyncIterator[list[int]]:
             item = None
             try:

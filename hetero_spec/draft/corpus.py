@@ -102,6 +102,7 @@ def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
     key = stamp_key({"tokenizer": tokenizer_json.read_text(), "files": [str(f) for f in files],
                      "orders": ORDERS, "min_count": MIN_COUNT, "min_share": MIN_SHARE})
     entry = cache_root() / "corpus" / key
+
     def build(scratch: Path, say) -> None:
         say(f"draft.candidates corpus: counting what follows each 3-6 tokens in {len(files)} standard-library "
             f"files, once, into {entry}")

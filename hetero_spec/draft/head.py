@@ -138,6 +138,7 @@ def cached_pruned(export_dir: Path, n: int, progress=None) -> Path:
     export_dir = Path(export_dir).resolve()
     key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": n})
     entry = cache_root() / "onnx" / f"{export_dir.name}-head{n}-{key}"
+
     def build(scratch: Path, say) -> None:
         say(f"pruning the draft's LM head to the {n} most frequent tokens (draft.head), once, into {entry}")
         prune_head(export_dir, scratch, n)

@@ -129,6 +129,7 @@ def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
     st = dec.new_state()
     dec.append(st, prompt)
     base = st.n_past
+
     def once():
         tok = prompt[-1]
         for _ in range(8):
@@ -141,6 +142,7 @@ def beside(background, measure_fn):
     """measure_fn() while background() runs in a loop in another thread (ONNX Runtime, torch and ZeroMQ release
     the GIL while they work, so the two run on separate cores, as the worker and the target do)."""
     stop = threading.Event()
+
     def loop():
         while not stop.is_set():
             background()
@@ -162,6 +164,7 @@ def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         a.bind(f"ipc://{tmp}/echo")
         b.connect(f"ipc://{tmp}/echo")
+
         def echo():
             if b.poll(50):
                 b.send(b.recv(copy=False), copy=False)
