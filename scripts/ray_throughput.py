@@ -115,7 +115,7 @@ def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_
         c.close()
     tokens = sum(n for n, _ in done)
     firsts = sorted(f for _, f in done)
-    q = {f"first_p{p}_s": round(firsts[min(len(firsts) - 1, p * len(firsts) // 100)], 3) for p in (50, 75, 90)}
+    q = {f"first_p{p}_s": round(firsts[min(len(firsts) - 1, p * len(firsts) // 100)], 3) for p in (50, 75, 90, 100)}
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2), **q}
 
 
@@ -162,8 +162,9 @@ def main() -> int:
         for kind in ("ray", "two_serves") if rep % 2 == 0 else ("two_serves", "ray"):
             r = run_setup(kind, args.config, "demo", prompts, args, out)
             runs[kind].append(r)
+            q = "/".join(str(r[f"first_p{p}_s"]) for p in (50, 75, 90, 100))
             print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s, first byte "
-                  f"p50/p75/p90 {r['first_p50_s']}/{r['first_p75_s']}/{r['first_p90_s']} s", flush=True)
+                  f"p50/p75/p90/max {q} s", flush=True)
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["ray"], runs["two_serves"])]
     report = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
               "max_tokens": args.max_tokens, "runs": runs, "ratios": [round(x, 3) for x in ratios],

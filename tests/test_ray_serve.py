@@ -1,5 +1,5 @@
 """`hetero-spec serve --ray`: two replicas of a tiny model pair on a local Ray instance (one per module), behind
-Serve's HTTP proxy: greedy outputs equal one Engine's, both replicas serve, a killed replica's requests fail
+the ingress `serve --ray` picks (HAProxy when its binary is there): greedy outputs equal one Engine's, both replicas serve, a killed replica's requests fail
 cleanly while the others complete and Serve brings it back; serving.ray's settings are validated. Waits are
 bounded and only for events; nothing asserts a wall-clock outcome."""
 
@@ -41,6 +41,18 @@ def _replica_pids() -> list[int]:
             if any("ServeReplica:hetero_spec" in part for part in (p.info["cmdline"] or []))]
 
 
+def _haproxies() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
+
+
+def _routed() -> int:
+    """Replicas HAProxy sends requests to (UP in its stats, default port 8404); with Serve's proxy, the running ones."""
+    if not _haproxies():
+        return _running()
+    rows = [line.split(",") for line in httpx.get("http://127.0.0.1:8404/stats;csv", timeout=10).text.splitlines()]
+    return sum(1 for r in rows if len(r) > 17 and r[1].startswith("SERVE_REPLICA_") and r[17] == "UP")
+
+
 def _running(app: str = "hetero_spec") -> int:
     st = serve.status().applications.get(app)
     if st is None or st.status != "RUNNING":
@@ -58,6 +70,8 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     with Engine.from_config(cfg) as eng:
         refs = {p: eng.generate(p, max_new_tokens=24, temperature=0.0).text for p in PROMPTS}
     pause = tmp_path_factory.mktemp("ray") / "pause"
+    saved = dict(os.environ)
+    os.environ.update(ray_serve.local_env(cfg))  # as `serve --ray` starts a local instance: HAProxy when found
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
         "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
@@ -65,12 +79,16 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(ray_serve.application(cfg, MODEL), name="hetero_spec", route_prefix="/")
     wait_for(lambda: _running() == 2, "two running replicas", 180)
+    wait_for(lambda: _routed() == 2, "the ingress to route to both", 120)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     yield client, refs, pause
     client.close()
     serve.shutdown()
     ray.shutdown()
+    os.environ.clear()
+    os.environ.update(saved)
     wait_for(lambda: not _replica_pids(), "the replicas to exit", 60)
+    wait_for(lambda: not _haproxies(), "HAProxy to exit", 60)
 
 
 def _complete(client, prompt: str, max_tokens: int = 24) -> tuple[str, str]:
@@ -87,6 +105,7 @@ def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(de
         got = list(pool.map(lambda p: _complete(client, p), PROMPTS))
     assert [text for text, _ in got] == [refs[p] for p in PROMPTS]
     assert len({replica for _, replica in got}) == 2
+    assert bool(_haproxies()) == ray_serve.haproxy_found()  # the ingress `auto` chose
     bad = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
 
@@ -127,6 +146,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
     assert survivors and all(ok[p] for p in survivors)
     wait_for(lambda: _running() == 2 and len(set(_replica_pids()) - before) == 1,
              "Serve to replace the killed replica", 180)
+    wait_for(lambda: _routed() == 2, "the ingress to route to the new replica", 120)
     text, _ = _complete(client, PROMPTS[3])
     assert text == refs[PROMPTS[3]]
 
@@ -157,6 +177,25 @@ def test_serving_ray_settings_are_validated(llama_target, llama_copy_onnx):
     two = build_config({**cfg(num_replicas=2), "runtime": {"mode": "two_process"}})
     assert deployment_options(two)["ray_actor_options"]["num_cpus"] == 2.0  # plus the worker's thread
     assert deployment_options(two)["num_replicas"] == 2
+
+
+def test_the_ingress_is_haproxy_when_found_and_a_missing_binary_is_named(llama_target, llama_copy_onnx,
+                                                                         monkeypatch):
+    def env(ingress: str, found: bool) -> dict:
+        monkeypatch.setattr(ray_serve, "haproxy_found", lambda: found)
+        return ray_serve.local_env(build_config(_cfg(llama_target, llama_copy_onnx, ingress=ingress)))
+
+    assert env("auto", True)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env("haproxy", True)["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
+    for ingress, found in (("auto", False), ("proxy", True)):
+        assert env(ingress, found) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, ingress
+    with pytest.raises(ConfigError, match=r"serving\.ray\.ingress = 'haproxy': no HAProxy binary: pip install"):
+        env("haproxy", False)
+    with pytest.raises(ConfigError, match=r"serving\.ray\.ingress = 'nginx'"):
+        build_config(_cfg(llama_target, llama_copy_onnx, ingress="nginx"))
+    monkeypatch.undo()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/opt/haproxy")
+    assert ray_serve.haproxy_found()
 
 
 def test_replicas_get_disjoint_cores():
