@@ -1,7 +1,9 @@
 """Ray Serve's overhead: aggregate throughput of `hetero-spec serve --ray` with two replicas against two separate
 `hetero-spec serve` processes (each pinned to one core with taskset, no balancer: clients alternate between them),
 under the same concurrent load of greedy completions. The two setups run in turn, `--repeats` times each
-(A B A B ...); the report gives each run's tokens per second and the median of the paired ratios.
+(A B A B ...); the report gives each run's tokens per second, latencies, and the median of the paired ratios.
+The default 256 requests (16 waves of 16) measure the sustained rate: in a run of 64 the last wave, where
+the balancer's split leaves one replica idle while the other finishes, is a quarter of the run.
 
     .venv/bin/python scripts/ray_throughput.py --config configs/cpu-demo.yaml --out OUT
 """
@@ -142,7 +144,7 @@ def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/cpu-demo.yaml")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
