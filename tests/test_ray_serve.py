@@ -1,7 +1,7 @@
 """`hetero-spec serve --ray`: two replicas of a tiny model pair on a local Ray instance (one per module), behind
-the ingress `serve --ray` picks (HAProxy when its binary is there): greedy outputs equal one Engine's, both replicas serve, a killed replica's requests fail
-cleanly while the others complete and Serve brings it back; serving.ray's settings are validated. Waits are
-bounded and only for events; nothing asserts a wall-clock outcome."""
+the ingress `serve --ray` picks (HAProxy when its binary is there): greedy outputs equal one Engine's, both
+replicas serve, a killed replica's requests fail cleanly while the others complete and Serve brings it back;
+serving.ray's settings are validated. Waits are bounded and only for events; no wall-clock outcome is asserted."""
 
 from __future__ import annotations
 
