@@ -70,8 +70,9 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     with Engine.from_config(cfg) as eng:
         refs = {p: eng.generate(p, max_new_tokens=24, temperature=0.0).text for p in PROMPTS}
     pause = tmp_path_factory.mktemp("ray") / "pause"
-    saved = dict(os.environ)
-    os.environ.update(ray_serve.local_env(cfg))  # as `serve --ray` starts a local instance: HAProxy when found
+    env = pytest.MonkeyPatch()  # as `serve --ray` starts a local instance: HAProxy when found
+    for key, value in ray_serve.local_env(cfg).items():
+        env.setenv(key, value)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
         "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
@@ -85,8 +86,7 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     client.close()
     serve.shutdown()
     ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
+    env.undo()
     wait_for(lambda: not _replica_pids(), "the replicas to exit", 60)
     wait_for(lambda: not _haproxies(), "HAProxy to exit", 60)
 
