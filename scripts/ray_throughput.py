@@ -63,10 +63,11 @@ def wait_up(urls: list[str], procs: list[subprocess.Popen], limit_s: float = 600
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGINT to each server (it shuts down what it started), then SIGKILL to whatever is left of its group."""
+    """SIGTERM to each server (it drains and shuts down what it started, as on Ctrl-C; a background job ignores
+    SIGINT), then SIGKILL to whatever is left of its group."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
     for p in procs:
         try:
             p.wait(120)

@@ -6,6 +6,7 @@ serving.ray's settings are validated. Waits are bounded and only for events; no 
 from __future__ import annotations
 
 import builtins
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -275,3 +276,42 @@ def test_the_health_check_fails_on_a_stalled_target_or_a_worker_that_stays_dead(
     rep.engine.answer = {"target": "stalled", "draft": "ok"}
     with pytest.raises(RuntimeError, match="target stalled"):
         check()
+
+
+def test_serve_ray_starts_a_local_instance_with_its_settings_and_drains_on_sigterm(
+        llama_target, llama_copy_onnx, monkeypatch):
+    import signal
+    calls: list = []
+
+    class FakeRay:
+        def init(self, **kw):
+            calls.append(("init", kw, dict(os.environ)))
+
+        def shutdown(self):
+            calls.append(("ray.shutdown",))
+
+    class FakeServe:
+        def start(self, **kw):
+            calls.append(("start", kw))
+
+        def run(self, app, **kw):
+            calls.append(("run", kw["name"]))
+
+        def shutdown(self):
+            calls.append(("serve.shutdown",))
+
+    monkeypatch.setattr(ray_serve, "_ray", lambda: (FakeRay(), FakeServe()))
+    monkeypatch.setattr(ray_serve, "application", lambda config, name: "app")
+    monkeypatch.setattr(os, "environ", {**os.environ, "RAY_worker_niceness": "5"})  # the user's own setting
+    monkeypatch.setattr(ray_serve.time, "sleep", lambda s: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        cfg = build_config(_cfg(llama_target, llama_copy_onnx, metrics_export_port=9400))
+        assert ray_serve.serve_ray(cfg, port=8123) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    (_, init, env), *rest = calls
+    assert init["address"] is None and init["_metrics_export_port"] == 9400
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_worker_niceness"] == "5"
+    assert rest == [("start", {"http_options": {"host": "127.0.0.1", "port": 8123}}), ("run", "hetero_spec"),
+                    ("serve.shutdown",), ("ray.shutdown",)]  # SIGTERM: the same drain as Ctrl-C

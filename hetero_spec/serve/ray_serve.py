@@ -9,6 +9,8 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 
 from ..config import Config
@@ -167,6 +169,10 @@ class Replica:
             raise RuntimeError(f"draft worker {h.get('draft')} for {now - self._unwell_since:.0f} s: {h}")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def application(config: Config, model_name: str | None = None):
     """The Serve application of `config`: the Replica deployment with serving.ray's options."""
     _, serve = _ray()
@@ -182,7 +188,11 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     for key, value in local_env(config).items():
         os.environ.setdefault(key, value)
     ray, serve = _ray()
-    ray.init(address=address or config.serving.ray.address, include_dashboard=False, log_to_driver=False)
+    address = address or config.serving.ray.address
+    ray.init(address=address, include_dashboard=False, log_to_driver=False,
+             **({} if address else {"_metrics_export_port": config.serving.ray.metrics_export_port}))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # ray.init took the CLI's handler: SIGTERM drains as Ctrl-C does
     serve.start(http_options={"host": host, "port": port})
     name = model_name or config.target.model.name
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
