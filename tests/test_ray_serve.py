@@ -70,9 +70,6 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     env = pytest.MonkeyPatch()  # as `serve --ray` starts a local instance: HAProxy when found
     for key, value in ray_serve.local_env(cfg).items():
         env.setenv(key, value)
-    # the busy loops that stand for a loaded CI machine run at nice 0: at Ray's default 15 its workers get a few
-    # percent of a core, and Serve's controller alone takes minutes to start (docs/serving.md, "A busy machine")
-    env.setenv("RAY_worker_niceness", "0")
     metrics_port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
@@ -202,6 +199,7 @@ def test_the_ingress_is_haproxy_when_found_and_a_missing_binary_is_named(llama_t
     for ingress, found in (("auto", False), ("proxy", True)):
         assert "RAY_SERVE_ENABLE_HA_PROXY" not in env(ingress, found), ingress
     assert env("proxy", True)["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "60"  # Serve's 5 s fails a slow start
+    assert env("proxy", True)["RAY_worker_niceness"] == "0"  # at Ray's 15 a busy machine starves the replicas
     with pytest.raises(ConfigError, match=r"serving\.ray\.ingress = 'haproxy': no HAProxy binary: pip install"):
         env("haproxy", False)
     with pytest.raises(ConfigError, match=r"serving\.ray\.ingress = 'nginx'"):
