@@ -107,8 +107,8 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         model = _request(port, "GET", "/v1/models", timeout=30.0)["data"][0]["id"]
         say(f"server healthy (pid {proc.pid}, model {model!r}); {len(PROMPTS)} reference completions")
         bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0} for p in PROMPTS]
-        refs = [(r["choices"][0]["text"], r["usage"]) for r in (_request(port, "POST", "/v1/completions", b)
-                                                              for b in bodies)]
+        answers = (_request(port, "POST", "/v1/completions", b) for b in bodies)
+        refs = [(r["choices"][0]["text"], r["usage"]) for r in answers]
         t0 = time.monotonic()
 
         def client(i: int) -> None:

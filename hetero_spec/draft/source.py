@@ -172,4 +172,3 @@ class SelectingSource:
     def close(self) -> None:
         for c in self.cands.values():
             c.close()
-
