@@ -113,10 +113,11 @@ def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(de
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         tokens.update({s.labels["replica"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
                        if s.name == "ray_hetero_spec_completion_tokens_total"})
-        return len(tokens) == 2 and "ray_serve_" in text
+        # a replica's gauge can show its value from before these requests until its next mirror and export
+        return len(tokens) == 2 and all(v > 0 for v in tokens.values()) and "ray_serve_" in text
 
     wait_for(scraped, "Ray's metrics endpoint to list both replicas' tokens", 120)
-    assert set(tokens) == {replica for _, replica in got} and all(v > 0 for v in tokens.values())
+    assert set(tokens) == {replica for _, replica in got}
 
 
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
