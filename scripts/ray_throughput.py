@@ -3,7 +3,8 @@
 under the same concurrent load of greedy completions. The two setups run in turn, `--repeats` times each
 (A B A B ...); the report gives each run's tokens per second, latencies, and the median of the paired ratios.
 The default 256 requests (16 waves of 16) measure the sustained rate: in a run of 64 the last wave, where
-the balancer's split leaves one replica idle while the other finishes, is a quarter of the run.
+the balancer's split leaves one replica idle while the other finishes, is a quarter of the run. Each run also
+reports its mean batch: the requests an Engine decoded together per round, from the servers' metrics.
 
     .venv/bin/python scripts/ray_throughput.py --config configs/cpu-demo.yaml --out OUT
 """
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ONE_CORE = ["runtime.mode=in_process", "runtime.cpus=null", "target.threads=1", "target.prefill_threads=1",
             "draft.threads=1", "serving.max_batch=8"]
@@ -41,9 +43,14 @@ def cli() -> list[str]:
 
 
 def start(cmd: list[str], log: Path, cpu: int | None = None) -> subprocess.Popen:
+    """A server in a process group of its own (to stop it and all it started) but in this session: with the
+    kernel's autogroup scheduling (sched_autogroup_enabled) each session shares the cores as one task group,
+    and a server in a session of its own then starves this load generator by its group's share. Under
+    `serve --ray`, where all of Ray's processes share the server's session, the clients here stalled for
+    100-440 ms at a time and the replicas' batches ran part-empty."""
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
-    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, process_group=0)
 
 
 def wait_up(urls: list[str], procs: list[subprocess.Popen], limit_s: float = 600) -> None:
@@ -122,22 +129,45 @@ def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2), **q}
 
 
+def batch_totals(urls: list[str]) -> tuple[float, float]:
+    """The sum and count of hetero_spec_batch_size (requests decoded together per round) over the /metrics
+    pages at `urls` (a server's own, or Ray's, where the replicas' gauges carry a `ray_` prefix)."""
+    total = {"sum": 0.0, "count": 0.0}
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=30).text):
+            for s in family.samples:
+                for part in total:
+                    if s.name in (f"hetero_spec_batch_size_{part}", f"ray_hetero_spec_batch_size_{part}"):
+                        total[part] += s.value
+    return total["sum"], total["count"]
+
+
 def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out: Path) -> dict:
     sets = [a for s in ONE_CORE + args.set for a in ("--set", s)]
     if kind == "ray":
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
+        ray_sets = [*RAY, f"serving.ray.metrics_export_port={metrics_port}", *args.ray_set]
         procs = [start([*cli(), "serve", "--config", config, "--ray", "--port", str(port), "--model-name", model,
-                        *sets, *[a for s in RAY + args.ray_set for a in ("--set", s)]], out / "ray.log")]
+                        *sets, *[a for s in ray_sets for a in ("--set", s)]], out / "ray.log")]
         urls = [f"http://127.0.0.1:{port}"]
+        metrics = [f"http://127.0.0.1:{metrics_port}/metrics"]
     else:
         ports = [free_port(), free_port()]
         procs = [start([*cli(), "serve", "--config", config, "--port", str(p), "--model-name", model, *sets],
                        out / f"serve-{i}.log", cpu=i) for i, p in enumerate(ports)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
+        metrics = [u + "/metrics" for u in urls]
+    # a replica's gauges reach Ray's page after its next mirror (every 5 s) and Ray's next report (every 10 s)
+    settle = (lambda: time.sleep(16)) if kind == "ray" else (lambda: None)
     try:
         wait_up(urls, procs)
         load(urls, model, prompts[: args.concurrency], args.concurrency, 8)  # warm-up
-        return load(urls, model, prompts, args.concurrency, args.max_tokens, args.stream)
+        settle()
+        s0, n0 = batch_totals(metrics)
+        r = load(urls, model, prompts, args.concurrency, args.max_tokens, args.stream)
+        settle()
+        s1, n1 = batch_totals(metrics)
+        return r | {"mean_batch": round((s1 - s0) / max(1.0, n1 - n0), 2)}
     finally:
         stop(procs)
 
@@ -166,8 +196,8 @@ def main() -> int:
             r = run_setup(kind, args.config, "demo", prompts, args, out)
             runs[kind].append(r)
             q = "/".join(str(r[f"first_p{p}_s"]) for p in (50, 75, 90, 100))
-            print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s, first byte "
-                  f"p50/p75/p90/max {q} s", flush=True)
+            print(f"ray_throughput: repeat {rep + 1}/{args.repeats} {kind}: {r['tokens_per_s']} tok/s, mean batch "
+                  f"{r['mean_batch']}, first byte p50/p75/p90/max {q} s", flush=True)
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["ray"], runs["two_serves"])]
     report = {"config": args.config, "requests": args.requests, "concurrency": args.concurrency,
               "max_tokens": args.max_tokens, "runs": runs, "ratios": [round(x, 3) for x in ratios],
