@@ -235,9 +235,8 @@ class RayConfig(_Section):
     autoscaling: RayAutoscaling | None = None
     """Let Serve scale the replicas between `min_replicas` and `max_replicas` on `target_ongoing_requests`."""
     max_ongoing_requests: int | None = Field(default=None, ge=1)
-    """Most requests Serve sends one replica at once; None: twice serving.max_batch (the replica's batch, and as
-    many in its queue, which join the batch at the next round as others finish). At most serving.max_batch +
-    serving.max_waiting, or the replica would refuse what Serve sent it."""
+    """Most requests Serve sends one replica at once; None: serving.max_batch (the replica's batch). At most
+    serving.max_batch + serving.max_waiting, or the replica would refuse what Serve sent it."""
     cpus_per_replica: float | None = Field(default=None, gt=0)
     """Ray CPUs one replica reserves, and cores it pins on its node; None: target.threads (1 if unset) plus
     draft.threads in the two_process or auto layout."""

@@ -182,9 +182,7 @@ def test_serving_ray_settings_are_validated(llama_target, llama_copy_onnx):
     opts = deployment_options(build_config(cfg(
         autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2})))
     assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0}
-    assert "num_replicas" not in opts and opts["max_ongoing_requests"] == 8  # two batches of 4
-    assert deployment_options(build_config(cfg(max_waiting=1)))["max_ongoing_requests"] == 5  # the queue's limit
-    assert deployment_options(build_config(cfg(max_ongoing_requests=3)))["max_ongoing_requests"] == 3
+    assert "num_replicas" not in opts and opts["max_ongoing_requests"] == 4
     assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0}  # target.threads 1, in process
     two = build_config({**cfg(num_replicas=2), "runtime": {"mode": "two_process"}})
     assert deployment_options(two)["ray_actor_options"]["num_cpus"] == 2.0  # plus the worker's thread

@@ -70,9 +70,7 @@ def replica_cpus(config: Config) -> float:
 
 def deployment_options(config: Config) -> dict:
     """serving.ray as `serve.deployment` options: replicas or autoscaling, the per-replica request limit and
-    the Ray resources of one replica. The limit defaults to two batches: a request that Serve holds back from a
-    replica starts only after a finished one's handler returns, and its slot in the batch idles meanwhile; one in
-    the Engine's queue joins the batch at the next round (docs/benchmarks.md, "Ray Serve replicas")."""
+    the Ray resources of one replica."""
     rc = config.serving.ray
     batch = config.serving.max_batch if isinstance(config.serving.max_batch, int) else 8  # auto: its fallback
     limit = batch + config.serving.max_waiting
@@ -83,7 +81,7 @@ def deployment_options(config: Config) -> dict:
     scale = ({"num_replicas": rc.num_replicas} if rc.autoscaling is None
              else {"autoscaling_config": rc.autoscaling.model_dump()})
     gpu = str(config.target.device).startswith("cuda")
-    return {"max_ongoing_requests": rc.max_ongoing_requests or min(2 * batch, limit), **scale,
+    return {"max_ongoing_requests": rc.max_ongoing_requests or batch, **scale,
             "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
             "health_check_period_s": rc.health_check_period_s, "health_check_timeout_s": rc.health_check_timeout_s}
 
