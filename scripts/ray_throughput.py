@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hetero_spec.serve.ray_serve import MIRROR_EVERY_S
+
 ONE_CORE = ["runtime.mode=in_process", "runtime.cpus=null", "target.threads=1", "target.prefill_threads=1",
             "draft.threads=1", "serving.max_batch=8"]
 RAY = ["serving.ray.num_replicas=2", "serving.ray.cpus_per_replica=1"]
@@ -132,14 +134,13 @@ def load(urls: list[str], model: str, prompts: list[str], concurrency: int, max_
 def batch_totals(urls: list[str]) -> tuple[float, float]:
     """The sum and count of hetero_spec_batch_size (requests decoded together per round) over the /metrics
     pages at `urls` (a server's own, or Ray's, where the replicas' gauges carry a `ray_` prefix)."""
-    total = {"sum": 0.0, "count": 0.0}
+    total = {"hetero_spec_batch_size_sum": 0.0, "hetero_spec_batch_size_count": 0.0}
     for url in urls:
         for family in text_string_to_metric_families(httpx.get(url, timeout=30).text):
             for s in family.samples:
-                for part in total:
-                    if s.name in (f"hetero_spec_batch_size_{part}", f"ray_hetero_spec_batch_size_{part}"):
-                        total[part] += s.value
-    return total["sum"], total["count"]
+                if (name := s.name.removeprefix("ray_")) in total:
+                    total[name] += s.value
+    return total["hetero_spec_batch_size_sum"], total["hetero_spec_batch_size_count"]
 
 
 def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out: Path) -> dict:
@@ -157,15 +158,15 @@ def run_setup(kind: str, config: str, model: str, prompts: list[str], args, out:
                        out / f"serve-{i}.log", cpu=i) for i, p in enumerate(ports)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         metrics = [u + "/metrics" for u in urls]
-    # a replica's gauges reach Ray's page after its next mirror (every 5 s) and Ray's next report (every 10 s)
-    settle = (lambda: time.sleep(16)) if kind == "ray" else (lambda: None)
+    # a replica's gauges reach Ray's page after its next mirror and Ray's next report (every 10 s)
+    settle_s = MIRROR_EVERY_S + 11 if kind == "ray" else 0
     try:
         wait_up(urls, procs)
         load(urls, model, prompts[: args.concurrency], args.concurrency, 8)  # warm-up
-        settle()
+        time.sleep(settle_s)
         s0, n0 = batch_totals(metrics)
         r = load(urls, model, prompts, args.concurrency, args.max_tokens, args.stream)
-        settle()
+        time.sleep(settle_s)
         s1, n1 = batch_totals(metrics)
         return r | {"mean_batch": round((s1 - s0) / max(1.0, n1 - n0), 2)}
     finally:
