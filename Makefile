@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= def read_lines(filename):
 
-.PHONY: demo test bench bench-quick gpu-wheels gpu-rehearse clean-venv
+.PHONY: demo test bench bench-quick gpu-wheels gpu-rehearse gpu-rehearse-device clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,5 +34,10 @@ gpu-wheels: $(VENV)/.installed
 gpu-rehearse: $(VENV)/.installed
 	scripts/gpu_check.sh --rehearse
 
+# the same rehearsal on the GPU machine's own packages (Python 3.12, torch 2.11, onnxruntime 1.30, transformers 5.17),
+# in .venv-device, with the carried wheels installed as on the device (not run in CI: about 5 GB the first time)
+gpu-rehearse-device: $(VENV)/.installed
+	scripts/device_stack.sh
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-device

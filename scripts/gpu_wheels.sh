@@ -2,11 +2,12 @@
 # Prepares, here (where the package registries are), what scripts/gpu_check.sh needs on a lent GPU machine that
 # has no network, into the git-ignored folder .gpu/ (name it in the device call's carry):
 #   .gpu/whl/             the wheels the device lacks, for its Python 3.12 on manylinux x86_64, at the versions this
-#                         project's venv is tested with (pydantic, pyzmq, msgspec; transformers 5.24: the device's
-#                         5.17 drops cache= silently; regex and typing-extensions at what those two need)
+#                         project's venv is tested with: pydantic (with pydantic-core, annotated-types,
+#                         typing-inspection and typing-extensions), pyzmq, msgspec. The device's own transformers
+#                         (5.17) serves: the verifier passes its KV cache as past_key_values= there
 #   .gpu/draft-onnx-int4/ the demo draft's int4 ONNX export (block 128): the device's onnxruntime is older than the
 #                         export builder needs, so the draft is exported here and carried
-# Then it prints what one device call carries (tracked + untracked files + .gpu) and fails at 60 MiB or more.
+# Then it prints what one device call carries (tracked + untracked files + .gpu) and fails at 50 MiB or more.
 # Usage: scripts/gpu_wheels.sh            (about 30 MB of downloads the first time; later runs reuse them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ if [ ! -x "$VENV_PY" ]; then
   echo "gpu_wheels: building the project's venv first (make .venv/.installed)" >&2
   make -s .venv/.installed
 fi
-NAMES=(transformers pydantic pydantic-core annotated-types typing-inspection typing-extensions pyzmq msgspec regex)
+NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions pyzmq msgspec)
 mapfile -t PINS < <("$VENV_PY" - "${NAMES[@]}" <<'PY'
 import sys
 from importlib.metadata import version
@@ -29,10 +30,17 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   PLATFORMS+=(--platform "$p")
 done
 echo "gpu_wheels: downloading ${PINS[*]} for cp312 manylinux x86_64 into .gpu/whl"
-# one version of each: an older download of the same package would stop the device's install
+# one version of each, and only these: an older download of the same package would stop the device's install, and
+# a package no longer carried (transformers, regex) would shadow the device's own
+keep=()
 for pin in "${PINS[@]}"; do
-  stem=$(echo "${pin%%==*}" | tr '-' '_'); ver=${pin##*==}
-  find .gpu/whl -iname "${stem}-*.whl" ! -iname "${stem}-${ver}-*.whl" -delete
+  keep+=("$(echo "${pin%%==*}" | tr '-' '_')-${pin##*==}-")
+done
+for whl in .gpu/whl/*.whl; do
+  [ -e "$whl" ] || continue
+  name=$(basename "$whl") ok=0
+  for k in "${keep[@]}"; do [[ "${name,,}" == "${k,,}"* ]] && ok=1; done
+  [ "$ok" = 1 ] || rm -f "$whl"
 done
 "$VENV_PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d .gpu/whl "${PINS[@]}"
@@ -42,4 +50,4 @@ if [ ! -f "$DRAFT/model.onnx" ] || [ models/draft/model.safetensors -nt "$DRAFT/
   rm -rf "$DRAFT"
   "$VENV_PY" -m hetero_spec.cli export --model models/draft --out "$DRAFT" --precision int4 --block-size 128
 fi
-scripts/travel_size.sh .gpu
+LIMIT_MIB=${LIMIT_MIB:-50} scripts/travel_size.sh .gpu

@@ -115,3 +115,57 @@ def test_cuda_on_a_cpu_build_is_a_clear_error(llama_target):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ModelLoadError, match="no CUDA device"):
         TargetModel(llama_target, device="cuda")
+
+
+class _PastKeyValuesLlama(__import__("transformers").LlamaForCausalLM):
+    """transformers 5.17's signature (the GPU machine's image): the KV cache comes as past_key_values=. A cache
+    passed as cache= would land in **kwargs and be dropped, so that raises."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                logits_to_keep=0, **kwargs):
+        assert "cache" not in kwargs, "the cache was passed by a keyword this forward does not take"
+        assert past_key_values is not None, "no KV cache was given"
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+
+
+class _NoCacheLlama(__import__("transformers").LlamaForCausalLM):
+    def forward(self, input_ids=None, **kwargs):
+        return super().forward(input_ids=input_ids, **kwargs)
+
+
+def _load_as(monkeypatch, cls):
+    from hetero_spec.target import verifier
+
+    monkeypatch.setattr(verifier, "AutoModelForCausalLM", cls)
+
+
+def test_the_cache_goes_by_cache_on_this_transformers(target):
+    assert target.cache_kw == "cache"
+
+
+def test_the_cache_goes_by_past_key_values_where_forward_takes_that(llama_target, target, monkeypatch):
+    _load_as(monkeypatch, _PastKeyValuesLlama)
+    old = TargetModel(llama_target, device="cpu", dtype="float32")
+    assert type(old.model) is _PastKeyValuesLlama and old.cache_kw == "past_key_values"
+    # the same numbers as the cache= path: prefill, a block verified, a rejection rolled back, a batched pass
+    results = {}
+    for t in (target, old):
+        a, b = t.new_state(), t.new_state()
+        t.prefill(a, SEQ[:5])
+        t.prefill(b, SEQ[:3])
+        out = [t.forward(a, SEQ[4:])]
+        t.rollback(a, 6)
+        out.append(t.forward(a, [1, 2]))
+        out += [torch.as_tensor(r) for r in t.verify_batch([(a, 3, [4, 5]), (b, SEQ[2], [6])], greedy=[False, False])]
+        assert (a.n_cached, b.n_cached) == (11, 4)
+        results[t.cache_kw] = out
+    assert len(results["past_key_values"]) == 4
+    for got, want in zip(results["past_key_values"], results["cache"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_takes_no_cache_is_refused(llama_target, monkeypatch):
+    _load_as(monkeypatch, _NoCacheLlama)
+    with pytest.raises(ModelLoadError, match="neither cache= nor past_key_values="):
+        TargetModel(llama_target, device="cpu", dtype="float32")

@@ -5,6 +5,7 @@ crop cannot restore (linear-attention, recurrent) are refused."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers import cache_utils
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.utils import logging as hf_logging
 
 from ..errors import ModelLoadError
@@ -20,6 +22,18 @@ from .kv_store import StoredKVLayer
 from .staging import Staging
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_keyword(model_cls: type) -> str:
+    """The keyword model_cls.forward takes its KV cache by: `cache` (transformers 5.20 and later) or
+    `past_key_values` (earlier 5.x, such as the 5.17 of the GPU machine's image). A forward that takes neither would
+    swallow the cache in **kwargs and decode with no cache and no error, so that is refused."""
+    params = inspect.signature(model_cls.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{model_cls.__name__}.forward takes neither cache= nor past_key_values=: this transformers "
+                    f"version cannot be given a KV cache")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -59,6 +73,10 @@ class TargetModel:
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load target model from {str(model_dir)!r}: {exc}") from exc
         self.model.eval()
+        try:
+            self.cache_kw = cache_keyword(type(self.model))
+        except TypeError as exc:
+            raise ModelLoadError(f"target model {str(model_dir)!r}: {exc}") from exc
         if quantize == "int8":  # target.precision int8 on a CPU: int8 Linear weights, activations per call
             if self.device.type != "cpu":
                 raise ModelLoadError("target.precision int8 with the torch backend runs on a CPU only")
@@ -105,7 +123,7 @@ class TargetModel:
             raise ValueError("forward needs at least one token")
         ids = self.staging.tokens(tokens)  # [1, n]; pinned + async on CUDA
         extra = {"logits_to_keep": 1} if last_only else {}
-        out = self.model(input_ids=ids, cache=state.cache, use_cache=True, **extra)
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: state.cache}, **extra)
         state.n_cached += len(tokens)
         return out.logits[0]
 
@@ -155,7 +173,7 @@ class TargetModel:
             mask[i, big_l - n:] = 1
         pos = torch.tensor(lens)[:, None] + torch.arange(big_k)[None]
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), cache=batch, use_cache=True)
+                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: batch})
         results = []
         for i, ((state, _, _), block) in enumerate(zip(rows, blocks)):
             end = big_l + len(block)
@@ -191,7 +209,8 @@ def _check_rollback(config, model_dir: Path) -> bool:
     Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on. Linear-attention,
     conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent state that crop does not restore,
     and any other layer type is unknown to this verifier."""
-    exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, DummyLayer)
+    # DummyLayer (a layer that keeps no cache) is new in transformers 5.2x; 5.17 has none
+    exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, *_optional(cache_utils, "DummyLayer"))
     try:
         layers = DynamicCache(config=config).layers
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
@@ -208,3 +227,8 @@ def _check_rollback(config, model_dir: Path) -> bool:
 def _eos_ids(model, config) -> set[int]:
     found = [getattr(src, "eos_token_id", None) for src in (getattr(model, "generation_config", None), config)]
     return {int(e) for eos in found for e in ([eos] if isinstance(eos, int) else eos or ())}
+
+
+def _optional(module, *names: str) -> tuple:
+    """Those of module's attributes that this version of it has."""
+    return tuple(getattr(module, name) for name in names if hasattr(module, name))
