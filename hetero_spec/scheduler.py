@@ -185,8 +185,9 @@ class Scheduler:
             if self._stopping:
                 raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
             if len(self._waiting) + len(self._seqs) >= max_batch + max_waiting:
-                raise QueueFullError(f"{len(self._waiting)} requests already wait for a place in the batch "
-                                     f"(serving.max_waiting = {max_waiting}); try again later")
+                raise QueueFullError(f"the server is full: {len(self._seqs)} requests are decoding (serving.max_batch "
+                                     f"= {max_batch}) and {len(self._waiting)} wait for a place (serving.max_waiting "
+                                     f"= {max_waiting}); try again later")
             self._waiting.append(ticket)
             self._idle.clear()
             self._cv.notify()

@@ -187,7 +187,7 @@ def test_metrics_after_requests(served):
                  "hetero_spec_dropped_frames_total", "hetero_spec_requests_in_flight"):
         assert name in text, name
     ok = [line for line in text.splitlines()
-          if line.startswith('hetero_spec_requests_total{endpoint="completions",status="ok"}')]
+          if line.startswith('hetero_spec_requests_total{endpoint="completions",status="200"}')]
     assert ok and float(ok[0].split()[-1]) >= 1
     assert 'stage="verify"' in text and 'stage="prefill"' in text
 
@@ -242,6 +242,9 @@ class SlowEngine:
         threading.Thread(target=run, daemon=True).start()
 
     astream_tokens = Engine.astream_tokens  # what the server calls: the real one, over this submit
+
+    def prompt_ids(self, prompt):
+        return [1, 2, 3]
 
     def batch_sizes(self):
         return []

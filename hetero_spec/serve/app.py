@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -54,6 +55,83 @@ class Job:
     cancel: threading.Event
 
 
+#: pydantic's error types -> what the 400 says of the named field
+_INVALID = {"extra_forbidden": "unknown field (docs/serving.md lists the fields this server accepts)",
+            "finite_number": "must be a finite number", "missing": "required"}
+
+
+#: the member tags pydantic puts in a union's error path (prompt -> str, list[int]): not field names
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tuple)\[.*\]|function-.*|[A-Z]\w*)$")
+
+
+def invalid_request(error: dict[str, Any]) -> ApiError:
+    """The 400 for one of FastAPI's request validation errors: the field's path as `param`, and what is wrong with
+    it. Malformed JSON names no field: the position goes in the message."""
+    loc = [str(part) for part in error.get("loc", ())[1:] if not _UNION_TAG.match(str(part))]  # after "body"
+    if error.get("type") == "json_invalid":
+        why = (error.get("ctx") or {}).get("error", "invalid JSON")
+        at = f" at character {loc[0]}" if loc else ""
+        return ApiError(400, f"the request body is not valid JSON: {why}{at}")
+    if error.get("type") == "model_attributes_type" and not loc:
+        return ApiError(400, "the request body must be a JSON object")
+    param = ".".join(loc) or None
+    msg = _INVALID.get(error.get("type", ""), error.get("msg", "invalid value"))
+    return ApiError(400, f"{param or 'body'}: {msg}", param=param)
+
+
+#: a stream's outcome -> the status it is counted under: its response started as 200, and may end cancelled by the
+#: client (nginx's 499, "client closed request") or with an in-band error
+STREAM_STATUS = {"ok": "200", "cancelled": "499", "error": "500"}
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
+             "/health": "health", "/metrics": "metrics"}
+
+
+class CountResponses:
+    """ASGI middleware: every HTTP response counted in hetero_spec_requests_total by endpoint and status code
+    (a path we do not serve is endpoint "other"), errors included, so an operator can alert on error rates. A
+    streamed completion counts itself when it ends (STREAM_STATUS); a response that never started is a 500, or a
+    499 when the client went away first."""
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started: list[int] = []
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                started.append(message["status"])
+            await send(message)
+
+        state = scope.setdefault("state", {})
+        code = 500
+        try:
+            await self.app(scope, receive, send_counted)
+            code = started[0] if started else 500
+        except asyncio.CancelledError:
+            code = started[0] if started else 499
+            raise
+        except Exception:
+            code = started[0] if started else 500
+            raise
+        finally:
+            if not state.get("counted_by_stream"):
+                endpoint = ENDPOINTS.get(scope.get("path", ""), "other")
+                self.metrics.requests.labels(endpoint=endpoint, status=str(code)).inc()
+
+
+def check_fits(prompt_tokens: int, max_tokens: int | None, context_len: int) -> None:
+    """A request's prompt and max_tokens must fit the context, as vLLM answers (the Python API instead stops at the
+    context with finish_reason "length"). A prompt that leaves no room at all is the engine's own error."""
+    room = context_len - prompt_tokens
+    if max_tokens is not None and 0 < room < max_tokens:
+        raise ApiError(400, f"max_tokens is {max_tokens}, but the prompt has {prompt_tokens} tokens and the context "
+                            f"holds {context_len}: at most {room} new tokens fit; reduce max_tokens or the prompt",
+                       param="max_tokens", code="context_length_exceeded")
+
+
 def _usage(stats: Stats) -> dict[str, int]:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
             "total_tokens": stats.prompt_tokens + stats.new_tokens}
@@ -72,6 +150,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     app = FastAPI(title="hetero_spec", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(CountResponses, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -79,10 +158,8 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = next(iter(exc.errors()), {})
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
-                                     param=param).body(), status_code=400)
+        error = invalid_request(next(iter(exc.errors()), {}))
+        return JSONResponse(error.body(), status_code=error.status)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -94,6 +171,8 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
         stats, cancel = Stats(), threading.Event()
         try:  # validated here, in the caller: a RequestError is a 400 before anything streams
+            prompt = engine.prompt_ids(prompt)  # tokenized once, here: its length is checked against the context
+            check_fits(len(prompt), max_tokens, engine.target.context_len)
             return Job(await engine.astream_tokens(prompt, stats, cancel, max_new_tokens=max_tokens,
                                                    temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                                    stop_token_ids=req.stop_token_ids,
@@ -144,12 +223,15 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
         def done(status: str) -> None:
             metrics.in_flight.dec()
-            metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            if req.stream:  # a stream's outcome is known only at its end (CountResponses counts the rest)
+                metrics.requests.labels(endpoint=endpoint, status=STREAM_STATUS[status]).inc()
             if status == "cancelled":
                 metrics.cancelled.inc()
             metrics.observe(job.stats.to_dict())
 
-        if not req.stream:
+        if req.stream:
+            request.state.counted_by_stream = True
+        else:
             try:
                 text = "".join([p async for p in pieces(job, stops)])
             except BaseException:

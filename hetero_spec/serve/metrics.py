@@ -17,7 +17,8 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
-        self.requests = counter("hetero_spec_requests", "Requests by endpoint and outcome", ["endpoint", "status"])
+        self.requests = counter("hetero_spec_requests", "HTTP responses by endpoint and status code (a stream by how "
+                                "it ended: 200, 499 cancelled by the client, 500)", ["endpoint", "status"])
         self.prompt_tokens = counter("hetero_spec_prompt_tokens", "Prompt tokens of finished requests")
         self.completion_tokens = counter("hetero_spec_completion_tokens", "Generated tokens")
         self.drafted = counter("hetero_spec_draft_tokens", "Draft tokens verified")

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates. An
-unsupported option is a 400 naming it, never silently ignored (docs/serving.md)."""
+"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates. Strict, as
+OpenAI's API is: an unknown field, a number sent as a string, NaN or an unsupported option is a 400 naming it,
+never silently ignored or coerced (docs/serving.md lists what is accepted)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_STOP = 4  # OpenAI's limit on stop strings
 
 
+#: every request model: unknown fields refused, no coercion ("5" is not 5), no NaN or infinity
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -34,6 +41,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # accepted and not acted on (docs/serving.md): they change nothing in the output
     user: str | None = None
 
     def _refused(self) -> list[tuple[str, bool, str]]:
@@ -75,10 +83,11 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # accepted and not acted on: chat templates do not read it
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is supported
@@ -89,6 +98,26 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # accepted and not acted on (docs/serving.md)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    def _refused(self) -> list[tuple[str, bool, str]]:
+        fmt = (self.response_format or {}).get("type", "text")
+        return [("tools", bool(self.tools or self.functions), "tools and functions are not supported"),
+                ("tool_choice", self.tool_choice not in (None, "none"), "tool_choice is not supported"),
+                ("function_call", self.function_call not in (None, "none"), "function_call is not supported"),
+                ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported"),
+                ("response_format", fmt != "text", f"response_format {fmt!r} is not supported (only text)"),
+                *super()._refused()]
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
