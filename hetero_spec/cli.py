@@ -115,6 +115,15 @@ def _cmd_draft_worker(args) -> int:
     from .runtime import draft_worker
     _require(args.connect.startswith("tcp://"), "--connect", args.connect, "must be tcp://HOST:PORT")
     _require(Path(args.keys).is_dir(), "--keys", args.keys, "no such directory (make one with `hetero-spec keys`)")
+    for name in ("client.key_secret", "server.key"):
+        _require((Path(args.keys) / name).is_file(), "--keys", args.keys,
+                 f"no {name} in this directory (a worker needs client.key_secret and the target's server.key, "
+                 "from a `hetero-spec keys` directory)")
+    from .transport.channel import worker_keys
+    try:
+        worker_keys(args.keys)  # a file that is there but holds no key: one line now, not a traceback later
+    except ValueError as exc:
+        raise ConfigError("--keys", "", args.keys, " ".join(str(exc).split(": ", 1)[-1].split())) from None
     _require((Path(args.model) / "model.onnx").is_file(), "--model", args.model, "no model.onnx in this directory")
     return draft_worker.main(["--endpoint", args.connect, "--keys", args.keys, "--model", args.model,
                               "--threads", str(args.threads), "--providers", args.providers,

@@ -422,6 +422,17 @@ def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None
     return cfg
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> tuple[str, None, str]:
+    """(where, None, what) of a YAML error, on one line: "line 2, column 1", "not valid YAML: could not find
+    expected ':' (while scanning a simple key)"."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    what = " ".join(f"{problem}{f' ({context})' if context else ''}".split())
+    return where, None, f"not valid YAML: {what}"
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Read a YAML file and validate it. Errors name the file, the key path and the value."""
     path = Path(path)
@@ -430,7 +441,5 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(str(path), where, path.name, f"not valid YAML: {exc}") from None
+        raise ConfigError(str(path), *_yaml_problem(exc), show_value=False) from None
     return build_config(raw, source=str(path), base_dir=path.parent, overrides=overrides)

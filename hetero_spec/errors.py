@@ -12,10 +12,10 @@ class HeteroSpecError(Exception):
 class ConfigError(HeteroSpecError):
     """A config file, a key in it, or a `--set` override is invalid."""
 
-    def __init__(self, source: str, key_path: str, value: Any, problem: str):
+    def __init__(self, source: str, key_path: str, value: Any, problem: str, show_value: bool = True):
         self.source, self.key_path, self.value, self.problem = source, key_path, value, problem
         where = f"{source}: {key_path}" if key_path else source
-        super().__init__(f"{where} = {value!r}: {problem}")
+        super().__init__(f"{where} = {value!r}: {problem}" if show_value else f"{where}: {problem}")
 
 
 class ModelLoadError(HeteroSpecError):

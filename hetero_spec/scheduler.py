@@ -185,8 +185,8 @@ class Scheduler:
             if self._stopping:
                 raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
             if len(self._waiting) + len(self._seqs) >= max_batch + max_waiting:
-                raise QueueFullError(f"the server is full: {len(self._seqs)} requests are decoding (serving.max_batch "
-                                     f"= {max_batch}) and {len(self._waiting)} wait for a place (serving.max_waiting "
+                raise QueueFullError(f"the server is full: {len(self._seqs)} requests decoding (serving.max_batch = "
+                                     f"{max_batch}) and {len(self._waiting)} waiting for a place (serving.max_waiting "
                                      f"= {max_waiting}); try again later")
             self._waiting.append(ticket)
             self._idle.clear()

@@ -96,3 +96,52 @@ def test_acceptance_is_null_when_nothing_was_drafted(tmp_path, llama_target, cap
     assert json.loads(capsys.readouterr().out)["stats"]["acceptance_rate"] is None
     assert main(["generate", "--config", str(path), "--prompt", "def f(", "--max-new-tokens", "4"]) == 0
     assert "acceptance n/a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("present", [(), ("server.key",), ("client.key_secret", "server.key")])
+def test_draft_worker_with_an_incomplete_keys_folder_is_one_line(tmp_path, capsys, present):
+    """No traceback: one line naming the file that is missing (or does not hold a key), exit status 2."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in present:
+        (keys / name).write_text("not a key\n")
+    model = tmp_path / "draft"
+    model.mkdir()
+    (model / "model.onnx").write_bytes(b"")
+    assert main(["draft-worker", "--connect", "tcp://127.0.0.1:5555", "--keys", str(keys), "--model", str(model)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hetero-spec: error: --keys = {str(keys)!r}: "), err
+    missing = next((n for n in ("client.key_secret", "server.key") if n not in present), None)
+    assert (f"no {missing} in this directory" if missing else "No public key found") in err[0]
+
+
+def test_serve_exits_0_after_a_sigterm_drain(tmp_path, llama_target):
+    """uvicorn drains, then raises SIGTERM again for the handler it found: the drained server still exits 0."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"target: {{model: {llama_target}, dtype: float32, device: cpu}}\ndraft: {{kind: none}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_spec.cli", "serve", "--config", str(cfg), "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -53,6 +53,11 @@ def test_bad_yaml_names_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(path)
     assert str(path) in str(err.value) and "line" in str(err.value)
+    path = _write(tmp_path, "target:\n  model: x\nbad\n  : [\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: line 4, column 3: not valid YAML: could not find expected ':' "
+                              "(while scanning a simple key)")  # one line: file, line, column, what
 
 
 def test_missing_config_file(tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import builtins
 import os
+import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -282,7 +284,6 @@ def test_the_health_check_fails_on_a_stalled_target_or_a_worker_that_stays_dead(
 
 def test_serve_ray_starts_a_local_instance_with_its_settings_and_drains_on_sigterm(
         llama_target, llama_copy_onnx, monkeypatch):
-    import signal
     calls: list = []
 
     class FakeRay:
@@ -298,6 +299,7 @@ def test_serve_ray_starts_a_local_instance_with_its_settings_and_drains_on_sigte
 
         def run(self, app, **kw):
             calls.append(("run", kw["name"]))
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # as Ray's own handlers do
 
         def shutdown(self):
             calls.append(("serve.shutdown",))

@@ -171,7 +171,10 @@ def test_a_full_queue_answers_429_with_retry_after(llama_target):
             eng.submit([5, 6, 7], first, max_new_tokens=4)  # the batch's one place
             r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "serving.max_waiting" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert r.json()["error"]["message"].startswith(  # the first still waits: the round lock is held
+            "the server is full: 0 requests decoding (serving.max_batch = 1) and 1 waiting for a place "
+            "(serving.max_waiting = 0)")
         assert len(first.wait()) == 4
     finally:
         srv.close()
@@ -273,6 +276,7 @@ def test_a_disconnect_cancels_the_request(served):
         assert slow.cancelled.wait(30), "the disconnect never reached the engine"
         text = httpx.get(srv.url + "/metrics").text
         assert "hetero_spec_cancelled_requests_total 1.0" in text
+        assert 'hetero_spec_requests_total{endpoint="completions",status="499"} 1.0' in text  # client closed request
     finally:
         srv.close()
 
@@ -373,3 +377,106 @@ def test_serve_cli_help_names_the_endpoints():
     for word in ("/v1/completions", "/v1/chat/completions", "/health", "/metrics", "127.0.0.1", "--port"):
         assert word in helptext
 
+
+
+# -- hostile clients: strict requests, every response counted -------------------------------------------------------
+def _post(srv, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def _error(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+CHAT = "/v1/chat/completions"
+
+
+def test_unknown_fields_are_a_400_naming_them(served, chat_target):
+    srv, _ = served
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for field in ("foo", "temprature", "top_k"):
+        err = _error(_post(srv, "/v1/completions", {**base, field: 1}))
+        assert err["param"] == field and err["message"].startswith(f"{field}: unknown field")
+    err = _error(_post(srv, "/v1/completions", {**base, "stream_options": {"include_usage": True, "x": 1}}))
+    assert err["param"] == "stream_options.x"
+    # what OpenAI clients send and we accept without acting on (docs/serving.md)
+    assert _post(srv, "/v1/completions", {**base, "user": "u-1", "temperature": 0}).status_code == 200
+    eng = Engine.from_config(_cfg(chat_target))
+    chat = Server(create_app(eng, MODEL))
+    try:
+        msg = {"role": "user", "content": "hi", "name": "ann"}
+        ok = {"model": MODEL, "messages": [msg], "max_tokens": 2, "user": "u", "metadata": {"k": "v"}, "store": False}
+        assert _post(chat, CHAT, ok).status_code == 200
+        err = _error(_post(chat, CHAT, {**ok, "messages": [{**msg, "mood": "x"}]}))
+        assert err["param"] == "messages.0.mood"
+        err = _error(_post(chat, CHAT, {**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}))
+        assert err["param"] == "tools" and "not supported" in err["message"]
+        err = _error(_post(chat, CHAT, {**ok, "response_format": {"type": "json_object"}}))
+        assert err["param"] == "response_format"
+    finally:
+        chat.close()
+        eng.close()
+
+
+def test_values_are_not_coerced_and_errors_say_what_is_wrong(served):
+    srv, _ = served
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    err = _error(_post(srv, "/v1/completions", {**base, "max_tokens": "5"}))
+    assert err["param"] == "max_tokens" and "integer" in err["message"]
+    err = _error(_post(srv, "/v1/completions", {**base, "stream": "yes"}))
+    assert err["param"] == "stream"
+    err = _error(_post(srv, "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}'))
+    assert err["param"] == "temperature" and err["message"] == "temperature: must be a finite number"
+    err = _error(_post(srv, "/v1/completions", b'{"model": "tiny", "prompt": "x",, }'))
+    assert err["param"] is None and "not valid JSON" in err["message"] and "at character" in err["message"]
+    err = _error(_post(srv, "/v1/completions", [1, 2]))
+    assert err["message"] == "the request body must be a JSON object"
+    err = _error(_post(srv, "/v1/completions", {**base, "prompt": 5}))
+    assert err["param"] == "prompt"  # not pydantic's union tag (prompt.str)
+
+
+def test_max_tokens_over_the_context_is_a_400_naming_both(served):
+    srv, eng = served
+    context = eng.target.context_len
+    prompt = [5] * (context - 3)
+    err = _error(_post(srv, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}))
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert f"max_tokens is 4, but the prompt has {context - 3} tokens and the context holds {context}" in err["message"]
+    assert "at most 3 new tokens fit" in err["message"]
+    err = _error(_post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10 ** 9}))
+    assert err["code"] == "context_length_exceeded" and str(10 ** 9) in err["message"]
+    r = _post(srv, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def _requests_total(srv) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith("hetero_spec_requests_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["endpoint"].strip('"'), labels["status"].strip('"'))] = float(line.split()[-1])
+    return out
+
+
+def test_every_response_is_counted_by_endpoint_and_status(served):
+    srv, _ = served
+    before = _requests_total(srv)
+    sent = {("completions", "400"): 3, ("completions", "404"): 2, ("chat", "400"): 2, ("chat", "404"): 1,
+            ("completions", "200"): 1, ("other", "404"): 1}
+    for _ in range(3):
+        _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "foo": 1})
+    for _ in range(2):
+        _post(srv, "/v1/completions", {"model": "nope", "prompt": "x"})
+    for _ in range(2):
+        _post(srv, CHAT, b"{not json")
+    _post(srv, CHAT, {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    httpx.get(srv.url + "/v1/nothing-here")
+    after = _requests_total(srv)
+    grown = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
+    grown.pop(("metrics", "200"), None)  # the scrape before this one
+    assert grown == sent

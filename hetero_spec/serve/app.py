@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -326,5 +327,13 @@ def serve(config, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     # a plain line, whatever the log level: where to reach the server is not a warning, and not hidden either
     print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 (OpenAI-compatible)", file=sys.stderr,
           flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    # uvicorn drains on SIGTERM, then raises the signal again for the handler it found: ignored here, so a drained
+    # server exits 0 (the CLI's own handler would make it 143)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
     return 0

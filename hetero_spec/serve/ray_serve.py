@@ -191,18 +191,21 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     address = address or config.serving.ray.address
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              **({} if address else {"_metrics_export_port": config.serving.ray.metrics_export_port}))
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # ray.init took the CLI's handler: SIGTERM drains as Ctrl-C does
+    main = threading.current_thread() is threading.main_thread()
     serve.start(http_options={"host": host, "port": port})
     name = model_name or config.target.model.name
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
               logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
+    if main:  # only now: ray.init and Serve's start install handlers of their own, which exit 143 on SIGTERM
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM drains as Ctrl-C does
     print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop", flush=True)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             while True:
                 time.sleep(3600)
     finally:
+        if main:  # a second SIGTERM must not cut the drain short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         serve.shutdown()
         ray.shutdown()
     return 0
