@@ -132,6 +132,7 @@ class Engine:
         self.lock = threading.Lock()  # held for each round: health probes the models only when it can take it
         self._swap = threading.Lock()  # held while a re-placement swaps the models: requests wait for the new target
         self.closed = False
+        self.failure: str | None = None  # why the Engine can serve no more (a re-placement left it without models)
         self._parts: dict[str, Callable[[], Any]] = {}  # what close() releases; also at garbage collection or exit
         self._finalizer = weakref.finalize(self, _release, self._parts)
         try:
@@ -282,7 +283,12 @@ class Engine:
         except Exception:  # the new layout would not start: back to the one that ran
             log.exception("placement: %s failed to start; keeping the layout that ran", best.label())
             self._teardown()
-            self._build(old)
+            try:
+                self._build(old)
+            except Exception as exc:  # neither starts: no model is loaded, and every later call says why
+                self._fail(f"a re-placement to {best.label()} failed, and the layout that ran would not start "
+                           f"again: {type(exc).__name__}: {exc}")
+                raise
         else:
             self._replacer.switched(best, why, rows, self.tuning.acceptance.tested)
         self._seed_tuning()
@@ -294,6 +300,12 @@ class Engine:
         lay, costs = pl.Layout(**self.placement["chosen"]), pl.Costs.from_dict(self.placement["costs"])
         if costs.covers(lay):
             self.tuning.seed_costs(costs.model(lay))
+
+    def _fail(self, why: str) -> None:
+        """The Engine cannot serve: later calls raise EngineClosedError with `why`, /health answers 503."""
+        self.failure = why
+        self.closed = True
+        log.error("engine failed: %s", why)
 
     def _teardown(self) -> None:
         """Release the draft source (and its worker), the CPU plan and the target (the Engine stays open)."""
@@ -333,6 +345,8 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def _check_open(self) -> None:
+        if self.failure is not None:
+            raise EngineClosedError(f"this Engine failed ({self.failure}); create a new one (Engine.from_config)")
         if self.closed:
             raise EngineClosedError("this Engine is closed; create a new one (Engine.from_config)")
 
@@ -362,6 +376,7 @@ class Engine:
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt becomes (validated like a request's)."""
         with self._swap:
+            self._check_open()
             return self._prompt_ids(prompt)
 
     def decode_text(self, ids: list[int]) -> str:

@@ -351,3 +351,74 @@ def test_the_corpus_lookup_without_the_targets_tokenizer_json_names_the_key(tmp_
     cfg = {"target": {"model": str(bare), "dtype": "float32"}, "draft": {"kind": "ngram", "candidates": ["corpus"]}}
     with pytest.raises(ConfigError, match=r"draft\.candidates.*tokenizer\.json"):
         Engine.from_config(cfg)
+
+
+class _Breaks(NgramProposer):
+    """An n-gram proposer that raises in `what` for prompts starting with token 99 (a draft model gone wrong)."""
+
+    def __init__(self, what: str = "propose", **kw):
+        super().__init__(**kw)
+        self.what, self.broken = what, False
+
+    def spawn(self):
+        child = _Breaks(self.what, max_n=self.max_n, min_n=self.min_n)
+        return child
+
+    def begin(self, prompt_ids, params=None):
+        self.broken = prompt_ids[0] == 99
+        if self.broken and self.what == "begin":
+            raise RuntimeError("begin broke")
+        return super().begin(prompt_ids, params)
+
+    def propose(self, k):
+        if self.broken and self.what == "propose":
+            raise RuntimeError("propose broke")
+        return super().propose(k)
+
+    def commit(self, n_accepted, next_token):
+        if self.broken and self.what == "commit":
+            raise RuntimeError("commit broke")
+        return super().commit(n_accepted, next_token)
+
+
+@pytest.mark.parametrize("what", ["begin", "propose", "commit"])
+def test_a_draft_error_leaves_only_its_row_without_drafts(what, caplog):
+    """draft/base.py: no call raises. The broken row drafts nothing, counts its errors, logs once; the other drafts."""
+    from hetero_spec.draft.source import LocalSource
+
+    src = LocalSource(_Breaks(what))
+    bad, good = FakeSeq([99, 1, 2, 1, 2, 1, 2], seq_id=1), FakeSeq([5, 1, 2, 1, 2, 1, 2], seq_id=2)
+    for seq in (bad, good):
+        src.begin(seq)
+    for _ in range(3):
+        drafts = src.propose([bad, good], [3, 3])
+        assert drafts[1].ids  # the repeating text: the healthy row drafts
+        if what != "commit":
+            assert drafts[0].ids == []
+        for seq, d in zip((bad, good), drafts):
+            src.commit(seq, 0, 1)
+            seq.ids.append(1)
+    assert src.end(good) == {}
+    errors = src.end(bad)["draft_errors"]
+    assert errors == (1 if what == "begin" else 3)
+    assert sum(f"{what} failed for request 1" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_a_draft_error_never_changes_the_output(llama_target, monkeypatch):
+    """In the decode loop: the request whose draft raises finishes alone, identical to the target alone, as does the
+    one beside it in the batch, and its stats count the errors."""
+    from hetero_spec import Engine
+    from hetero_spec.draft import ngram
+
+    cfg = {"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"}, "draft": {"kind": "ngram"},
+           "speculation": {"gamma": 3}, "runtime": {"mode": "in_process"}}
+    prompts = [[99, 5, 6, 5, 6, 5, 6], [7, 5, 6, 5, 6, 5, 6]]
+    with Engine.from_config({**cfg, "draft": {"kind": "none"}}) as alone:
+        want = [alone.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    monkeypatch.setattr(ngram, "NgramProposer", _Breaks)
+    with Engine.from_config(cfg) as eng:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: eng.generate(p, max_new_tokens=12), prompts))
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].stats["extra"]["draft_errors"] >= 1 and "draft_errors" not in outs[1].stats["extra"]

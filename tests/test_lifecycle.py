@@ -139,3 +139,45 @@ def test_configured_curve_keys_beyond_loopback(tmp_path, llama_target, llama_cop
         Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", host="0.0.0.0"))
     with pytest.raises(ConfigError, match="runtime.curve_keys.*hetero-spec keys"):
         Engine.from_config(_cfg(llama_target, llama_copy_onnx, transport="tcp", curve_keys=str(tmp_path / "none")))
+
+
+def test_a_failed_re_placement_marks_the_engine_failed(llama_target, monkeypatch):
+    """The new layout would not start, nor would the old one again: no model is loaded, so every call raises
+    EngineClosedError saying why (not AttributeError on a target of None), and the server answers 503."""
+    import httpx
+
+    from hetero_spec import engine as engine_mod
+    from hetero_spec.serve import create_app
+    from tests.test_serve import Server
+
+    eng = Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                              "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}})
+    srv = Server(create_app(eng, "tiny", own_engine=False))
+    try:
+        class Layout:
+            def label(self):
+                return "two_process 1+1"
+
+        class Replacer:
+            def decide(self, *args):
+                return Layout(), "the draft pays", []
+
+        def no_start(config):
+            raise RuntimeError("no cores left")
+
+        eng._replacer = Replacer()
+        monkeypatch.setattr(engine_mod.pl, "apply", lambda auto, best: "new layout")
+        monkeypatch.setattr(eng, "_build", no_start)
+        eng.between_requests()  # what the loop calls when no request runs: logged, not raised
+        assert eng.target is None and eng.failure is not None
+        for call in (lambda: eng.generate([5, 6, 7], max_new_tokens=2), lambda: eng.health(1.0),
+                     lambda: eng.prompt_ids("x")):
+            with pytest.raises(EngineClosedError, match="re-placement to two_process 1\\+1 failed.*no cores left"):
+                call()
+        health = httpx.get(srv.url + "/health", timeout=30)
+        assert health.status_code == 503 and "re-placement" in health.json()["reason"]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "re-placement" in r.json()["error"]["message"]
+    finally:
+        srv.close()
+        eng.close()

@@ -3,13 +3,17 @@ the per-round selection among several sources (draft.candidates; local sources o
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from typing import Any
 
 from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
 from .onnx_drafter import OnnxDrafter
 from ..tuning.cost_model import Ema
 from .select import CATCHUP_SKIP, LOOKUPS
+
+log = logging.getLogger("hetero_spec.draft")
 
 PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens committed while it rested
 
@@ -31,14 +35,28 @@ class LocalSource:
         self._fresh: set[int] = set()  # sequences not drafted for yet: their first catch-up is the prompt
         self._token_s = Ema(0.2)  # the draft's cost per token
         self._catchup_s = Ema(0.2)  # feeding what other strategies committed, per drafting round (selection)
+        self._errors: Counter[int] = Counter()  # per sequence: calls of its proposer that raised
+
+    def _failed(self, seq: Seq, what: str, exc: BaseException) -> None:
+        """A proposer call raised: that sequence drafts nothing this round (draft/base.py: no call raises); the
+        error is counted in its stats (draft_errors) and logged once per sequence, and the other rows go on."""
+        self._errors[seq.id] += 1
+        self._proposed[seq.id] = False
+        if self._errors[seq.id] == 1:
+            log.warning("draft %s: %s failed for request %d (it drafts nothing while this lasts; output is "
+                        "unchanged): %s: %s", self.name, what, seq.id, type(exc).__name__, exc, exc_info=exc)
 
     def begin(self, seq: Seq) -> None:
-        p = self._props[seq.id] = self.proposer.spawn()
-        if self.catchup_skip is not None and isinstance(p, OnnxDrafter):
-            p.catchup_skip = self.catchup_skip
-        p.begin(seq.prompt_ids, seq.params)
         self._proposed[seq.id] = False
         self._fresh.add(seq.id)
+        try:
+            p = self._props[seq.id] = self.proposer.spawn()
+            if self.catchup_skip is not None and isinstance(p, OnnxDrafter):
+                p.catchup_skip = self.catchup_skip
+            p.begin(seq.prompt_ids, seq.params)
+        except Exception as exc:  # noqa: BLE001 - the request goes on without this draft
+            self._props.pop(seq.id, None)
+            self._failed(seq, "begin", exc)
 
     def _ready(self, seq: Seq) -> Proposer:
         p = self._props[seq.id]
@@ -50,21 +68,34 @@ class LocalSource:
 
     def propose(self, seqs: list[Seq], ks: list[int], budget_s: float = 0.0) -> list[Draft]:
         drafts = [Draft(ids=[]) for _ in seqs]
-        live = [i for i, k in enumerate(ks) if k > 0]
         for seq, k in zip(seqs, ks):
-            self._proposed[seq.id] = k > 0
+            self._proposed[seq.id] = k > 0 and seq.id in self._props
+        live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]]
+        live = [i for i in live if self._guarded(seqs[i], "catch-up", self._ready, seqs[i]) is not None]
         if not live:
             return drafts
-        props, live_ks = [self._ready(seqs[i]) for i in live], [ks[i] for i in live]
+        props, live_ks = [self._props[seqs[i].id] for i in live], [ks[i] for i in live]
         t = time.perf_counter()
-        made = (OnnxDrafter.propose_batch(props, live_ks) if isinstance(self.proposer, OnnxDrafter)  # step together
-                else [p.propose(k) for p, k in zip(props, live_ks)])
+        try:
+            made = (OnnxDrafter.propose_batch(props, live_ks) if isinstance(self.proposer, OnnxDrafter)  # together
+                    else [p.propose(k) for p, k in zip(props, live_ks)])
+        except Exception:  # noqa: BLE001 - which row failed is not known: each alone, and only that one drafts nothing
+            made = [self._guarded(seqs[i], "propose", p.propose, k) or Draft(ids=[])
+                    for i, p, k in zip(live, props, live_ks)]
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
         self._observe(time.perf_counter() - t, props, made, fresh)
         for i, d in zip(live, made):
             drafts[i] = d
         return drafts
+
+    def _guarded(self, seq: Seq, what: str, call, *args):
+        """call(*args), or None when it raises (counted and logged by _failed)."""
+        try:
+            return call(*args)
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._failed(seq, what, exc)
+            return None
 
     def _observe(self, seconds: float, props: list[Proposer], drafts: list[Draft], fresh: list[bool]) -> None:
         """The round's drafting time per token, without the catch-up (a step that fed a backlog is left out with
@@ -79,15 +110,16 @@ class LocalSource:
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
         if self._proposed.get(seq.id):
-            self._props[seq.id].commit(n_accepted, next_token)
             self._proposed[seq.id] = False
+            self._guarded(seq, "commit", self._props[seq.id].commit, n_accepted, next_token)
 
     def end(self, seq: Seq) -> dict[str, Any]:
         self._proposed.pop(seq.id, None)
         self._fresh.discard(seq.id)
         if (p := self._props.pop(seq.id, None)) is not None:
-            p.close()
-        return {}
+            self._guarded(seq, "close", p.close)
+        errors = self._errors.pop(seq.id, 0)
+        return {"draft_errors": errors} if errors else {}
 
     def costs(self) -> DraftCosts:
         return DraftCosts(self._token_s.value, None, self._catchup_s.value or 0.0)
