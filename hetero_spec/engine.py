@@ -45,6 +45,86 @@ class GenerationOutput:
         return asdict(self)
 
 
+#: how often a caller waiting for its request's next round checks that the request loop still runs
+LOOP_POLL_S = 1.0
+LOOP_DIED = "the request loop stopped (its thread died; the log says why): the request cannot finish"
+
+
+class Rounds:
+    """A request's rounds, each a list of committed token ids (Engine.stream_tokens). Leaving before the end, by
+    close() or by dropping the iterator (even one never read), cancels the request before its next round; a
+    request loop that died raises EngineClosedError instead of leaving the caller blocked forever."""
+
+    def __init__(self, items, cancel: threading.Event, loop_alive: Callable[[], bool]):
+        self._items, self._cancel, self._loop_alive = items, cancel, loop_alive
+        self._over = False
+        self._on_drop = weakref.finalize(self, cancel.set)
+
+    def __iter__(self) -> Rounds:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._over:
+            raise StopIteration
+        while True:
+            try:
+                item = self._items.get(timeout=LOOP_POLL_S)
+                break
+            except queue.Empty:
+                if not self._loop_alive():
+                    self.close()
+                    raise EngineClosedError(LOOP_DIED) from None
+        return self._take(item)
+
+    def _take(self, item: Any) -> list[int]:
+        try:
+            last = is_last(item)  # raises the exception that ended the request
+        except BaseException:
+            self._end()
+            raise
+        if last:
+            self._end()
+            raise StopIteration
+        return item
+
+    def _end(self) -> None:
+        self._over = True
+        self._on_drop.detach()
+
+    def close(self) -> None:
+        """Stop reading: the request is cancelled unless it had already ended."""
+        if not self._over:
+            self._cancel.set()
+            self._end()
+
+
+class AsyncRounds(Rounds):
+    """Rounds for asyncio (Engine.astream_tokens): the same contract, read from an asyncio queue."""
+
+    def __aiter__(self) -> AsyncRounds:
+        return self
+
+    async def __anext__(self) -> list[int]:
+        if self._over:
+            raise StopAsyncIteration
+        while True:
+            try:
+                item = self._items.get_nowait() if not self._items.empty() else \
+                    await asyncio.wait_for(self._items.get(), LOOP_POLL_S)
+                break
+            except asyncio.TimeoutError:
+                if not self._loop_alive():
+                    self.close()
+                    raise EngineClosedError(LOOP_DIED) from None
+        try:
+            return self._take(item)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 def _release(parts: dict[str, Callable[[], Any]], keys=("scheduler", "source", "cpu_plan")) -> None:
     """Call the releases of what an Engine holds: the request loop, the draft source (and worker), the CPU plan.
     As the Engine's weakref finalizer it runs once: from close(), garbage collection, or interpreter exit."""
@@ -412,16 +492,7 @@ class Engine:
         items: queue.Queue = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, items.put, stats, cancel, **kw)
-
-        def rounds() -> Iterator[list[int]]:
-            item = None
-            try:
-                while not is_last(item := items.get()):
-                    yield item
-            finally:
-                if item is None or isinstance(item, list):  # left before the end: the request stops
-                    cancel.set()
-        return rounds()
+        return Rounds(items, cancel, lambda: self._scheduler.alive)
 
     # -- asyncio (the server): the same requests, read from an asyncio queue instead of a thread's -------------
     async def astream_tokens(self, prompt: str | list[int], stats: Stats | None = None,
@@ -431,16 +502,7 @@ class Engine:
         items: asyncio.Queue = asyncio.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self.submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), stats, cancel, **kw)
-
-        async def rounds() -> AsyncIterator[list[int]]:
-            item = None
-            try:
-                while not is_last(item := await items.get()):
-                    yield item
-            finally:
-                if item is None or isinstance(item, list):  # left before the end: the request stops
-                    cancel.set()
-        return rounds()
+        return AsyncRounds(items, cancel, lambda: self._scheduler.alive)
 
     async def astream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> AsyncIterator[str]:
         """Async stream(): text pieces as rounds commit tokens."""

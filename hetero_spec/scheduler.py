@@ -204,6 +204,11 @@ class Scheduler:
         """Wait until no request runs or waits and the Engine's between-requests work (a re-placement) is done."""
         return self._idle.wait(timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (a caller waiting on its request's queue checks this instead of blocking forever)."""
+        return self._thread.is_alive()
+
     def stop(self, wait_s: float = 0.0) -> bool:
         """No new requests; waiting ones fail (EngineClosedError), running ones finish; True if it ended in wait_s."""
         with self._cv:

@@ -115,3 +115,62 @@ def test_health_during_a_request_does_not_disturb_it(llama_target, llama_copy_on
         idle = eng.health()
         assert not idle["busy"] and idle["draft"] == "ok" and "rtt_ms" in idle and pings
         assert idle["draft_restarts"] == 0 and idle["draft_failures"] == 0
+
+
+@pytest.fixture
+def plain_engine(llama_target):
+    eng = Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                              "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}})
+    yield eng
+    eng.close()
+
+
+def test_a_stream_dropped_unread_is_cancelled(plain_engine):
+    """Cleanup does not live in a generator's `finally` (which never runs for one never started): dropping the
+    iterator, read or not, cancels the request; one read to its end is not cancelled."""
+    import asyncio
+    import gc
+
+    from tests.test_batch import held
+
+    eng = plain_engine
+    cancels = [threading.Event() for _ in range(3)]
+    with held(eng):  # nothing runs yet: the requests wait at the round lock
+        unread = eng.stream_tokens([5, 6, 7], cancel=cancels[0], max_new_tokens=50)
+        del unread
+        gc.collect()
+
+        async def drop_async():
+            unread = await eng.astream_tokens([5, 6, 7], cancel=cancels[1], max_new_tokens=50)
+            del unread
+            gc.collect()
+
+        asyncio.run(drop_async())
+    assert cancels[0].is_set() and cancels[1].is_set()
+    done = eng.stream_tokens([5, 6, 7], cancel=cancels[2], max_new_tokens=3)
+    assert sum(len(chunk) for chunk in done) == 3
+    del done
+    gc.collect()
+    assert not cancels[2].is_set()
+
+
+def test_a_caller_does_not_wait_forever_on_a_dead_request_loop(plain_engine, monkeypatch):
+    """The request loop's thread died (nothing will ever come): the caller's next read raises EngineClosedError."""
+    import asyncio
+
+    from hetero_spec import engine as engine_mod
+    from hetero_spec.errors import EngineClosedError
+
+    eng = plain_engine
+    monkeypatch.setattr(engine_mod, "LOOP_POLL_S", 0.01)
+    monkeypatch.setattr(eng, "submit", lambda *args, **kw: None)  # accepted, and never served
+    monkeypatch.setattr(type(eng._scheduler), "alive", property(lambda self: False))
+    with pytest.raises(EngineClosedError, match="request loop stopped"):
+        next(iter(eng.stream_tokens([5, 6, 7], max_new_tokens=4)))
+
+    async def read():
+        async for _ in await eng.astream_tokens([5, 6, 7], max_new_tokens=4):
+            pass
+
+    with pytest.raises(EngineClosedError, match="request loop stopped"):
+        asyncio.run(read())

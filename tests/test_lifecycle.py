@@ -181,3 +181,57 @@ def test_a_failed_re_placement_marks_the_engine_failed(llama_target, monkeypatch
     finally:
         srv.close()
         eng.close()
+
+
+def test_two_threads_that_see_one_worker_die_count_and_restart_it_once(monkeypatch):
+    """DraftSupervisor.fail checks and acts under its lock: eight threads failing one worker at once (all inside
+    fail() before the first has reaped it) count one failure and start one restart thread."""
+    from types import SimpleNamespace
+
+    from hetero_spec.config import DraftConfig, RuntimeConfig
+    from hetero_spec.runtime import supervisor as sup_mod
+
+    started = []
+
+    class CountingThread(threading.Thread):
+        def start(self):
+            if self.name != "draft-restart":
+                return super().start()
+            started.append(self.name)  # not run: the test needs only how many restarts began
+
+    monkeypatch.setattr(sup_mod.threading, "Thread", CountingThread)
+    spec = sup_mod.WorkerSpec(runtime=RuntimeConfig(), draft=DraftConfig(), vocab_width=16)
+    sup = sup_mod.DraftSupervisor(spec, launcher=SimpleNamespace())
+    callers = 8
+    entered = threading.Semaphore(0)
+    everyone_in = threading.Event()
+
+    class Proc:
+        pid = 4242
+
+        def poll(self):
+            return 0
+
+    class Chan:
+        closed = False
+
+        def close(self):
+            everyone_in.wait(10)  # the reap is slow: every caller is inside fail() before the channel closes
+            Chan.closed = True
+
+    worker = sup_mod.Worker(proc=Proc(), channel=Chan(), generation=1)
+    sup._worker = worker
+
+    def die():
+        entered.release()
+        sup.fail(worker, "stopped answering")
+
+    threads = [threading.Thread(target=die) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for _ in range(callers):
+        entered.acquire()
+    everyone_in.set()
+    for t in threads:
+        t.join(30)
+    assert sup.failures == 1 and started == ["draft-restart"] and sup._worker is None

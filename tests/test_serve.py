@@ -480,3 +480,41 @@ def test_every_response_is_counted_by_endpoint_and_status(served):
     grown = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
     grown.pop(("metrics", "200"), None)  # the scrape before this one
     assert grown == sent
+
+
+def test_a_stream_whose_response_never_starts_is_cancelled_and_not_left_in_flight(served):
+    """The client is gone before the first byte (here: the first send fails): the events generator never runs, so
+    its own cleanup cannot; the response's does. The engine hears the cancel, nothing stays in flight, and the
+    response is counted as 499."""
+    import asyncio
+
+    _, eng = served
+    slow = SlowEngine(eng)
+    app = create_app(slow, MODEL, own_engine=False)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                             (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+
+    async def call():
+        sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if sent:
+                return sent.pop()
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client went away")
+
+        with pytest.raises(OSError):
+            await app(scope, receive, send)
+
+    asyncio.run(call())
+    assert slow.cancelled.wait(30), "the request was never cancelled"
+    metrics = app.state.metrics
+    assert metrics.in_flight._value.get() == 0
+    assert metrics.requests.labels(endpoint="completions", status="499")._value.get() == 1

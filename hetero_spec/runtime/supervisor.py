@@ -54,6 +54,7 @@ class Worker:
     last_heard: float = field(default_factory=time.monotonic)
     ping_sent: float | None = None
     stderr_path: str = ""
+    failed: bool = False  # fail() handled it (set under the supervisor's lock)
 
 
 @dataclass
@@ -276,23 +277,31 @@ class DraftSupervisor:
 
     def fail(self, w: Worker, reason: str) -> None:
         """Declare `w` dead: reap it (idempotent) and restart in the background."""
-        with self._lock:
-            if w.channel.closed and self._worker is not w:
+        with self._lock:  # check and act at once: two threads that see one death count it, and restart, once
+            if w.failed or (w.channel.closed and self._worker is not w):
                 return  # already handled
+            w.failed = True
             if self._worker is w:
                 self._worker = None
+            self.failures += 1
+            self._consecutive += 1
+            self.last_failure = reason
+            if not self._closing.is_set() and self._restart_thread is None:
+                self._restart_thread = threading.Thread(target=self._restart_loop, name="draft-restart", daemon=True)
+                self._restart_thread.start()
         log.warning("draft worker (pid %d) %s; the target continues alone and the worker is restarted",
                     w.proc.pid, reason)
-        self.failures += 1
-        self._consecutive += 1
-        self.last_failure = reason
         self._reap(w)
-        t = self._restart_thread
-        if not self._closing.is_set() and (t is None or not t.is_alive()):
-            self._restart_thread = threading.Thread(target=self._restart_loop, name="draft-restart", daemon=True)
-            self._restart_thread.start()
 
     def _restart_loop(self) -> None:
+        try:
+            self._restart_until_up()
+        finally:
+            with self._lock:  # the next failure starts a new restart thread (fail() reads this under the lock)
+                if self._restart_thread is threading.current_thread():
+                    self._restart_thread = None
+
+    def _restart_until_up(self) -> None:
         spec = self.spec
         backoff = min(spec.runtime.restart_backoff_s * 2 ** min(max(self._consecutive, 1) - 1, 10), spec.max_backoff_s)
         while not self._closing.wait(backoff):
@@ -309,6 +318,7 @@ class DraftSupervisor:
                 if not self._closing.is_set():
                     self._pending = w
                     self.restarts += 1
+                    self._restart_thread = None  # with the hand-over: a failure of w from now on restarts again
                     log.info("draft worker restarted (pid %d)", w.proc.pid)
                     return
             self._reap(w, graceful=True)

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +123,21 @@ class CountResponses:
                 self.metrics.requests.labels(endpoint=endpoint, status=str(code)).inc()
 
 
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that calls on_close when it is over, also when its body never started (the client went
+    away first): the body generator's own `finally` runs only once it has started."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def check_fits(prompt_tokens: int, max_tokens: int | None, context_len: int) -> None:
     """A request's prompt and max_tokens must fit the context, as vLLM answers (the Python API instead stops at the
     context with finish_reason "length"). A prompt that leaves no room at all is the engine's own error."""
@@ -205,8 +220,13 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                       chat: bool):
         job = await start(prompt, req, max_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        metrics.in_flight.inc()
         stops = req.stop_strings()
+        ended: list[str] = []  # done() ran (once)
+        flying: list[bool] = []  # counted in requests_in_flight
+
+        def fly() -> None:
+            flying.append(True)
+            metrics.in_flight.inc()
 
         def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
             if chat:
@@ -223,7 +243,11 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                     **more}
 
         def done(status: str) -> None:
-            metrics.in_flight.dec()
+            if ended:
+                return
+            ended.append(status)
+            if flying:
+                metrics.in_flight.dec()
             if req.stream:  # a stream's outcome is known only at its end (CountResponses counts the rest)
                 metrics.requests.labels(endpoint=endpoint, status=STREAM_STATUS[status]).inc()
             if status == "cancelled":
@@ -233,6 +257,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         if req.stream:
             request.state.counted_by_stream = True
         else:
+            fly()
             try:
                 text = "".join([p async for p in pieces(job, stops)])
             except BaseException:
@@ -250,6 +275,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
         async def events() -> AsyncIterator[str]:
             status = "cancelled"
+            fly()  # from the first event on: a response that never starts is never in flight
             try:
                 if chat:
                     yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
@@ -271,8 +297,12 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 job.cancel.set()  # a disconnect (or anything else) ends the request before its next round
                 done(status)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        def closed() -> None:  # the response is over, whether or not its events ever ran
+            job.cancel.set()
+            done("cancelled")
+
+        return ClosingStream(events(), closed, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
