@@ -277,6 +277,20 @@ class ServingConfig(_Section):
     max_waiting: int = Field(default=256, ge=0)
     """Most requests waiting for a place in the batch. One more is refused at once (the server answers 429
     with Retry-After; the Python API raises QueueFullError) instead of waiting without bound. 0: no queue."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """`hetero-spec serve`: a connection must send a request's headers within this many seconds of opening (or of
+    its previous response), else it is closed: a client that trickles headers cannot hold a connection."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """`hetero-spec serve`: the whole request body must arrive within this many seconds of the first read of it,
+    else the answer is 408 and the connection closes (a Content-Length that promises more than is sent)."""
+    max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
+    """`hetero-spec serve`: the largest request body; a larger one is answered 413 without reading it all."""
+    max_connections: int = Field(default=512, ge=1)
+    """`hetero-spec serve`: open connections and requests at once (uvicorn's limit_concurrency); beyond it a
+    request is answered 503 at once."""
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    """`hetero-spec serve`: an idle keep-alive connection is closed after this many seconds (uvicorn's
+    timeout_keep_alive)."""
     ray: RayConfig = Field(default_factory=lambda: RayConfig())
     """`hetero-spec serve --ray`: replicas on Ray Serve (docs/serving.md, "Replicas on Ray Serve")."""
 

@@ -31,11 +31,11 @@ MODEL = "tiny"
 class Server:
     """uvicorn in a thread on a free loopback port."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=5, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -518,3 +518,86 @@ def test_a_stream_whose_response_never_starts_is_cancelled_and_not_left_in_fligh
     metrics = app.state.metrics
     assert metrics.in_flight._value.get() == 0
     assert metrics.requests.labels(endpoint="completions", status="499")._value.get() == 1
+
+
+
+# -- limits: slow clients are closed, big bodies refused, connections bounded ----------------------------------------
+def _closed_by_server(sock, trickle: bytes | None, bound_s: float = 30.0) -> bytes:
+    """Keep the connection busy (one `trickle` line every 0.1 s, if given) until the server closes it; returns what
+    it sent. Bounded: a server that never closes fails the test after bound_s."""
+    import select
+
+    got, deadline = b"", time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if trickle is not None:
+            try:
+                sock.sendall(trickle)
+            except OSError:  # reset or broken pipe: closed
+                return got
+        ready, _, _ = select.select([sock], [], [], 0.1)
+        if ready:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                return got
+            if not chunk:
+                return got
+            got += chunk
+    raise AssertionError(f"the server kept the connection open for {bound_s} s (sent {got[:200]!r})")
+
+
+def test_slow_clients_are_closed_within_the_deadlines_while_a_normal_request_completes(llama_target):
+    import socket
+
+    from hetero_spec.serve.limits import uvicorn_options
+
+    cfg = {**_cfg(llama_target), "serving": {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "max_body_bytes": 4096}}
+    eng = Engine.from_config(cfg)
+    srv = Server(create_app(eng, MODEL), **uvicorn_options(eng.config.serving))
+    host, port = srv.url.removeprefix("http://").split(":")
+    try:
+        trickling = [socket.create_connection((host, int(port))) for _ in range(5)]
+        for sock in trickling:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        # a normal request is served meanwhile
+        r = _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+        for sock in trickling:
+            assert _closed_by_server(sock, trickle=b"X-Slow: 1\r\n") == b""  # headers never done: closed, no reply
+        answer = _closed_by_server(body, trickle=None)
+        assert answer.startswith(b"HTTP/1.1 408") and b"serving.body_timeout_s" in answer
+        big = _post(srv, "/v1/completions", b"{" + b" " * 5000 + b"}")
+        assert _error(big, 413)["message"].startswith("the request body is 5002 bytes")
+        assert _requests_total(srv)[("completions", "408")] == 1 and _requests_total(srv)[("completions", "413")] == 1
+        assert _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.close()
+        eng.close()
+
+
+def test_connections_beyond_max_connections_are_answered_503(llama_target):
+    import socket
+
+    from hetero_spec.serve.limits import uvicorn_options
+
+    eng = Engine.from_config({**_cfg(llama_target), "serving": {"max_connections": 2}})
+    srv = Server(create_app(eng, MODEL), **uvicorn_options(eng.config.serving))
+    host, port = srv.url.removeprefix("http://").split(":")
+    try:
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(srv.url + "/v1/models", timeout=30)).status_code != 503:
+            assert time.monotonic() < deadline, "the third connection was never refused"
+            time.sleep(0.1)
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url + "/v1/models", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the server did not take connections again"
+            time.sleep(0.1)
+    finally:
+        srv.close()
+        eng.close()

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, QueueFullError, RequestError
 from ..metrics import Stats
+from .limits import BodyLimits, uvicorn_options
 from .metrics import ServeMetrics
 from .schema import ChatRequest, CompletionRequest, StopMatcher, chat_template, render_chat
 
@@ -90,8 +91,8 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "
 class CountResponses:
     """ASGI middleware: every HTTP response counted in hetero_spec_requests_total by endpoint and status code
     (a path we do not serve is endpoint "other"), errors included, so an operator can alert on error rates. A
-    streamed completion counts itself when it ends (STREAM_STATUS); a response that never started is a 500, or a
-    499 when the client went away first."""
+    streamed completion counts itself when it ends (STREAM_STATUS); a request that raised before answering is a
+    500, and one left without an answer (the client went away first) a 499."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
@@ -110,7 +111,7 @@ class CountResponses:
         code = 500
         try:
             await self.app(scope, receive, send_counted)
-            code = started[0] if started else 500
+            code = started[0] if started else 499  # nothing answered: the client left first
         except asyncio.CancelledError:
             code = started[0] if started else 499
             raise
@@ -166,7 +167,9 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     app = FastAPI(title="hetero_spec", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(CountResponses, metrics=metrics)
+    serving = engine.config.serving
+    app.add_middleware(BodyLimits, max_bytes=serving.max_body_bytes, timeout_s=serving.body_timeout_s)
+    app.add_middleware(CountResponses, metrics=metrics)  # added last: the outermost, so it counts 408 and 413 too
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -362,7 +365,8 @@ def serve(config, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
+                    **uvicorn_options(engine.config.serving))
     finally:
         if main:
             signal.signal(signal.SIGTERM, before)

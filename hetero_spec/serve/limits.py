@@ -1,0 +1,109 @@
+"""What bounds a client of `hetero-spec serve` (serving.* in the config; docs/serving.md, "Limits"): a deadline for
+a request's headers (uvicorn has none: a protocol subclass adds it), a deadline and a size limit for its body (an
+ASGI middleware), and uvicorn's own connection limit and keep-alive timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers within timeout_s of
+    opening or of its previous response (a client that trickles header lines holds nothing for long)."""
+
+    class HeaderDeadline(H11Protocol):
+        header_timeout_s = timeout_s
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            armed_for = self.cycle  # a new request replaces it once its headers are parsed
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late, armed_for)
+
+        def _disarm(self) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self, armed_for) -> None:
+            self._header_timer = None
+            if self.cycle is armed_for and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+class BodyLimits:
+    """ASGI middleware: reads the request body before the app does, under a deadline and a size limit. A body
+    larger than max_bytes is answered 413 (at once when its Content-Length says so); one that has not fully arrived
+    within timeout_s is answered 408; either way the connection closes. The app then reads the body from memory
+    (requests are small JSON), and later reads (a stream's disconnect watch) go to the connection as before."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _refuse(send, 413, f"the request body is {int(length)} bytes; this server takes at most "
+                                            f"{self.max_bytes} (serving.max_body_bytes)")
+        loop = asyncio.get_running_loop()
+        deadline, chunks, size = loop.time() + self.timeout_s, [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await _refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                                "(serving.body_timeout_s)")
+            if message["type"] != "http.request":
+                return  # the client left before its body was in: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _refuse(send, 413, f"the request body is over {self.max_bytes} bytes "
+                                                "(serving.max_body_bytes)")
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), []
+
+        async def replay():
+            if not replayed:
+                replayed.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    """OpenAI's error body, and the connection closed after it."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def uvicorn_options(serving) -> dict[str, Any]:
+    """uvicorn.Config's settings for the serving section: the header deadline, the connection limit, keep-alive."""
+    return {"http": with_header_deadline(serving.header_timeout_s), "limit_concurrency": serving.max_connections,
+            "timeout_keep_alive": serving.keep_alive_s}
