@@ -289,13 +289,18 @@ def _cmd_export(args) -> None:
 
 
 def _cmd_keys(args) -> None:
-    from .transport.channel import write_keys
+    import zmq.auth
+
+    from .transport.channel import key_fingerprint, write_keys
     out = Path(args.out)
     if any(out.glob("*.key_secret")):
         raise HeteroSpecError(f"--out {str(out)!r} already holds keys; choose a new directory")
     write_keys(out)
+    prints = {name: key_fingerprint(zmq.auth.load_certificate(str(out / f"{name}.key"))[0])
+              for name in ("server", "client")}
     print(f"wrote CURVE keys to {out}: server.key_secret, client.key_secret (keep them private); "
-          f"set runtime.curve_keys: {out}")
+          f"set runtime.curve_keys: {out}\nfingerprints (as the logs name them): server {prints['server']}, "
+          f"client {prints['client']}")
 
 
 def _cmd_profile(args) -> None:

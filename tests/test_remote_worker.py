@@ -18,7 +18,7 @@ import pytest
 from hetero_spec import Engine
 from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError
-from hetero_spec.transport.channel import write_keys
+from hetero_spec.transport.channel import key_fingerprint, write_keys
 from tests.fixtures.waits import free_port, wait_for
 
 PROMPTS = ["def read_lines(filename):", "import os\n", "class Stack:"]
@@ -60,7 +60,7 @@ def keys(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_a_remote_worker_drafts_is_replaced_and_a_wrong_key_is_refused(llama_target, llama_copy_onnx, keys,
-                                                                        tmp_path):
+                                                                        tmp_path, caplog):
     good, wrong = keys
     with Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
                              "draft": {"kind": "none"}}) as alone:
@@ -87,6 +87,25 @@ def test_a_remote_worker_drafts_is_replaced_and_a_wrong_key_is_refused(llama_tar
             wait_for(lambda: _gone(refused), "the refused worker to exit")
             assert "refused this worker's CURVE key" in (tmp_path / "wrong.log").read_text()
             assert eng.health()["draft"] != "ok"
+
+            # keys of another target altogether (its server.key too): the handshake itself fails; the worker says
+            # so, naming the endpoint and its key's fingerprint, and exits 2; the target logs it too
+            stranger = write_keys(tmp_path / "stranger")
+            cli = Path(sys.executable).with_name("hetero-spec")
+            with caplog.at_level("WARNING"):
+                run = subprocess.run([str(cli), "draft-worker", "--connect", f"tcp://127.0.0.1:{port}", "--keys",
+                                      str(stranger), "--model", str(llama_copy_onnx)], capture_output=True, text=True,
+                                     timeout=120)
+                wait_for(lambda: any("failed the CURVE handshake" in r.getMessage() for r in caplog.records),
+                         "the target to log the failed handshake")
+            import zmq.auth
+            fingerprint = key_fingerprint(zmq.auth.load_certificate(str(stranger / "client.key"))[0])
+            assert run.returncode == 2, run.stderr[-2000:]
+            assert f"tcp://127.0.0.1:{port}" in run.stderr and fingerprint in run.stderr
+            assert "the keys in --keys are not that target's" in run.stderr
+            # the key the target's ZAP refused (the first wrong worker): logged with its fingerprint
+            refused_print = key_fingerprint(zmq.auth.load_certificate(str(wrong / "client.key"))[0])
+            assert any(refused_print in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
 
             second = _detached_worker(port, good, llama_copy_onnx, tmp_path / "w2.log")
             pids.append(second)

@@ -24,13 +24,16 @@ import numpy as np
 
 from ..draft.onnx_drafter import OnnxDrafter
 from ..sampling import SamplingParams
-from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel, worker_keys
+from ..transport.channel import DEFAULT_MAX_MSG_BYTES, Channel, key_fingerprint, worker_keys
 from ..transport.protocol import Begin, Control, End, Failure, Ping, Pong, Proposal, Ready, Shutdown, Sync, ids_within
 
 log = logging.getLogger("hetero_spec.draft_worker")
 
 FLUSH_S = 0.002  # longest a drafted token waits to be sent
 MAX_STREAMS = 64  # requests drafted for at once (the target side asks for at most serving.max_batch)
+#: failed CURVE handshakes in a row that end a remote worker (keys that are not the target's fail every retry, about
+#: 0.1 s apart; one broken off by a restarting target does not)
+HANDSHAKE_FAILURES = 3
 
 
 @dataclass
@@ -79,6 +82,8 @@ class Worker:
         self.max_streams = max(1, max_streams)
         self._turn = 0  # round-robin position among the streams that want to draft
         self.running, self.refused = True, False
+        self.keys_note = ""  # the fingerprints of this worker's keys, for the refusal's log line
+        self._failed_handshakes = 0  # in a row, since the last handshake that succeeded
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
@@ -247,12 +252,20 @@ class Worker:
         """A remote worker's link: `connected` (a target's handshake succeeded) announces Ready for a new session;
         `refused` (the target does not admit this worker's key) ends the worker."""
         if event == "connected":
+            self._failed_handshakes = 0
             self.end_session()
             self.ch.send(self.ready)
         elif event == "refused":
-            log.error("the target at %s refused this worker's CURVE key (not in its runtime.worker_keys); exiting",
-                      self.ch.endpoint)
+            log.error("the target at %s refused this worker's CURVE key (%s): it is not in the target's "
+                      "runtime.worker_keys; exiting", self.ch.endpoint, self.keys_note)
             self.running, self.refused = False, True
+        elif event == "handshake_failed":
+            self._failed_handshakes += 1
+            if self._failed_handshakes >= HANDSHAKE_FAILURES:
+                log.error("the CURVE handshake with the target at %s failed %d times in a row (%s): the keys in "
+                          "--keys are not that target's (its server.key differs) or it does not speak CURVE; "
+                          "exiting", self.ch.endpoint, self._failed_handshakes, self.keys_note)
+                self.running, self.refused = False, True
 
     def loop(self) -> None:
         while self.running:
@@ -309,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             ch.send(ready)
         worker = Worker(ch, drafter, None if remote else args.parent_pid or os.getppid(),
                         max_streams=args.max_streams, ready=ready)
+        if keys:
+            worker.keys_note = (f"this worker's key fingerprint {key_fingerprint(keys['public'])}, the server key "
+                                f"it expects {key_fingerprint(keys['server_public'])}")
         worker.loop()
     finally:
         ch.close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import HeteroSpecError
 from ..transport.channel import (DEFAULT_MAX_MSG_BYTES, Channel, CurveKeys, ServerContext, admitted_keys,
-                                 check_bind_host)
+                                 check_bind_host, key_fingerprint)
 from ..transport.protocol import Failure, Ping, Pong, Ready, Shutdown
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ class Worker:
     ping_sent: float | None = None
     stderr_path: str = ""
     failed: bool = False  # fail() handled it (set under the supervisor's lock)
+    server_fingerprint: str = ""  # a remote worker's link: the target's CURVE server key, for the logs
+    handshake_logged: bool = False
 
 
 @dataclass
@@ -117,10 +119,11 @@ class RemoteLauncher:
         r = spec.runtime
         curve, clients = admitted_keys(r.curve_keys, r.worker_keys)
         ch = Channel.bind(self.server, "tcp", r.host, r.port, curve, name=f"worker-{generation}",
-                          max_msg_bytes=spec.max_msg_bytes)
+                          max_msg_bytes=spec.max_msg_bytes, watch=True)
         for key in clients[1:]:
             self.server.admit(key)
-        return Worker(proc=RemoteProcess(), channel=ch, generation=generation)
+        return Worker(proc=RemoteProcess(), channel=ch, generation=generation,
+                      server_fingerprint=key_fingerprint(curve.server_public))
 
 
 class DraftSupervisor:
@@ -182,6 +185,11 @@ class DraftSupervisor:
         model, timeout_s = self.spec.draft.model, self.spec.runtime.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._closing.is_set():
+            if "handshake_failed" in w.channel.link_events() and not w.handshake_logged:
+                w.handshake_logged = True  # once per wait: a worker with the wrong keys retries every 0.1 s
+                log.warning("a draft worker at %s failed the CURVE handshake: it does not hold this target's server "
+                            "key (runtime.curve_keys server.key, fingerprint %s)", w.channel.endpoint,
+                            w.server_fingerprint)
             msg = (w.channel.recv(0.1) or (None,))[0]
             if isinstance(msg, Ready):
                 if isinstance(w.proc, RemoteProcess):

@@ -117,6 +117,15 @@ def _pair(ctx: zmq.Context, max_msg_bytes: int) -> zmq.Socket:
     return sock
 
 
+def key_fingerprint(public_key: bytes | str) -> str:
+    """A short name for a CURVE public key (z85), for logs on both ends: the first 16 hex digits of its SHA-256.
+    `hetero-spec keys` prints it for each key it writes."""
+    import hashlib
+
+    z85 = public_key.encode() if isinstance(public_key, str) else public_key
+    return hashlib.sha256(zmq.utils.z85.decode(z85)).hexdigest()[:16]
+
+
 class ServerContext:
     """One engine's ZeroMQ context (its own I/O thread, which the runtime pins), at most one ZAP authenticator
     admitting a *set* of client keys (ZeroMQ allows one per context: it binds inproc://zeromq.zap.01), and a private
@@ -135,11 +144,19 @@ class ServerContext:
         # which may be in callback(), while holding _lock
         self._keys: set[bytes] = set()
         self._keys_lock = threading.Lock()
+        self._refused: set[bytes] = set()  # keys logged as refused (once each: a refused worker retries often)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """The authenticator's credentials provider: whether a client key is admitted."""
+        """The authenticator's credentials provider: whether a client key is admitted (a refusal is logged)."""
         with self._keys_lock:
-            return key in self._keys
+            admitted = key in self._keys
+            first = not admitted and key not in self._refused
+            if first:
+                self._refused.add(key)
+        if first:
+            log.warning("CURVE: refused a draft worker whose key (fingerprint %s) is not admitted "
+                        "(runtime.worker_keys)", key_fingerprint(key))
+        return admitted
 
     def admit(self, client_public: bytes) -> None:
         """Start the authenticator on first use; admit one more client key."""
@@ -187,8 +204,9 @@ class Channel:
     @classmethod
     def bind(cls, server: ServerContext, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
              curve: CurveKeys | None = None, name: str = "worker",
-             max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> Channel:
-        """Target side. TCP requires `curve` (every TCP link is authenticated); IPC may use it too."""
+             max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES, watch: bool = False) -> Channel:
+        """Target side. TCP requires `curve` (every TCP link is authenticated); IPC may use it too. watch: report
+        failed handshakes (link_events), for a target that waits for workers it did not start."""
         if transport == "tcp" and curve is None:
             raise ValueError("a TCP channel needs CURVE keys")
         sock = _pair(server.ctx, max_msg_bytes)
@@ -208,7 +226,11 @@ class Channel:
             if curve is not None:
                 server.revoke(curve.client_public)
             raise
-        return cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
+        ch = cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
+        if watch:
+            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        return ch
 
     @classmethod
     def connect(cls, endpoint: str, curve: dict | None = None, max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
@@ -223,17 +245,21 @@ class Channel:
             sock.curve_secretkey = curve["secret"].encode()
         ch = cls(sock, endpoint, own_ctx=ctx)
         if watch:
-            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
+                                                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.connect(endpoint)
         return ch
 
     def link_events(self) -> list[str]:
         """What the link did since the last call (watch only): `connected` per handshake, `refused` when the
-        peer turned this end's CURVE key down."""
+        peer turned this end's CURVE key down (ZAP), `handshake_failed` when the handshake broke off (keys that do
+        not belong together: a client without the server's public key, a peer without CURVE)."""
         out = []
         while self._monitor is not None and not self.closed and self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            out.append("connected" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused")
+            out.append("connected" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else
+                       "refused" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake_failed")
         return out
 
     def send(self, msg, *arrays: np.ndarray) -> bool:
