@@ -22,6 +22,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
 
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, QueueFullError, RequestError
@@ -66,10 +68,15 @@ _INVALID = {"extra_forbidden": "unknown field (docs/serving.md lists the fields 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tuple)\[.*\]|function-.*|[A-Z]\w*)$")
 
 
-def invalid_request(error: dict[str, Any]) -> ApiError:
+def invalid_request(error: dict[str, Any], content_type: str = "application/json") -> ApiError:
     """The 400 for one of FastAPI's request validation errors: the field's path as `param`, and what is wrong with
     it. Malformed JSON names no field: the position goes in the message."""
     loc = [str(part) for part in error.get("loc", ())[1:] if not _UNION_TAG.match(str(part))]  # after "body"
+    if not loc and "json" not in content_type.lower():
+        return ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json (not "
+                             f"{content_type or 'none'!r})")
+    if not loc and error.get("type") == "missing":
+        return ApiError(400, "the request body is empty: send a JSON object")
     if error.get("type") == "json_invalid":
         why = (error.get("ctx") or {}).get("error", "invalid JSON")
         at = f" at character {loc[0]}" if loc else ""
@@ -80,6 +87,31 @@ def invalid_request(error: dict[str, Any]) -> ApiError:
     msg = _INVALID.get(error.get("type", ""), error.get("msg", "invalid value"))
     return ApiError(400, f"{param or 'body'}: {msg}", param=param)
 
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body: every error of /v1/ has it."""
+
+    error: ErrorDetail
+
+
+#: what the completion endpoints answer (the OpenAPI schema at /openapi.json; tests/test_fuzz.py holds the server to it)
+COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "the completion; server-sent events with stream: true"},
+    **{status: {"model": ErrorBody, "description": why} for status, why in (
+        (400, "an invalid request: the message says what, `param` names the field"),
+        (404, "no such model"),
+        (408, "the request body did not arrive within serving.body_timeout_s"),
+        (413, "the request body is over serving.max_body_bytes"),
+        (429, "the batch and the queue are full (Retry-After)"),
+        (503, "the engine cannot serve: closed, or failed"))},
+}
 
 #: a stream's outcome -> the status it is counted under: its response started as 200, and may end cancelled by the
 #: client (nginx's 499, "client closed request") or with an in-band error
@@ -177,8 +209,19 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        error = invalid_request(next(iter(exc.errors()), {}))
+        error = invalid_request(next(iter(exc.errors()), {}), request.headers.get("content-type", ""))
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        """Starlette's and FastAPI's own errors (no such path, a method not allowed, a body that is not text) in
+        OpenAI's error body too."""
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+            message = "the request body is not valid JSON (not UTF-8 text)"
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -307,12 +350,12 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         return ClosingStream(events(), closed, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         return await respond(req.prompt_value(), req.max_tokens or 16, req, "completions", request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model)
         if template is None:
@@ -329,7 +372,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "hetero_spec"}]}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the target stalled, or the draft worker is down or hung"}})
     async def health():
         """Probes the target (a one-token forward) and the draft worker (a ping) when idle; while a request
         runs, the request loop's last round and the worker's last message. 503 when either is not ok."""
@@ -342,7 +385,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         ok = h.get("target") == "ok" and h.get("draft") in ("ok", "in_process", "none")
         return JSONResponse({"status": "ok" if ok else "unhealthy", **h}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus():
         metrics.scrape(engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
