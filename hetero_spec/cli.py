@@ -194,9 +194,11 @@ def _add_load(sub) -> None:
 def _add_soak(sub) -> None:
     p = _command(sub, "soak", _cmd_soak, "concurrent streams against a real server: lost requests, tokens, RSS",
                  "Start `hetero-spec serve` on a free loopback port, take a greedy reference answer per prompt, "
-                 "then keep --streams streaming completions going for --duration seconds: requests lost (errors, "
-                 "no [DONE]), outputs or usage that differ from the reference, and the server's RSS every second "
-                 "(flat: at most 10 % growth after --warmup). The server is stopped at the end. Writes "
+                 "then keep --streams streaming completions going for --duration seconds, a share of them cut by "
+                 "their client and a share malformed: requests lost (errors, no [DONE], a malformed request "
+                 "answered otherwise than expected), outputs or usage that differ from the reference, the server's "
+                 "RSS every second (flat: at most 10 % growth after --warmup), and /metrics against what was sent "
+                 "(every error counted, nothing left in flight). The server is stopped at the end. Writes "
                  "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met.",
                  overrides="override a config key of the server (repeatable)")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
@@ -206,6 +208,11 @@ def _add_soak(sub) -> None:
                    help="seconds at the start that RSS growth is not judged on (default 10)")
     p.add_argument("--out", default="bench-out/soak", help="output directory (default bench-out/soak)")
     p.add_argument("--port", type=int, default=0, help="server port (default 0: a free one)")
+    p.add_argument("--cut-share", type=float, default=1 / 3,
+                   help="share of requests whose client goes away after the first event (default 1/3)")
+    p.add_argument("--malformed-share", type=float, default=0.1,
+                   help="share of malformed requests, each expecting its 400 or 404 (default 0.1); /metrics must "
+                        "count exactly these")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,9 +352,13 @@ def _cmd_soak(args) -> None:
     _require(args.duration > 0 and 0 <= args.warmup < args.duration, "--duration/--warmup",
              (args.duration, args.warmup), "need duration > 0 and 0 <= warmup < duration")
     _require(0 <= args.port < 65536, "--port", args.port, "must be in 0..65535 (0: a free one)")
+    _require(0 <= args.cut_share and 0 <= args.malformed_share and args.cut_share + args.malformed_share < 1,
+             "--cut-share/--malformed-share", (args.cut_share, args.malformed_share),
+             "need shares >= 0 whose sum is below 1 (the rest are whole requests)")
     load_config(args.config, overrides=_overrides(args.overrides))  # a bad config fails now, not in the server
     run_soak(Path(args.config), args.streams, args.duration, args.max_tokens, args.warmup, Path(args.out),
-             overrides=list(args.overrides), port=args.port)
+             overrides=list(args.overrides), port=args.port, cut_share=args.cut_share,
+             malformed_share=args.malformed_share)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -29,15 +29,19 @@ def test_short_soak_loses_nothing_and_stops_the_server(tmp_path, llama_target):
                                    "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}}))
     out = tmp_path / "out"
     lines: list[str] = []
-    report = run_soak(cfg, streams=4, duration_s=2, max_tokens=8, warmup_s=1, out=out, say=lines.append)
+    report = run_soak(cfg, streams=4, duration_s=2, max_tokens=8, warmup_s=1, out=out, say=lines.append,
+                      cut_share=0.3, malformed_share=0.3)
     assert report["requests_lost"] == 0, report["errors"]
+    # every malformed request got its status, and the server counted exactly those; nothing stayed in flight
+    assert report["errors_sent"] and report["errors_sent"] == report["errors_counted"] and report["errors_match"]
+    assert report["in_flight_after"] == 0 and report["requests_cut"] > 0
     assert report["token_mismatches"] == 0
     assert report["requests_ok"] >= 4 and report["tokens"] > 0
     assert (out / "soak.json").is_file() and (out / "soak.md").is_file() and (out / "server.log").is_file()
     saved = json.loads((out / "soak.json").read_text())
     assert saved["requests_ok"] == report["requests_ok"] and saved["streams"] == 4
     assert saved["rss_samples"] and all(len(s) == 2 for s in saved["rss_samples"])
-    assert report["goal_met"] == report["flat"]  # nothing lost or mismatched: only RSS can decide
+    assert report["goal_met"] == report["flat"]  # nothing lost, mismatched or miscounted: only RSS can decide
     assert "| requests lost | 0 |" in (out / "soak.md").read_text()
     assert _gone(report["server_pid"])
     assert lines  # progress went to `say`

@@ -1,6 +1,9 @@
-"""`hetero-spec soak` (docs/benchmarks.md): N greedy streams against a real `hetero-spec serve` on loopback, each
+"""`hetero-spec soak` (docs/serving.md): N greedy streams against a real `hetero-spec serve` on loopback, each
 request checked against the prompt's non-streaming reference (text and usage); lost: an HTTP or connection error,
-an error event, no `data: [DONE]`. Flat: the server's VmRSS after the warm-up at most GROWTH_LIMIT above its first."""
+an error event, no `data: [DONE]`, or a malformed request answered otherwise than expected. A share of the requests
+are cut by their client after the first event, and a share are malformed (MALFORMED: each with the status it must
+get); at the end the server's /metrics must count exactly the errors sent, and nothing may stay in flight. Flat:
+the server's VmRSS after the warm-up at most GROWTH_LIMIT above its first."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import http.client
 import itertools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -26,6 +30,20 @@ PROMPTS = ["def parse(", "import os\n", "class Stack:", "def read_lines(filename
            "from typing import", "def __init__(self,", "if __name__ == \"__main__\":", "with open(path) as f:",
            "def fib(n):", "import json\n\ndef load(", "class Node:\n    def __init__(", "return sorted(",
            "def main(argv):", "while True:\n    "]
+
+
+#: malformed requests: (endpoint, body bytes, the status the server must answer); `{model}` is the served model
+MALFORMED = [
+    ("completions", b'{"model": "{model}", "prompt": "x", "max_tokens": 2, "temprature": 0.5}', 400),
+    ("completions", b'{"model": "{model}", "prompt": "x", "max_tokens": "5"}', 400),
+    ("completions", b'{"model": "{model}", "prompt": "x",, }', 400),
+    ("completions", b'{"model": "no-such-model", "prompt": "x"}', 404),
+    ("completions", b'{"model": "{model}", "prompt": "x", "max_tokens": 1000000000}', 400),
+    ("chat", b'{"model": "{model}", "messages": [{"role": "user", "content": "x", "mood": 1}]}', 400),
+    ("chat", b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404),
+    ("chat", b'{not json', 400),
+]
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: float = TIMEOUT_S) -> None:
@@ -51,8 +69,20 @@ def _request(port: int, method: str, path: str, body: dict | None = None, timeou
         return json.loads(resp.read())
 
 
-def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tuple[str, dict]:
-    """A streaming completion's (text, usage); RuntimeError on an HTTP error, an error event, no `data: [DONE]`."""
+def send_malformed(port: int, endpoint: str, body: bytes, timeout: float = TIMEOUT_S) -> int:
+    """POST a malformed body; the status the server answered (its body must be OpenAI's error)."""
+    with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
+        conn.request("POST", PATHS[endpoint], body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        if set(answer.get("error", {})) != {"message", "type", "param", "code"}:
+            raise RuntimeError(f"HTTP {resp.status} without OpenAI's error body: {answer!r:.300}")
+        return resp.status
+
+
+def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S, cut: bool = False) -> tuple[str, dict]:
+    """A streaming completion's (text, usage); RuntimeError on an HTTP error, an error event, no `data: [DONE]`.
+    cut: the client goes away after the first event (its connection closed), returning what it had."""
     with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
@@ -62,6 +92,8 @@ def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S) -> tupl
         while line := resp.readline():
             if not (line := line.strip()).startswith(b"data:"):
                 continue  # blank separators, comments
+            if cut:
+                return "", {}
             if (data := line[5:].strip()) == b"[DONE]":
                 return "".join(pieces), usage
             if "error" in (event := json.loads(data)):
@@ -80,11 +112,39 @@ def rss_summary(samples: list[list[float]], warmup_s: float) -> dict[str, Any]:
             "flat": growth is not None and growth <= GROWTH_LIMIT}
 
 
+def server_counts(port: int) -> tuple[dict[tuple[str, str], float], float]:
+    """The server's /metrics: responses by (endpoint, status), and requests in flight."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=60.0)) as conn:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    counts, in_flight = {}, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "hetero_spec_requests_total":
+                counts[(sample.labels["endpoint"], sample.labels["status"])] = sample.value
+            elif sample.name == "hetero_spec_requests_in_flight":
+                in_flight = sample.value
+    return counts, in_flight
+
+
+def settle(port: int, timeout_s: float = 60.0) -> tuple[dict[tuple[str, str], float], float]:
+    """/metrics once nothing is in flight (a cut stream leaves at its next round), or after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (got := server_counts(port))[1] > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
 def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max_tokens: int = 64,
              warmup_s: float = 10.0, out: Path = Path("bench-out/soak"),
              overrides: list[str] | dict[str, Any] | None = None, port: int = 0,
-             say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Start the server, take the references, run the streams for `duration_s`, stop it; write OUT/soak.json and .md."""
+             say: Callable[[str], None] | None = None, cut_share: float = 1 / 3,
+             malformed_share: float = 0.1) -> dict[str, Any]:
+    """Start the server, take the references, run the streams for `duration_s` (each request cut by its client with
+    probability cut_share, malformed with malformed_share; seeded per stream), check /metrics against what was sent,
+    stop the server; write OUT/soak.json and .md."""
     say = say or (lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
     if not port:
         with socket.socket() as s:  # a port nothing listens on now
@@ -101,7 +161,8 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
                                 stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 start_new_session=True)
     halt, lock, threads, samples = threading.Event(), threading.Lock(), [], []
-    tally: dict[str, Any] = {"ok": 0, "lost": 0, "mismatches": 0, "tokens": 0, "errors": []}
+    tally: dict[str, Any] = {"ok": 0, "lost": 0, "mismatches": 0, "tokens": 0, "cut": 0, "errors": [],
+                             "sent_errors": {}}
     try:
         wait_healthy(proc, port, out / "server.log")
         model = _request(port, "GET", "/v1/models", timeout=30.0)["data"][0]["id"]
@@ -109,17 +170,36 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0} for p in PROMPTS]
         answers = (_request(port, "POST", "/v1/completions", b) for b in bodies)
         refs = [(r["choices"][0]["text"], r["usage"]) for r in answers]
+        before, _ = settle(port)
         t0 = time.monotonic()
 
+        def one(rng: random.Random, k: int) -> None:
+            """One request: malformed, cut, or whole (compared with its reference)."""
+            if (u := rng.random()) < malformed_share:
+                endpoint, body, want = MALFORMED[rng.randrange(len(MALFORMED))]
+                got = send_malformed(port, endpoint, body.replace(b"{model}", model.encode()))
+                if got != want:
+                    raise RuntimeError(f"malformed {body[:60]!r} on {endpoint}: HTTP {got}, expected {want}")
+                with lock:
+                    key = f"{endpoint} {want}"
+                    tally["sent_errors"][key] = tally["sent_errors"].get(key, 0) + 1
+            elif u < malformed_share + cut_share:
+                stream_completion(port, bodies[k], cut=True)
+                with lock:
+                    tally["cut"] += 1
+            else:
+                text, usage = stream_completion(port, {**bodies[k], "stream_options": {"include_usage": True}})
+                with lock:
+                    tally["ok"] += 1
+                    tally["mismatches"] += (text, usage) != refs[k]
+                    tally["tokens"] += int(usage.get("completion_tokens", 0))
+
         def client(i: int) -> None:
+            rng = random.Random(i)
             for it in itertools.count():
                 k = (i + it) % len(PROMPTS)
                 try:
-                    text, usage = stream_completion(port, {**bodies[k], "stream_options": {"include_usage": True}})
-                    with lock:
-                        tally["ok"] += 1
-                        tally["mismatches"] += (text, usage) != refs[k]
-                        tally["tokens"] += int(usage.get("completion_tokens", 0))
+                    one(rng, k)
                 except Exception as exc:  # noqa: BLE001 - any failure of a request is a lost request
                     with lock:
                         tally["lost"] += 1
@@ -141,6 +221,11 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
                 say(f"{time.monotonic() - t0:5.0f} s: {tally['ok']} ok, {tally['lost']} lost, {tally['mismatches']} "
                     f"mismatched, {tally['tokens']} tokens, server RSS {samples[-1][1]} MB")
         wall = time.monotonic() - t0
+        after, in_flight = settle(port)
+        counted = {f"{e} {s}": after.get((e, s), 0.0) - before.get((e, s), 0.0) for e, s in after
+                   if s.startswith("4") and s != "499" and e in PATHS}  # 499: the cut streams, below
+        counted = {key: int(n) for key, n in counted.items() if n}
+        cut_counted = int(after.get(("completions", "499"), 0.0) - before.get(("completions", "499"), 0.0))
     finally:
         halt.set()  # on an error or Ctrl-C the clients stop after their current request
         if proc.poll() is None:  # SIGTERM, then SIGKILL
@@ -159,12 +244,21 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         "requests_ok": tally["ok"], "requests_lost": tally["lost"], "token_mismatches": tally["mismatches"],
         "tokens": tally["tokens"], "tokens_per_s": round(tally["tokens"] / wall, 2) if wall > 0 else 0.0,
         "rss_samples": samples, **rss_summary(samples, warmup_s), "rss_growth_limit": GROWTH_LIMIT,
-        "server_pid": proc.pid, "server_exit_code": proc.returncode, "errors": tally["errors"]}
-    report["goal_met"] = report["requests_lost"] == 0 and report["token_mismatches"] == 0 and report["flat"]
+        "server_pid": proc.pid, "server_exit_code": proc.returncode, "errors": tally["errors"],
+        "cut_share": cut_share, "malformed_share": malformed_share, "requests_cut": tally["cut"],
+        "cut_counted_499": cut_counted, "errors_sent": dict(sorted(tally["sent_errors"].items())),
+        "errors_counted": dict(sorted(counted.items())), "in_flight_after": in_flight}
+    report["errors_match"] = report["errors_sent"] == report["errors_counted"]
+    report["goal_met"] = (report["requests_lost"] == 0 and report["token_mismatches"] == 0 and report["flat"]
+                          and report["errors_match"] and in_flight == 0)
     write_report(out, "soak", report, render(report))
     say(f"goal {'met' if report['goal_met'] else 'NOT met'}: {tally['ok']} ok, {tally['lost']} lost, "
         f"{tally['mismatches']} mismatched; wrote {out / 'soak.json'} and {out / 'soak.md'}")
     return report
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{key}: {n}" for key, n in counts.items()) or "none"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -177,6 +271,11 @@ def render(report: dict[str, Any]) -> str:
             ("RSS at the end (MB)", mb(report["rss_end_mb"])),
             ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
             (f"RSS flat (<= {report['rss_growth_limit'] * 100:.0f} %)", "yes" if report["flat"] else "no"),
+            ("requests cut by their client", report.get("requests_cut", 0)),
+            ("... counted 499 by the server", report.get("cut_counted_499", 0)),
+            ("malformed requests sent, by endpoint and status", _counts(report.get("errors_sent", {}))),
+            ("... counted by the server's /metrics", _counts(report.get("errors_counted", {}))),
+            ("requests in flight afterwards", f"{report.get('in_flight_after', 0):g}"),
             ("goal met", "yes" if report["goal_met"] else "no")]
     lines = [f"# hetero-spec soak: {report['streams']} streams for {report['duration_s']:g} s, "
              f"{report['max_tokens']} tokens per request", "", *table(["metric", "value"], rows)]
