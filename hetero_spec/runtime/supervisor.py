@@ -185,7 +185,7 @@ class DraftSupervisor:
         model, timeout_s = self.spec.draft.model, self.spec.runtime.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._closing.is_set():
-            if "handshake_failed" in w.channel.link_events() and not w.handshake_logged:
+            if self.remote and not w.handshake_logged and "handshake_failed" in w.channel.link_events():
                 w.handshake_logged = True  # once per wait: a worker with the wrong keys retries every 0.1 s
                 log.warning("a draft worker at %s failed the CURVE handshake: it does not hold this target's server "
                             "key (runtime.curve_keys server.key, fingerprint %s)", w.channel.endpoint,
