@@ -326,7 +326,7 @@ class Scheduler:
                          not any(d.ids for d in drafts), verify_s)
         for seq, draft, out in zip(seqs, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe
-                self._finish_round(eng, seq, draft, out, verify_s, (t0, t1))
+                self._finish_round(eng, seq, draft, out, verify_s, (t0, t1), n_rows=len(seqs))
             except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                 log.exception("scheduler: request %d failed", seq.id)
                 self._end(eng, seq, exc)
@@ -338,8 +338,9 @@ class Scheduler:
             ctl.observe_costs(c.token_s, c.transfer_s)
 
     def _finish_round(self, eng: Engine, seq: Seq, draft: Draft, out: Any, verify_s: float,
-                      span: tuple[float, float]) -> None:
-        stats, req, n_rows = seq.stats, seq.req, len(self._seqs)
+                      span: tuple[float, float], n_rows: int) -> None:
+        """n_rows: the rows of this round's pass (rows before this one may have left the batch already)."""
+        stats, req = seq.stats, seq.req
         stats.time_verify_s += verify_s
         if eng.config.runtime.trace:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))

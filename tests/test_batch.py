@@ -18,6 +18,7 @@ import pytest
 from hetero_spec import Engine
 from hetero_spec.scheduler import DONE
 from hetero_spec.errors import EngineClosedError
+from hetero_spec.metrics import Stats
 from hetero_spec.tuning.controller import SHARED_SIZES, Controller, SharedPassCost, Tuning
 from hetero_spec.tuning.profile import recommended_batch
 from hetero_spec.tuning.cost_model import CostModel
@@ -388,3 +389,26 @@ def test_two_process_requests_share_rounds_drafted_by_one_worker(llama_target, l
         assert [s.wait() for s in sinks] == [o.token_ids for o in alone]
         assert all(st.extra["batch"]["largest_batch"] == 3 and st.extra["batch"]["rounds_batched"] > 0
                    and st.drafted > 0 for st in stats)
+
+
+def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama_target):
+    """Scheduler bug: a round's row count was read after earlier rows of the same round had left, so the next row's
+    verify was recorded as a one-request cost, and the request reported unbatched. Two rows share a pass; the
+    first ends in it (max_new_tokens 1): the second's observation is still a shared pass."""
+    eng = Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                              "draft": {"kind": "ngram"}, "speculation": {"gamma": 2},
+                              "runtime": {"mode": "in_process"}, "serving": {"max_batch": 2}})
+    try:
+        seen = []
+        real = eng.controller.observe
+        eng.controller.observe = lambda sc, drafted, n, verify_s: (seen.append(verify_s), real(sc, drafted, n,
+                                                                                                 verify_s))[1]
+        short, long_, stats = Collect(), Collect(), Stats()
+        with held(eng):
+            eng.submit([5, 6, 5, 6, 5, 6], short, max_new_tokens=1)  # the first row: it ends in round 1
+            eng.submit([7, 8, 7, 8, 7, 8], long_, stats=stats, max_new_tokens=6)
+        short.wait(), long_.wait()
+        assert seen[:2] == [None, None]  # round 1: both rows of a shared pass, neither a one-request cost
+        assert stats.extra["batch"]["rounds_batched"] >= 1 and stats.extra["batch"]["largest_batch"] == 2
+    finally:
+        eng.close()

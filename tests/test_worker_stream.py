@@ -214,3 +214,35 @@ def test_one_worker_drafts_several_streams(llama_copy_onnx):
     assert set(w.streams) == {3, 4}
     w.handle(Sync(req_id=2, pos=5, epoch=1), [np.asarray([8], np.int32)])  # a closed stream: ignored
     assert set(w.streams) == {3, 4}
+
+
+def test_a_round_waits_for_drafts_once_not_once_a_row():
+    """WorkerSource.propose: one deadline a round. Each link here waits out whatever budget it is given (a worker
+    with nothing drafted): three rows together wait budget_s, not three times it."""
+    from types import SimpleNamespace
+
+    from hetero_spec.draft.base import Draft
+    from hetero_spec.runtime.worker_source import WorkerSource
+    from hetero_spec.sampling import SamplingParams
+
+    now = [100.0]
+    given = []
+
+    class Link:
+        shadow = (0, 0)
+
+        def control(self, *args):
+            pass
+
+        def gather(self, ids, k, budget_s):
+            given.append(budget_s)
+            now[0] += budget_s  # waited the whole budget: nothing came
+            return Draft(ids=[])
+
+    source = object.__new__(WorkerSource)
+    source.clock = lambda: now[0]
+    seqs = [SimpleNamespace(id=i, ids=[1, 2, 3], gamma=4, params=SamplingParams()) for i in range(3)]
+    source.links = {seq.id: Link() for seq in seqs}
+    drafts = source.propose(seqs, [4, 4, 4], budget_s=0.5)
+    assert [d.ids for d in drafts] == [[], [], []]
+    assert given == [0.5, 0.0, 0.0] and now[0] == 100.5

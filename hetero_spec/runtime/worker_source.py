@@ -63,14 +63,15 @@ class WorkerSource:
         link.begin(seq.ids)
 
     def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
-        out = []
+        """Each row's draft; the whole round waits for drafts at most budget_s (one deadline, not one a row)."""
+        out, deadline = [], self.clock() + budget_s
         for seq, k in zip(seqs, ks):
             link = self.links[seq.id]
             # the worker drafts while this sequence speculates, and for greedy and coupled requests also while it
             # does not: its tokens are then compared with the target's own for free (acceptance, measured)
             shadow = seq.params.greedy or seq.params.coupled
             link.control(seq.gamma > 0 or shadow, seq.ids, seq.gamma if seq.gamma > 0 else None)
-            out.append(link.gather(seq.ids, k, budget_s))
+            out.append(link.gather(seq.ids, k, max(0.0, deadline - self.clock())))
             if link.shadow[0]:
                 out[-1].shadow, link.shadow = link.shadow, (0, 0)
         return out
