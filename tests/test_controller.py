@@ -260,9 +260,36 @@ def test_draft_selection_re_probes_on_the_controllers_one_schedule():
     gaps = [b - a for (a, _), (b, _) in zip(reprobes, reprobes[1:])]
     assert gaps[0] < gaps[1] < gaps[2] and t.probe_every > PROBE_EVERY  # doubled by the failed re-probes
     name = sel.choose(8)[0]
-    sel._probing = "ngram"  # a re-probe that hits
+    sel._probing[0] = "ngram"  # a re-probe that hits
     sel.observe_round("ngram", 3, 2)
     assert t.probe_every == PROBE_EVERY
+
+
+def test_draft_selection_keeps_each_streams_probe_and_moves_once_a_round():
+    """Two streams choose in one round: the first re-probes the n-gram, the second (which cannot use it) chooses
+    otherwise; the first's probe outcome still counts. And the round clock moves once a round, not once a row."""
+    from hetero_spec.draft.base import DraftCosts
+
+    t = _tuned(0.5)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    sel = ctl.selection(["onnx", "ngram"], {"onnx": "in_process", "ngram": "in_process"},
+                        {"onnx": lambda: DraftCosts(0.0006), "ngram": lambda: DraftCosts(1e-6)})
+    for _ in range(4):  # each explored twice
+        name = sel.choose(8)[0]
+        sel.observe_round(name, 4, 4 if name == "onnx" else 0)
+    for _ in range(t.probe_every):  # rounds of two rows each, both choosing the model
+        sel.next_round()
+        for stream in (1, 2):
+            assert sel.choose(8, ["onnx"], stream=stream, round_started=True)[0] == "onnx"
+            sel.observe_round("onnx", 4, 4, stream=stream)
+    assert sel._round == 4 + t.probe_every  # one tick a round
+    before = t.probe_every
+    sel.next_round()
+    assert sel.choose(8, stream=1, round_started=True)[0] == "ngram" and sel.reason.startswith("re-probing")
+    assert sel.choose(8, ["onnx"], stream=2, round_started=True)[0] == "onnx"
+    sel.observe_round("ngram", 3, 0, stream=1)  # stream 1's re-probe missed: the period doubles
+    sel.observe_round("onnx", 4, 4, stream=2)
+    assert t.probe_every == 2 * before
 
 
 def test_gamma_follows_the_measured_curve_where_it_is_not_a_line():

@@ -164,13 +164,14 @@ class SelectingSource:
 
     def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
         out = []
+        self.chooser.next_round()
         for seq, k in zip(seqs, ks):
             found = {n: self.cands[n].propose([seq], [k], budget_s)[0] if k > 0 else Draft(ids=[])
                      for n in self.lookups}
             # a lookup competes as "name@n", n the suffix length it matched: a long match is right far more often
             avail = [f"{n}@{found[n].match}" if n in self.lookups else n for n in self.chooser.names
                      if n not in self.lookups or found[n].ids]
-            key, g = self.chooser.choose(k, avail)
+            key, g = self.chooser.choose(k, avail, stream=seq.id, round_started=True)
             name = key.partition("@")[0] if key else None
             made = {n: c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
                     for n, c in self.cands.items() if n not in self.lookups}
@@ -182,7 +183,7 @@ class SelectingSource:
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
         key, k = self._chosen.get(seq.id, (None, 0))
         if key is not None and k:
-            self.chooser.observe_round(key, k, n_accepted)
+            self.chooser.observe_round(key, k, n_accepted, stream=seq.id)
         name = key.partition("@")[0] if key else None
         for n, c in self.cands.items():
             if n == name or c.layout == "two_process":
@@ -192,6 +193,7 @@ class SelectingSource:
     def end(self, seq: Seq) -> dict[str, Any]:
         out = {key: v for c in self.cands.values() for key, v in c.end(seq).items()}
         self._chosen.pop(seq.id, None)
+        self.chooser.forget(seq.id)
         return {**out, "draft_selection": self.chooser.summary()}
 
     def costs(self) -> DraftCosts:

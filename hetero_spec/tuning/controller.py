@@ -352,7 +352,7 @@ class StrategyChooser:
         self.layouts, self.cost_fns = layouts, cost_fns
         self.stats = {n: StrategyStats() for n in self.names}
         self.reason, self._round = "", 0
-        self._probing: str | None = None  # the strategy this round re-probes
+        self._probing: dict[int, str] = {}  # per stream: the strategy it re-probes this round
 
     def predict(self, model: CostModel, name: str, g_max: int) -> tuple[float, int]:
         """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup is right in runs (a
@@ -366,16 +366,24 @@ class StrategyChooser:
         g, rate = m.best_gamma(a, layout, g_max, a_first=acc.first_rate(self.prior, self.weight) if lookup else None)
         return rate, g
 
-    def choose(self, k: int, available: list[str] | None = None) -> tuple[str | None, int]:
-        """This round's (strategy, or None for the target alone; gamma <= k), among `available` (default: all)."""
+    def next_round(self) -> None:
+        """A round begins: the clock of exploration and re-probes moves once a round, however many rows it has."""
         self._round += 1
+
+    def choose(self, k: int, available: list[str] | None = None, stream: int = 0,
+               round_started: bool = False) -> tuple[str | None, int]:
+        """This round's (strategy, or None for the target alone; gamma <= k) for one stream, among `available`
+        (default: all). round_started: the caller began the round with next_round() (several streams choose in it);
+        otherwise this call is a round of its own."""
+        if not round_started:
+            self.next_round()
+        self._probing.pop(stream, None)
         names = list(self.names if available is None else available)
         if not names or k <= 0:
             self.reason = "none: no strategy can draft now"
             return None, 0
         unexplored = [n for n in names if self._stats(n).rounds < self.explore_rounds]
         model = self.tuning.model(need_draft=False)
-        self._probing = None
         if unexplored or model is None:
             # short blocks of varying length: the verify line needs two lengths, and a useless draft costs little
             name = unexplored[0] if unexplored else names[self._round % len(names)]
@@ -384,7 +392,7 @@ class StrategyChooser:
         stale = [n for n in names if self._round - self._stats(n).last_round >= self.tuning.probe_every]
         if stale:
             self.reason = f"re-probing {stale[0]} (every {self.tuning.probe_every} rounds)"
-            self._probing = stale[0]
+            self._probing[stream] = stale[0]
             return stale[0], min(k, PROBE_GAMMA)
         preds = {n: self.predict(model, n, k) for n in names}
         best = max(preds, key=lambda n: preds[n][0])
@@ -400,15 +408,20 @@ class StrategyChooser:
         """A strategy's record; a lookup's per matched length ("ngram@3") starts when that length first drafts."""
         return self.stats.setdefault(name, StrategyStats())
 
-    def observe_round(self, name: str, drafted: int, accepted: int) -> None:
-        """A round `name` drafted: its acceptance (drafted tokens, of which accepted)."""
+    def observe_round(self, name: str, drafted: int, accepted: int, stream: int = 0) -> None:
+        """A round `name` drafted for `stream`: its acceptance (drafted tokens, of which accepted); the outcome of
+        that stream's re-probe, if it was one."""
         st = self._stats(name)
         st.rounds += 1
         st.last_round = self._round
         st.acceptance.observe(drafted, accepted)
-        if name == self._probing and drafted:
+        if self._probing.get(stream) == name and drafted:
             self.tuning.probed(accepted > 0)
-            self._probing = None
+            del self._probing[stream]
+
+    def forget(self, stream: int) -> None:
+        """A stream ended: its probing state goes with it."""
+        self._probing.pop(stream, None)
 
     def summary(self) -> dict:
         out = {}
