@@ -412,3 +412,22 @@ def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama
         assert stats.extra["batch"]["rounds_batched"] >= 1 and stats.extra["batch"]["largest_batch"] == 2
     finally:
         eng.close()
+
+
+def test_a_selection_batch_is_priced_on_what_it_will_draft():
+    """Under draft selection each row may draft up to G_MAX (16), but is expected to draft what the cost model's
+    best gamma says (4 here). Priced at 16 drafts a row, speculation lost to one shared pass (and the batch then
+    held that for PLAIN_HOLD rounds); priced on 4, it wins, and the rows keep their caps."""
+    from hetero_spec.tuning.controller import G_MAX
+
+    model = CostModel(verify_fixed_s=1e-3, verify_per_token_s=1e-5, draft_token_s=2e-5)
+
+    def controller():
+        return Controller(Tuning(profile=model, shared=SharedPassCost(), prior_acceptance=0.5), "in_process", True)
+
+    assert model.best_gamma(0.5, "in_process", G_MAX)[0] == 4
+    assert not any(controller().plan_batch([G_MAX] * 4, [0.5] * 4))  # what pricing at the caps concluded
+    ctl = controller()
+    streams = [ctl.stream("auto") for _ in range(4)]
+    assert ctl.plan(streams, [100] * 4, chooses_gamma=True) == [G_MAX] * 4
+    assert "speculation predicts" in ctl.last_plan

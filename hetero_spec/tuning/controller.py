@@ -190,11 +190,21 @@ class Controller:
             ks.append(max(0, min(sc.gamma, room - 1)))
         if len(streams) > 1 and all(sc.fixed is None for sc in streams):
             together = not chooses_gamma and self.layout == "in_process"
-            ks = self.plan_batch(ks, [self.estimate(sc) for sc in streams], together)
-            if not any(ks):
+            # a selection drafts at most k, and what the model draft would: the batch is priced on that, not k
+            priced = [self._expected_k(sc, k) for sc, k in zip(streams, ks)] if chooses_gamma else ks
+            if not any(self.plan_batch(priced, [self.estimate(sc) for sc in streams], together)):
+                ks = [0] * len(streams)
                 for sc in streams:
                     sc.gamma = 0
         return ks
+
+    def _expected_k(self, sc: StreamControl, cap: int) -> int:
+        """What a stream whose draft length the source chooses (draft selection) is expected to draft: the cost
+        model's best gamma for its acceptance, at most cap (cap without a model)."""
+        model = self.tuning.model()
+        if model is None or cap <= 0:
+            return cap
+        return min(cap, model.best_gamma(self.estimate(sc), self.layout, G_MAX)[0])
 
     def _choose(self, sc: StreamControl) -> int:
         """A stream's gamma as if it ran alone (best predicted goodput; 0: the target alone is best), or a re-probe."""
