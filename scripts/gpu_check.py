@@ -140,8 +140,8 @@ class Context:
         alone = sections.get("draft", {}).get("kind") == "none"  # the target alone needs no draft
         out = {"target": {"model": str(self.target), "backend": "torch", "device": self.device, "dtype": "float32",
                           "threads": 1},
-               "draft": {"kind": "none"} if alone else {"kind": "onnx", "model": str(self.need_draft()),
-                                                         "threads": 1},
+               "draft": {"kind": "none"} if alone else
+                        {"kind": "onnx", "model": str(self.need_draft()), "threads": 1},
                "runtime": {"mode": "in_process", "cpus": None},
                "speculation": {"gamma": 4}}
         for key, value in sections.items():

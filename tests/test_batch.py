@@ -401,8 +401,12 @@ def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama
     try:
         seen = []
         real = eng.controller.observe
-        eng.controller.observe = lambda sc, drafted, n, verify_s: (seen.append(verify_s), real(sc, drafted, n,
-                                                                                                 verify_s))[1]
+
+        def observe(control, drafted, n_accepted, verify_s):
+            seen.append(verify_s)
+            return real(control, drafted, n_accepted, verify_s)
+
+        eng.controller.observe = observe
         short, long_, stats = Collect(), Collect(), Stats()
         with held(eng):
             eng.submit([5, 6, 5, 6, 5, 6], short, max_new_tokens=1)  # the first row: it ends in round 1

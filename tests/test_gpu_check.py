@@ -158,7 +158,8 @@ def test_the_import_gate_stops_the_call_with_the_reason(tmp_path, demo_draft_int
     run = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--device-stack", "--draft", str(demo_draft_int4)],
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 3, run.stdout + run.stderr
-    assert run.stderr.strip().splitlines()[-1] == "gpu_check: FAILED: the import gate: ImportError: carried pyzmq is broken"
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == "gpu_check: FAILED: the import gate: ImportError: carried pyzmq is broken"
     assert "| section |" not in run.stdout
 
 

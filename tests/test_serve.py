@@ -378,7 +378,6 @@ def test_serve_cli_help_names_the_endpoints():
         assert word in helptext
 
 
-
 # -- hostile clients: strict requests, every response counted -------------------------------------------------------
 def _post(srv, path: str, body) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -494,8 +493,8 @@ def test_a_stream_whose_response_never_starts_is_cancelled_and_not_left_in_fligh
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                             (b"content-length", str(len(body)).encode())],
+             "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
 
     async def call():
@@ -518,7 +517,6 @@ def test_a_stream_whose_response_never_starts_is_cancelled_and_not_left_in_fligh
     metrics = app.state.metrics
     assert metrics.in_flight._value.get() == 0
     assert metrics.requests.labels(endpoint="completions", status="499")._value.get() == 1
-
 
 
 # -- limits: slow clients are closed, big bodies refused, connections bounded ----------------------------------------
@@ -589,7 +587,7 @@ def test_connections_beyond_max_connections_are_answered_503(llama_target):
     try:
         idle = [socket.create_connection((host, int(port))) for _ in range(2)]
         deadline = time.monotonic() + 30
-        while (r := httpx.get(srv.url + "/v1/models", timeout=30)).status_code != 503:
+        while httpx.get(srv.url + "/v1/models", timeout=30).status_code != 503:
             assert time.monotonic() < deadline, "the third connection was never refused"
             time.sleep(0.1)
         for sock in idle:
