@@ -501,7 +501,13 @@ class Engine:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         cancel = cancel if cancel is not None else threading.Event()
-        self.submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item), stats, cancel, **kw)
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody reads this request any more
+                cancel.set()
+
+        self.submit(prompt, put, stats, cancel, **kw)
         return AsyncRounds(items, cancel, lambda: self._scheduler.alive)
 
     async def astream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> AsyncIterator[str]:
