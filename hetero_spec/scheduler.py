@@ -158,6 +158,7 @@ class Seq:
         self.t_start = time.perf_counter()
         self.batched_rounds, self.largest_batch = 0, 1
         self.trace: list[tuple[float, float, int, int]] = []
+        self.prefilled, self.prefill_done = 0, False  # prompt tokens cached so far; all of them (it decodes)
 
     def room(self, context_len: int) -> int:
         """Tokens this sequence may still commit (max_new_tokens, the context)."""
@@ -194,7 +195,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs)  # decoding or prefilling
 
     @property
     def waiting(self) -> int:
@@ -256,7 +257,8 @@ class Scheduler:
             for seq in [s for s in self._seqs if s.ticket.cancel.is_set()]:
                 seq.stats.finish_reason = seq.stats.finish_reason or "cancelled"
                 self._end(eng, seq)
-            if self._seqs:
+            self._prefill(eng)
+            if any(s.prefill_done for s in self._seqs):
                 self._step(eng)
 
     def _next_waiting(self) -> Ticket | None:
@@ -273,7 +275,7 @@ class Scheduler:
 
     def _admit(self, eng: Engine) -> None:
         """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit):
-        the source begins (a worker reads the prompt meanwhile), then the target reads the prompt."""
+        the source begins (a worker reads the prompt meanwhile); the target reads the prompt in _prefill."""
         while len(self._seqs) < eng.config.serving.max_batch and eng.controller.may_join(len(self._seqs)):
             ticket = self._next_waiting()
             if ticket is None:
@@ -287,17 +289,39 @@ class Scheduler:
                 if eng.source is not None:
                     eng.source.begin(seq)
                 seq.state = eng.target.new_state()
-                eng.target.prefill(seq.state, req.prompt_ids)
             except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
                 self._release(eng, seq)
                 ticket.put(exc)
                 continue
-            stats.time_prefill_s = time.perf_counter() - seq.t_start
             self._seqs.append(seq)
+
+    def _prefill(self, eng: Engine) -> None:
+        """Cache the prompts of the rows that joined, oldest first: whole while no row decodes (nobody waits), else at
+        most serving.prefill_chunk tokens this round, so a long prompt never stalls the streams that decode."""
+        chunk = eng.config.serving.prefill_chunk
+        budget = chunk if chunk and any(s.prefill_done for s in self._seqs) else None
+        for seq in [s for s in self._seqs if not s.prefill_done]:
+            if budget is not None and budget <= 0:
+                return
+            total = len(seq.prompt_ids) - 1
+            stop = total if budget is None else min(total, seq.prefilled + budget)
+            try:
+                eng.target.prefill(seq.state, seq.prompt_ids, seq.prefilled, stop)
+            except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
+                self._seqs = [s for s in self._seqs if s is not seq]
+                self._release(eng, seq)
+                seq.ticket.put(exc)
+                continue
+            if budget is not None:
+                budget -= stop - seq.prefilled
+            seq.prefilled, seq.prefill_done = stop, stop >= total
+            if seq.prefill_done:
+                seq.stats.time_prefill_s = time.perf_counter() - seq.t_start
 
     def _step(self, eng: Engine) -> None:
         """One round for every running sequence (docs/architecture.md#the-decode-loop)."""
-        target, source, ctl, seqs = eng.target, eng.source, eng.controller, list(self._seqs)
+        target, source, ctl = eng.target, eng.source, eng.controller
+        seqs = [s for s in self._seqs if s.prefill_done]  # the rows still prefilling wait for their prompt
         drafts = [Draft(ids=[]) for _ in seqs]
         if source is not None:
             # 1) plan

@@ -24,8 +24,9 @@ class Verifier(Protocol):
     def new_state(self) -> Any:
         """A fresh per-request state (empty cache, n_cached == 0)."""
 
-    def prefill(self, state: Any, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last."""
+    def prefill(self, state: Any, prompt_ids: list[int], start: int = 0, stop: int | None = None) -> None:
+        """Cache prompt_ids[start:stop]; stop defaults to every prompt token but the last, and the call that reaches
+        it finishes the prefill. A chunked prefill (serving.prefill_chunk) makes these calls in order."""
 
     def verify(self, state: Any, last_token: int, draft_ids: list[int], greedy: bool) -> Any:
         """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""

@@ -79,10 +79,12 @@ class OnnxTarget:
             raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_cached}")
         self.decoder.rewind(state, n_keep)
 
-    def prefill(self, state: DecoderState, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last (target/base.py), on the prefill session's threads."""
-        if len(prompt_ids) > 1:
-            self.forward(state, prompt_ids[:-1], last_only=True, wide=True)
+    def prefill(self, state: DecoderState, prompt_ids: list[int], start: int = 0, stop: int | None = None) -> None:
+        """Cache prompt_ids[start:stop], by default every prompt token but the last (target/base.py), on the
+        prefill session's threads."""
+        stop = len(prompt_ids) - 1 if stop is None else stop
+        if stop > start:
+            self.forward(state, prompt_ids[start:stop], last_only=True, wide=True)
 
     def verify(self, state: DecoderState, last_token: int, draft_ids: list[int], greedy: bool) -> list | np.ndarray:
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)

@@ -138,14 +138,16 @@ class TargetModel:
             state.cache.crop(-drop)
             state.n_cached = n_keep
 
-    def prefill(self, state: TargetState, prompt_ids: list[int]) -> None:
-        """Cache every prompt token but the last (target/base.py's invariant)."""
-        if len(prompt_ids) > 1:
-            self.forward(state, prompt_ids[:-1], last_only=True)
+    def prefill(self, state: TargetState, prompt_ids: list[int], start: int = 0, stop: int | None = None) -> None:
+        """Cache prompt_ids[start:stop], by default every prompt token but the last (target/base.py's invariant)."""
+        stop = len(prompt_ids) - 1 if stop is None else stop
+        if stop > start:
+            self.forward(state, prompt_ids[start:stop], last_only=True)
             self.staging.sync()  # its time is the prefill's, not the first verify's (nothing reads its logits)
-        # Only now: the prompt is never rolled back, and recording during the prefill would keep every
-        # prompt state in every sliding layer until the first crop.
-        state.cache.activate_past_recording()
+        if stop >= len(prompt_ids) - 1:
+            # Only now: the prompt is never rolled back, and recording during the prefill would keep every
+            # prompt state in every sliding layer until the first crop.
+            state.cache.activate_past_recording()
 
     def verify(self, state: TargetState, last_token: int, draft_ids: list[int], greedy: bool) -> list[int] | np.ndarray:
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
