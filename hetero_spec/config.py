@@ -277,10 +277,11 @@ class ServingConfig(_Section):
     max_waiting: int = Field(default=256, ge=0)
     """Most requests waiting for a place in the batch. One more is refused at once (the server answers 429
     with Retry-After; the Python API raises QueueFullError) instead of waiting without bound. 0: no queue."""
-    prefill_chunk: int = Field(default=256, ge=0)
+    prefill_chunk: int = Field(default=128, ge=0)
     """A new request's prompt is prefilled at most this many tokens a round while other requests decode (chunked
     prefill, as vLLM does), so a long prompt delays the running streams' next tokens by about one chunk's pass, not
-    the whole prompt's. With nothing else decoding a prompt is prefilled whole. 0: always whole."""
+    the whole prompt's. With nothing else decoding a prompt is prefilled whole. 0: always whole. The default is
+    the best of 128, 256 and 512 measured with the demo pair (docs/benchmarks.md, "Chunked prefill")."""
     header_timeout_s: float = Field(default=10.0, gt=0)
     """`hetero-spec serve`: a connection must send a request's headers within this many seconds of opening (or of
     its previous response), else it is closed: a client that trickles headers cannot hold a connection."""

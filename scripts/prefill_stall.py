@@ -52,7 +52,7 @@ def one_run(eng, long_prompt: list[int], new_tokens: int) -> dict[str, float]:
     for times in arrivals:
         for a, b in zip(times, times[1:]):
             (during if a <= t_long + ttft and b >= t_long else rest).append(b - a)
-    return {"max_gap_ms": 1e3 * max(during, default=0.0), "median_gap_ms": 1e3 * statistics.median(rest),
+    return {"max_gap_ms": 1e3 * max(during, default=0.0), "median_gap_ms": 1e3 * (statistics.median(rest) if rest else 0.0),
             "ttft_ms": 1e3 * ttft}
 
 
@@ -67,23 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     from hetero_spec import Engine
 
     chunks = [int(c) for c in args.chunks.split(",")]
-    engines = {c: Engine.from_config(args.config, overrides={"serving.prefill_chunk": c, "serving.max_batch": 4,
-                                                             "runtime.mode": "in_process"})
-               for c in chunks}
-    try:
-        tok = next(iter(engines.values())).tokenizer
-        text = (ROOT / "hetero_spec" / "scheduler.py").read_text()
-        long_prompt = tok.encode(text, add_special_tokens=False)[:args.long]
-        for eng in engines.values():  # warm-up
-            one_run(eng, long_prompt, 8)
-        runs: dict[int, list[dict[str, float]]] = {c: [] for c in chunks}
-        for r in range(args.repeats):
-            for c in (chunks if r % 2 == 0 else chunks[::-1]):
-                runs[c].append(one_run(engines[c], long_prompt, args.new_tokens))
-                print(f"repeat {r + 1}, prefill_chunk {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
-    finally:
-        for eng in engines.values():
-            eng.close()
+    overrides = {"serving.max_batch": 4, "runtime.mode": "in_process"}
+    runs: dict[int, list[dict[str, float]]] = {c: [] for c in chunks}
+    long_prompt: list[int] = []
+    for r in range(args.repeats):
+        for c in (chunks if r % 2 == 0 else chunks[::-1]):  # one Engine at a time: none shares the cores
+            with Engine.from_config(args.config, overrides={**overrides, "serving.prefill_chunk": c}) as eng:
+                if not long_prompt:
+                    text = (ROOT / "hetero_spec" / "scheduler.py").read_text()
+                    long_prompt = eng.prompt_ids(text)[:args.long]
+                one_run(eng, long_prompt, 8)  # warm-up
+                runs[c].append(one_run(eng, long_prompt, args.new_tokens))
+            print(f"repeat {r + 1}, prefill_chunk {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
     med = {c: {k: statistics.median(run[k] for run in runs[c]) for k in runs[c][0]} for c in chunks}
     print(f"| `serving.prefill_chunk` | longest wait of a running stream while the {len(long_prompt)}-token prompt "
           "is cached (ms) | their other rounds, median (ms) | the long request's time to first token (ms) |")
