@@ -128,6 +128,10 @@ class DraftConfig(_Section):
     change the output, only its speed."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
+    catchup_skip: int = Field(default=4, ge=1)
+    """Draft selection next to a lookup: when the model drafts again after other strategies committed text, it
+    reads at most the last N of those tokens (the rest is skipped: its cache restarts there). Measured with the
+    demo pair: docs/benchmarks.md, "Draft selection's settings"."""
     candidates: list[Literal["onnx", "ngram", "corpus"]] = Field(default_factory=list)
     """Strategies chosen among each round by predicted goodput (tuning/controller.StrategyChooser), e.g. [onnx, ngram]
     (onnx uses draft.model; corpus: what most often followed the text's last 3-6 tokens in the Python standard
@@ -251,6 +255,13 @@ class RayConfig(_Section):
     metrics_export_port: int | None = Field(default=None, ge=1, le=65535)
     """Port of Ray's Prometheus endpoint on a local Ray instance: the whole deployment's metrics (Serve's and
     ours per replica). None: Ray picks one. A cluster (`address`) keeps its `ray start --metrics-export-port`."""
+    worker_niceness: int = Field(default=0, ge=0, le=19)
+    """A local Ray instance's worker processes (the replicas, the ingress, Serve's controller) run at this nice
+    level. Ray's own default is 15: where other work keeps the cores busy, those processes then get a few per cent
+    of a core, and the ingress misses its ready check. A `RAY_worker_niceness` you set yourself wins."""
+    ingress_ready_timeout_s: float = Field(default=60.0, gt=0)
+    """A local Ray instance: how long Serve's ingress has to report ready (Serve's own default is 5 s). A
+    `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S` you set yourself wins."""
     health_check_period_s: float = Field(default=10.0, gt=0)
     """How often Serve calls a replica's health check (the Engine's health)."""
     health_check_timeout_s: float = Field(default=30.0, gt=0)
@@ -296,6 +307,10 @@ class ServingConfig(_Section):
     keep_alive_s: float = Field(default=5.0, gt=0)
     """`hetero-spec serve`: an idle keep-alive connection is closed after this many seconds (uvicorn's
     timeout_keep_alive)."""
+    plain_hold: int = Field(default=16, ge=0)
+    """Rounds that a batch plan of one shared pass without drafts holds, while the batch keeps its size, before
+    every row's gamma and the plan are asked again (each row's choice searches gamma, about 0.1 ms a row: on a small
+    model the price of a row in a shared pass). 0: asked every round."""
     ray: RayConfig = Field(default_factory=lambda: RayConfig())
     """`hetero-spec serve --ray`: replicas on Ray Serve (docs/serving.md, "Replicas on Ray Serve")."""
 

@@ -269,7 +269,7 @@ class Engine:
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
         self.controller = self._make_controller(self.tuning, config.runtime.mode, self.target.batch_blocks,
-                                                config.serving.mode)
+                                                config.serving.mode, plain_hold=config.serving.plain_hold)
         self.source = self._make_source(config)
         if self.source is not None:
             self._parts["source"] = self.source.close
@@ -294,7 +294,8 @@ class Engine:
             if kind not in cands:
                 cands[kind] = self._local(config, kind, slots)
         from .draft.source import SelectingSource
-        return SelectingSource(cands, self.controller.selection, names=list(d.candidates))
+        return SelectingSource(cands, self.controller.selection, names=list(d.candidates),
+                               catchup_skip=d.catchup_skip)
 
     def _local(self, config: Config, kind: str, slots: int):
         """An in-process source of one kind (None for none)."""

@@ -170,3 +170,24 @@ def test_override_paths_resolve_against_the_current_directory(tmp_path, monkeypa
     with pytest.raises(ConfigError) as err:
         Engine.from_config(path, overrides={"target.model": "nowhere"})
     assert err.value.source == "--set" and err.value.value == str(tmp_path / "work" / "nowhere")
+
+
+def test_measured_defaults_are_settings_that_reach_their_users(llama_target):
+    """draft.catchup_skip, serving.plain_hold and the Ray workers' niceness and ready timeout are config keys (with
+    the measured defaults), and each reaches the code that uses it."""
+    from hetero_spec import Engine
+    from hetero_spec.config import build_config
+    from hetero_spec.serve.ray_serve import local_env
+
+    cfg = build_config({"target": {"model": str(llama_target), "dtype": "float32", "device": "cpu"},
+                        "draft": {"kind": "ngram", "candidates": ["ngram"], "catchup_skip": 3},
+                        "runtime": {"mode": "in_process"},
+                        "serving": {"plain_hold": 5, "ray": {"worker_niceness": 7, "ingress_ready_timeout_s": 90}}})
+    env = local_env(cfg)
+    assert env["RAY_worker_niceness"] == "7" and env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "90"
+    with Engine.from_config(cfg) as eng:
+        assert eng.controller.plain_hold == 5
+    defaults = build_config({})
+    assert (defaults.draft.catchup_skip, defaults.serving.plain_hold, defaults.serving.ray.worker_niceness) == (4, 16, 0)
+    with pytest.raises(ConfigError, match="serving.ray.worker_niceness"):
+        build_config({"serving": {"ray": {"worker_niceness": 25}}})

@@ -313,7 +313,6 @@ def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     from hetero_spec.draft.base import DraftCosts
     from hetero_spec.draft.ngram import NgramProposer
     from hetero_spec.draft.onnx_drafter import OnnxDrafter
-    from hetero_spec.draft.select import CATCHUP_SKIP
     from hetero_spec.draft.source import LocalSource, SelectingSource
 
     model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
@@ -330,12 +329,12 @@ def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     # in two processes the worker catches up on its own cores: not counted against the round
     sel.layouts["onnx"] = "two_process"
     assert sel.predict(model, "onnx", 8)[0] > dear
-    # a model candidate next to a lookup feeds at most CATCHUP_SKIP tokens of the lookup's text; alone, all
+    # a model candidate next to a lookup feeds at most draft.catchup_skip tokens of the lookup's text; alone, all
     from hetero_spec.tuning.controller import Controller
 
     selection = Controller(Tuning(profile=model), "in_process", False).selection
     both = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx)), "ngram": LocalSource(NgramProposer())},
-                           selection)
-    assert both.cands["onnx"].catchup_skip == CATCHUP_SKIP
+                           selection, catchup_skip=3)
+    assert both.cands["onnx"].catchup_skip == 3
     alone = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx))}, selection)
     assert alone.cands["onnx"].catchup_skip is None

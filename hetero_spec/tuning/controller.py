@@ -25,8 +25,7 @@ RECENT = 5  # passes per block length whose median is that length's measured cos
 SHARED_SIZES = 64  # shared-pass sizes kept (padded block passes take many: rows x (k + 1) positions)
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
 LATENCY_SLOWDOWN = 1.5
-#: rounds a plain plan (one shared pass) holds before the rows' gammas and the plan are asked again, while the
-#: batch keeps its size: each row's choice searches gamma (~0.1 ms), the price of a shared pass row here
+#: serving.plain_hold's default: rounds a plain plan (one shared pass) holds while the batch keeps its size
 PLAIN_HOLD = 16
 G_MAX = 16
 
@@ -160,8 +159,10 @@ class Controller:
     """layout: the cost model's round (in_process | two_process). batch_blocks: the target verifies rows with blocks
     of different lengths in one pass (else one pass per drafting row)."""
 
-    def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput"):
+    def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput",
+                 plain_hold: int = PLAIN_HOLD):
         self.tuning, self.layout, self.batch_blocks, self.mode = tuning, layout, batch_blocks, mode
+        self.plain_hold = plain_hold  # serving.plain_hold
         self.last_plan = ""
         self.last_rates: tuple[float, float] | None = None  # (speculating, one shared pass): predicted tok/s
         self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
@@ -257,7 +258,7 @@ class Controller:
             return ks
         self.last_plan = (f"batch of {b}: one shared pass predicts {plain_rate:.0f} tok/s against "
                           f"{spec_rate:.0f} speculating")
-        self._plain = (b, PLAIN_HOLD)
+        self._plain = (b, self.plain_hold)
         return [0] * b
 
     def _spec_time(self, ks: list[int], model: CostModel | None, together: bool) -> float | None:
