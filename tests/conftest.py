@@ -73,6 +73,22 @@ def llama_target(models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_target(llama_target, models_dir) -> Path:
+    """The tiny target with a chat template in its tokenizer_config.json."""
+    import json
+    import shutil
+
+    out = models_dir / "llama-chat"
+    if not out.exists():
+        shutil.copytree(llama_target, out)
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                                "{% if add_generation_prompt %}<assistant>{% endif %}")
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_copy_onnx(models_dir, llama_target) -> Path:
     """The target itself exported to ONNX: a draft that agrees with the target everywhere."""
     return export_draft(llama_target, models_dir / "llama-copy-onnx", "fp32", quiet=True)

@@ -21,18 +21,10 @@ EXAMPLES = 60  # per operation and generation mode: well under a minute here, a 
 
 
 @pytest.fixture(scope="module")
-def fuzz_app(llama_target, tmp_path_factory):
+def fuzz_app(chat_target):
     """The tiny target with a chat template; a short context bounds every generation (max_tokens beyond it is a
     400); the n-gram draft speculates."""
-    import shutil
-
-    target = tmp_path_factory.mktemp("fuzz") / "llama-chat"
-    shutil.copytree(llama_target, target)
-    cfg = json.loads((target / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
-    eng = Engine.from_config({"target": {"model": str(target), "dtype": "float32", "device": "cpu",
+    eng = Engine.from_config({"target": {"model": str(chat_target), "dtype": "float32", "device": "cpu",
                                          "max_context": 64},
                               "draft": {"kind": "ngram"}, "runtime": {"mode": "in_process"}})
     app = create_app(eng, MODEL, own_engine=False)  # a TestClient's lifespan must not close it

@@ -281,19 +281,7 @@ def test_a_disconnect_cancels_the_request(served):
         srv.close()
 
 
-# -- chat ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chat_target(llama_target, tmp_path_factory):
-    """The tiny target with a chat template in its tokenizer_config.json."""
-    out = tmp_path_factory.mktemp("chat") / "llama-chat"
-    shutil.copytree(llama_target, out)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
-
-
+# -- chat (chat_target: conftest.py) -------------------------------------------------------------------
 def test_chat_completions_render_the_template(chat_target):
     eng = Engine.from_config(_cfg(chat_target))
     srv = Server(create_app(eng, MODEL))
