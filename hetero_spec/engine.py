@@ -25,6 +25,7 @@ from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, Ticket, check_request, is_last
 from .target.backends import _device_is_cuda, choose_backend, load_target
 from .tuning import placement as pl
+from .draft.select import LOOKUPS
 from .tuning.controller import Controller
 from .tuning.profile import load_tuning, seed_verify_curve
 from .validation import check_stop_ids, prompt_token_ids, request_args
@@ -273,6 +274,7 @@ class Engine:
         self.source = self._make_source(config)
         if self.source is not None:
             self._parts["source"] = self.source.close
+            self.controller.together = self.source.drafts_together
 
     def _make_source(self, config: Config):
         """The draft source: the worker (two_process), a selection (draft.candidates), one local kind, or None."""
@@ -290,15 +292,18 @@ class Engine:
                 return cands["onnx"]
         elif not d.candidates:
             return self._local(config, d.kind, slots)
+        lookup = any(kind in LOOKUPS for kind in d.candidates)  # a model candidate feeds only the last catchup_skip
         for kind in d.candidates:  # the worker runs even when only the n-gram lookup is chosen among
             if kind not in cands:
-                cands[kind] = self._local(config, kind, slots)
+                cands[kind] = self._local(config, kind, slots, catchup_skip=d.catchup_skip if lookup else None)
         from .draft.source import SelectingSource
-        return SelectingSource(cands, self.controller.selection, names=list(d.candidates),
-                               catchup_skip=d.catchup_skip)
+        names = list(d.candidates)
+        self.controller.selection(names, {n: "two_process" if cands[n].drafts_ahead else "in_process" for n in names},
+                                  {n: cands[n].costs for n in names})
+        return SelectingSource(cands, names=names)
 
-    def _local(self, config: Config, kind: str, slots: int):
-        """An in-process source of one kind (None for none)."""
+    def _local(self, config: Config, kind: str, slots: int, catchup_skip: int | None = None):
+        """An in-process source of one kind (None for none); the onnx draft's rows step together in one buffer."""
         if kind == "none":
             return None
         from .draft.ngram import NgramProposer
@@ -314,10 +319,11 @@ class Engine:
                 raise config.error("draft.candidates", d.candidates,
                                    f"corpus needs the target's tokenizer.json, not found in {self.target.model_dir}")
             return LocalSource(CorpusProposer(cached_table(tok)))
-        return LocalSource(OnnxDrafter(d.model, providers=d.providers, threads=d.threads,
-                                       vocab_width=self.target.vocab_width, spin=False,
-                                       prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process")),
-                           slots=slots)
+        drafter = OnnxDrafter(d.model, providers=d.providers, threads=d.threads, vocab_width=self.target.vocab_width,
+                              spin=False, prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process"),
+                              catchup_skip=catchup_skip)
+        drafter.enable_batching(slots)
+        return LocalSource(drafter, together=OnnxDrafter.propose_batch)
 
     # -- what the scheduler's loop calls ------------------------------------------------------------------
     def heartbeat(self) -> None:

@@ -20,12 +20,9 @@ IN_PROCESS = {"runtime.mode": "in_process", "runtime.cpus": None}  # every cost 
 
 
 def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
-    """Median time per greedy token of the Engine's onnx draft (0.0 for a lookup or none)."""
-    from .draft.onnx_drafter import OnnxDrafter
-    from .draft.source import LocalSource
-    if isinstance(eng.source, LocalSource) and isinstance(eng.source.proposer, OnnxDrafter):
-        return decoder_token_s(eng.source.proposer.decoder, prompt, reps)
-    return 0.0
+    """Median time per greedy token of the Engine's onnx draft in this process (0.0 for a lookup or none)."""
+    decoder = getattr(getattr(eng.source, "proposer", None), "decoder", None)
+    return 0.0 if decoder is None else decoder_token_s(decoder, prompt, reps)
 
 
 def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:

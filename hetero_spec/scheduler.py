@@ -27,7 +27,7 @@ from .metrics import Stats
 from .runtime.cpus import pinned_thread
 from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
                        position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
-from .tuning.controller import StreamControl
+from .tuning.controller import RowPlan, StreamControl
 
 if TYPE_CHECKING:
     from .config import Config
@@ -146,15 +146,15 @@ class Ticket:
 
 
 class Seq:
-    """One running request in the loop: its target state, committed ids and the controller's part of it."""
+    """One running request in the loop: its target state, committed ids and the controller's part of it (the draft
+    source reads only the request's tokens: draft/base.Seq)."""
 
     def __init__(self, seq_id: int, ticket: Ticket, control: StreamControl):
         req = ticket.req
         self.id, self.ticket, self.req, self.stats, self.control = seq_id, ticket, req, ticket.stats, control
         self.params, self.prompt_ids, self.ids = req.params, req.prompt_ids, list(req.prompt_ids)
         self.state: Any = None
-        self.generated, self.gamma, self.probing = 0, 0, False  # gamma, probing: this round's (draft/base.Seq)
-        self.gamma_auto = control.fixed is None
+        self.generated = 0
         self.t_start = time.perf_counter()
         self.batched_rounds, self.largest_batch = 0, 1
         self.trace: list[tuple[float, float, int, int]] = []
@@ -281,13 +281,13 @@ class Scheduler:
             if ticket is None:
                 return
             req, stats = ticket.req, ticket.stats
-            seq = Seq(next(self._ids), ticket, eng.controller.stream(req.gamma))
+            seq_id, params = next(self._ids), req.params
+            seq = Seq(seq_id, ticket, eng.controller.stream(req.gamma, seq_id, shadow=params.greedy or params.coupled))
             stats.prompt_tokens, stats.gamma = len(req.prompt_ids), req.gamma
             stats.proposer = eng.source.name if eng.source is not None else "none"
             try:
-                seq.gamma = eng.controller.initial_gamma(seq.control)
                 if eng.source is not None:
-                    eng.source.begin(seq)
+                    eng.source.begin(seq, *eng.controller.first_block(seq.control))
                 seq.state = eng.target.new_state()
             except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
                 self._release(eng, seq)
@@ -319,23 +319,24 @@ class Scheduler:
                 seq.stats.time_prefill_s = time.perf_counter() - seq.t_start
 
     def _step(self, eng: Engine) -> None:
-        """One round for every running sequence (docs/architecture.md#the-decode-loop)."""
-        target, source, ctl = eng.target, eng.source, eng.controller
+        """One round for every running sequence (docs/architecture.md#the-decode-loop): the controller plans it, the
+        loop carries the plan out and reports what it cost."""
+        target, source, controller = eng.target, eng.source, eng.controller
         seqs = [s for s in self._seqs if s.prefill_done]  # the rows still prefilling wait for their prompt
         drafts = [Draft(ids=[]) for _ in seqs]
+        rows = [RowPlan() for _ in seqs]
         if source is not None:
             # 1) plan
-            ks = ctl.plan([s.control for s in seqs], [s.room(target.context_len) for s in seqs], source.chooses_gamma)
+            plan = controller.plan([s.control for s in seqs], [s.room(target.context_len) for s in seqs],
+                                   offers=lambda caps: source.offers(seqs, caps),
+                                   wait_default_s=max(0.001, max(s.stats.time_prefill_s for s in seqs)))
+            rows = plan.rows
+            # 2) propose (only drafts made in another process are waited for, until the plan's deadline)
+            started = time.perf_counter()
+            drafts = source.propose(seqs, rows, plan.deadline_s or 0.0)
+            share = (time.perf_counter() - started) / len(seqs)
             for s in seqs:
-                s.gamma, s.probing = s.control.gamma, s.control.probing
-            # 2) propose (only drafts made in another process are waited for)
-            budget = (ctl.wait_budget(max(ks), max(0.001, max(s.stats.time_prefill_s for s in seqs)))
-                      if source.layout == "two_process" else 0.0)
-            t = time.perf_counter()
-            drafts = source.propose(seqs, ks, budget)
-            share = (time.perf_counter() - t) / len(seqs)
-            for s in seqs:
-                if source.layout == "in_process":
+                if plan.deadline_s is None:
                     s.stats.time_draft_s += share
                 else:
                     s.stats.time_wait_s += share
@@ -346,11 +347,11 @@ class Scheduler:
         t1 = time.monotonic()
         verify_s = t1 - t0
         self.batch_sizes.append(len(seqs))
-        ctl.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
-                         not any(d.ids for d in drafts), verify_s)
-        for seq, draft, out in zip(seqs, drafts, outs):
+        controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
+                                not any(d.ids for d in drafts), verify_s)
+        for seq, row, draft, out in zip(seqs, rows, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe
-                self._finish_round(eng, seq, draft, out, verify_s, (t0, t1), n_rows=len(seqs))
+                self._finish_round(eng, seq, row, draft, out, verify_s, (t0, t1), n_rows=len(seqs))
             except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                 log.exception("scheduler: request %d failed", seq.id)
                 self._end(eng, seq, exc)
@@ -358,10 +359,10 @@ class Scheduler:
             if seq.stats.finish_reason:
                 self._end(eng, seq)
         if source is not None:
-            c = source.costs()
-            ctl.observe_costs(c.token_s, c.transfer_s)
+            costs = source.costs()
+            controller.observe_costs(costs.token_s, costs.transfer_s)
 
-    def _finish_round(self, eng: Engine, seq: Seq, draft: Draft, out: Any, verify_s: float,
+    def _finish_round(self, eng: Engine, seq: Seq, row: RowPlan, draft: Draft, out: Any, verify_s: float,
                       span: tuple[float, float], n_rows: int) -> None:
         """n_rows: the rows of this round's pass (rows before this one may have left the batch already)."""
         stats, req = seq.stats, seq.req
@@ -370,7 +371,7 @@ class Scheduler:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
         n, nxt = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), n)
-        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None)
+        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None, row)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
         emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:n], nxt], req, seq.generated,
@@ -396,10 +397,10 @@ class Scheduler:
     def _end(self, eng: Engine, seq: Seq, exc: BaseException | None = None) -> None:
         """The sequence leaves: summaries into its stats, its states freed, DONE (or the error) to its caller."""
         self._seqs = [s for s in self._seqs if s is not seq]
-        stats, ctl = seq.stats, eng.controller
+        stats, controller = seq.stats, eng.controller
         stats.time_total_s = time.perf_counter() - seq.t_start
-        if seq.control.fixed is None and eng.source is not None:
-            stats.extra["gamma_auto"] = ctl.summary(seq.control)
+        if eng.source is not None:
+            stats.extra.update(controller.end(seq.control))
         try:
             extra = self._release(eng, seq)
         except Exception as err:  # noqa: BLE001 - freeing what is left; the request's own outcome stands
@@ -411,7 +412,7 @@ class Scheduler:
             stats.extra["timeline"] = {"verify": seq.trace, **(timeline or {})}
         if seq.batched_rounds:
             stats.extra["batch"] = {"rounds_batched": seq.batched_rounds, "largest_batch": seq.largest_batch,
-                                    "last_plan": ctl.last_plan}
+                                    "last_plan": controller.last_plan}
         seq.ticket.put(exc if exc is not None else DONE)
         if exc is None:
             eng.request_done(stats, batched=seq.batched_rounds > 0)

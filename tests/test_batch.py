@@ -188,30 +188,53 @@ def test_async_api_equals_generate(llama_target):
 
 
 # -- batched verification, backend by backend ---------------------------------------------------------------
-def test_torch_padded_pass_equals_one_pass_per_row(llama_target):
+def test_torch_batched_pass_over_the_kept_cache_equals_one_pass_per_row(llama_target):
+    """The rows' caches are slots of one kept buffer, read in place: a pass over them gives each row what it gets
+    alone, rollbacks included, and the buffer is neither rebuilt nor copied from a round to the next."""
     from hetero_spec.target.verifier import TargetModel
 
     t = TargetModel(llama_target, device="cpu", dtype="float32", threads=1)
+    solo_target = TargetModel(llama_target, device="cpu", dtype="float32", threads=1)  # caches of their own
+    t.enable_batching(5)
     rows_spec = [([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]), ([4], []), ([5, 6], [7, 8, 9, 10, 11, 12]), ([3] * 20, [1])]
     solo, rows = [], []
+    gap = t.new_state()  # a slot between the rows that is not in the pass (a request still prefilling)
+    t.prefill(gap, [2, 2, 2])
     for prompt, draft in rows_spec:
-        a, b = t.new_state(), t.new_state()
-        t.prefill(a, prompt)
+        a, b = solo_target.new_state(), t.new_state()
+        assert a.slot is None and b.slot is not None
+        solo_target.prefill(a, prompt)
         t.prefill(b, prompt)
-        solo.append((a, t.verify(a, prompt[-1], draft, greedy=False)))
+        solo.append((a, solo_target.verify(a, prompt[-1], draft, greedy=False)))
         rows.append((b, prompt[-1], draft))
+    rows = [rows[2], rows[0], rows[3], rows[1]]  # any order: results come back in the rows' order
+    solo = [solo[2], solo[0], solo[3], solo[1]]
     outs = t.verify_batch(rows, [False] * len(rows))
     for (a, ref), (b, _, draft), out in zip(solo, rows, outs):
         assert out.shape == ref.shape == (len(draft) + 1, t.vocab_width)
         np.testing.assert_allclose(out, ref, atol=1e-4)
         assert (out.argmax(-1) == ref.argmax(-1)).all()
         assert b.n_cached == a.n_cached == b.cache.get_seq_length()
-    # after a rollback each row continues exactly as alone
+    kept = [t.kept.keys[0].data_ptr(), t.kept.values[-1].data_ptr()]
+    # after a rollback each row continues exactly as alone, in the same buffer
     for (a, _), (b, _, draft) in zip(solo, rows):
-        t.rollback(a, a.n_cached - len(draft))
+        solo_target.rollback(a, a.n_cached - len(draft))
         t.rollback(b, b.n_cached - len(draft))
     again = t.verify_batch([(b, 5, [6]) for b, _, _ in rows], [True] * len(rows))
-    assert again == [t.verify(a, 5, [6], greedy=True) for a, _ in solo]
+    assert again == [solo_target.verify(a, 5, [6], greedy=True) for a, _ in solo]
+    assert [t.kept.keys[0].data_ptr(), t.kept.values[-1].data_ptr()] == kept
+    # the slot between them kept its own past: it continues as a fresh request on the same tokens would
+    fresh = solo_target.new_state()
+    solo_target.prefill(fresh, [2, 2, 2])
+    assert t.verify(gap, 2, [5], greedy=True) == solo_target.verify(fresh, 2, [5], greedy=True)
+    # rows in slots apart are gathered for the pass (not a view), with the same result
+    apart = [i for i, (b, _, _) in enumerate(rows) if b.slot in (1, 3)]
+    got = t.verify_batch([(rows[i][0], 7, [8]) for i in apart], [True, True])
+    assert got == [solo_target.verify(solo[i][0], 7, [8], greedy=True) for i in apart]
+    # a slot freed is taken by the next request; past the slots, a request gets a cache of its own
+    freed = rows[0][0].slot
+    t.release_state(rows[0][0])
+    assert t.new_state().slot == freed and t.new_state().slot is None
 
 
 def test_onnx_pool_steps_many_rows_in_one_run_exactly(llama_copy_onnx):
@@ -343,11 +366,11 @@ def test_a_plain_plan_holds_for_an_unchanged_batch_then_is_asked_again():
 
     ctl = Controller(Tuning(profile=CPU, prior_acceptance=0.8), "in_process", batch_blocks=False)
     streams = [ctl.stream("auto") for _ in range(8)]
-    assert ctl.plan(streams, [100] * 8) == [0] * 8 and "one shared pass" in ctl.last_plan
+    assert ctl.plan(streams, [100] * 8).ks == [0] * 8 and "one shared pass" in ctl.last_plan
     for _ in range(PLAIN_HOLD):  # held: no row's gamma is searched
-        assert ctl.plan(streams, [100] * 8) == [0] * 8
+        assert ctl.plan(streams, [100] * 8).ks == [0] * 8
     rounds = streams[0]._round
-    ctl.plan(streams, [100] * 8)
+    ctl.plan(streams, [100] * 8).ks
     assert streams[0]._round == rounds + 1  # asked again
 
 
@@ -402,9 +425,9 @@ def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama
         seen = []
         real = eng.controller.observe
 
-        def observe(control, drafted, n_accepted, verify_s):
+        def observe(control, drafted, n_accepted, verify_s, row=None):
             seen.append(verify_s)
-            return real(control, drafted, n_accepted, verify_s)
+            return real(control, drafted, n_accepted, verify_s, row)
 
         eng.controller.observe = observe
         short, long_, stats = Collect(), Collect(), Stats()
@@ -419,19 +442,32 @@ def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama
 
 
 def test_a_selection_batch_is_priced_on_what_it_will_draft():
-    """Under draft selection each row may draft up to G_MAX (16), but is expected to draft what the cost model's
-    best gamma says (4 here). Priced at 16 drafts a row, speculation lost to one shared pass (and the batch then
-    held that for PLAIN_HOLD rounds); priced on 4, it wins, and the rows keep their caps."""
+    """Under draft selection each row may draft up to G_MAX (16), but the chooser drafts what predicts best (4
+    here). Priced at 16 drafts a row, speculation lost to one shared pass (and the batch then held that for
+    PLAIN_HOLD rounds); the plan prices the strategies' own choices, and wins. A held plain round asks no source."""
     from hetero_spec.tuning.controller import G_MAX
 
     model = CostModel(verify_fixed_s=1e-3, verify_per_token_s=1e-5, draft_token_s=2e-5)
 
+    class Chooser:  # the selection's choice, fixed: the cost model's best gamma
+        def next_round(self):
+            pass
+
+        def choose(self, cap, names, stream, round_started):
+            return names[0], min(cap, model.best_gamma(0.5, "in_process", G_MAX)[0])
+
     def controller():
-        return Controller(Tuning(profile=model, shared=SharedPassCost(), prior_acceptance=0.5), "in_process", True)
+        ctl = Controller(Tuning(profile=model, shared=SharedPassCost(), prior_acceptance=0.5), "in_process", True)
+        ctl.chooser = Chooser()
+        return ctl
 
     assert model.best_gamma(0.5, "in_process", G_MAX)[0] == 4
     assert not any(controller().plan_batch([G_MAX] * 4, [0.5] * 4))  # what pricing at the caps concluded
-    ctl = controller()
-    streams = [ctl.stream("auto") for _ in range(4)]
-    assert ctl.plan(streams, [100] * 4, chooses_gamma=True) == [G_MAX] * 4
-    assert "speculation predicts" in ctl.last_plan
+    ctl, asked = controller(), []
+    streams = [ctl.stream("auto", i) for i in range(4)]
+    plan = ctl.plan(streams, [100] * 4, offers=lambda caps: asked.append(caps) or [["onnx"]] * 4)
+    assert asked == [[G_MAX] * 4] and plan.ks == [4] * 4 and [r.strategy for r in plan.rows] == ["onnx"] * 4
+    assert "speculation predicts" in ctl.last_plan and not plan.shared
+    ctl._plain = (4, 2)  # a plain plan held: no lookup is asked, no row drafts
+    plan = ctl.plan(streams, [100] * 4, offers=lambda caps: asked.append(caps) or [["onnx"]] * 4)
+    assert plan.shared and plan.ks == [0] * 4 and len(asked) == 1

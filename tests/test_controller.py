@@ -25,21 +25,21 @@ def test_it_explores_then_follows_the_model_and_learns_across_streams():
     t = Tuning(prior_acceptance=0.7)
     ctl = Controller(t, "in_process", batch_blocks=False)
     sc = ctl.stream("auto")
-    assert [ctl.plan([sc], [100])[0] for _ in range(3)] == list(EXPLORE) and "exploring" in sc.reason
+    assert [ctl.plan([sc], [100]).ks[0] for _ in range(3)] == list(EXPLORE) and "exploring" in sc.reason
     for k, n, v in zip(EXPLORE, (1, 1, 3), (0.006, 0.007, 0.009)):
         ctl.observe(sc, k, n, v)
     ctl.observe_costs(0.0005, None)
-    g = ctl.plan([sc], [100])[0]
+    g = ctl.plan([sc], [100]).ks[0]
     a = ctl.estimate(sc)
     assert g == t.model().best_gamma(a, "in_process")[0] and f"a={a:.3f}" in sc.reason
     # the next stream starts from what this one learned (the engine-wide estimate), not from the prior
     other = ctl.stream("auto")
     assert ctl.estimate(other) == pytest.approx(t.global_acceptance()) != pytest.approx(0.7)
     fixed = ctl.stream(5)
-    assert ctl.plan([fixed], [100]) == [5] and ctl.plan([fixed], [3]) == [2]  # the room left: max_new, context
+    assert ctl.plan([fixed], [100]).ks == [5] and ctl.plan([fixed], [3]).ks == [2]  # the room left: max_new, context
     want = {str(e): 1 for e in EXPLORE}
     want[str(g)] = 1 + (g in EXPLORE)
-    assert ctl.summary(sc)["choices"] == want
+    assert ctl.end(sc)["gamma_auto"]["choices"] == want
 
 
 def test_streams_keep_their_own_state():
@@ -50,12 +50,12 @@ def test_streams_keep_their_own_state():
     a, b = ctl.stream("auto"), ctl.stream("auto")
     for _ in range(5):
         ctl.observe(a, 4, 0, None)
-    ga = ctl.plan([a], [100])[0]
+    ga = ctl.plan([a], [100]).ks[0]
     before = (ctl.estimate(a), dict(a.choices))
     c = ctl.stream("auto")  # a third request begins
     assert (ctl.estimate(a), dict(a.choices)) == before
     assert ctl.estimate(a) < ctl.estimate(b) == pytest.approx(ctl.estimate(c))
-    assert ga == 0 and ctl.plan([b], [100])[0] > 0  # a is off; b, with the shared estimate, is not
+    assert ga == 0 and ctl.plan([b], [100]).ks[0] > 0  # a is off; b, with the shared estimate, is not
 
 
 def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
@@ -68,14 +68,14 @@ def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
     for r in range(1, 16 * PROBE_EVERY):
         if r % 200 == 0:
             sc = ctl.stream("auto")  # a new request: the period carries over
-        g = ctl.plan([sc], [1000])[0]
+        g = ctl.plan([sc], [1000]).ks[0]
         if g:
             assert g == PROBE_GAMMA and sc.probing and "re-probe" in sc.reason
             probes_at.append(r)
         ctl.observe(sc, g, 0, 0.005)  # every probe fails
     gaps = [b - a for a, b in zip([0, *probes_at], probes_at)]
     assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
-    while not ctl.plan([sc], [1000])[0]:
+    while not ctl.plan([sc], [1000]).ks[0]:
         ctl.observe(sc, 0, 0, 0.005)
     ctl.observe(sc, PROBE_GAMMA, 1, 0.005)  # this probe hits
     assert t.probe_every == PROBE_EVERY
@@ -89,7 +89,7 @@ def test_never_slower_than_the_target_alone_by_prediction():
         t = _tuned(a, d)
         ctl = Controller(t, layout, batch_blocks=False)
         sc = ctl.stream("auto")
-        g = ctl.plan([sc], [100])[0]
+        g = ctl.plan([sc], [100]).ks[0]
         model = t.model()
         assert (g > 0) is on, (a, d, layout)
         if g:
@@ -104,9 +104,9 @@ def test_a_slow_worker_turns_speculation_off_and_fast_timings_bring_it_back():
     ctl = Controller(t, "two_process", batch_blocks=False)
     sc = ctl.stream("auto")
     ctl.observe_costs(0.030, 0.0001)
-    assert ctl.plan([sc], [100]) == [0]
+    assert ctl.plan([sc], [100]).ks == [0]
     ctl.observe_costs(0.001, 0.0001)
-    assert ctl.plan([sc], [100])[0] > 0
+    assert ctl.plan([sc], [100]).ks[0] > 0
 
 
 def test_the_wait_budget_is_what_the_drafts_cost_capped_at_one_step():

@@ -125,9 +125,14 @@ def test_a_catch_up_window_restarts_the_draft_cache_on_the_last_tokens(llama_cop
 class FakeSeq:
     """What a draft source reads of a sequence (draft/base.Seq)."""
 
-    def __init__(self, ids, seq_id=1, probing=False):
+    def __init__(self, ids, seq_id=1):
         self.id, self.ids, self.prompt_ids, self.params = seq_id, list(ids), list(ids), SamplingParams()
-        self.gamma, self.gamma_auto, self.probing = 4, True, probing
+
+
+def rows(*ks, probing=False):
+    """A round's plan rows asking ks drafts (tuning/controller.RowPlan)."""
+    from hetero_spec.tuning.controller import RowPlan
+    return [RowPlan(k=k, ahead=k, probing=probing) for k in ks]
 
 
 def test_a_re_probe_arms_the_window(llama_copy_onnx):
@@ -137,7 +142,7 @@ def test_a_re_probe_arms_the_window(llama_copy_onnx):
     src = LocalSource(OnnxDrafter(llama_copy_onnx))
     seq = FakeSeq([1, 2, 3])
     src.begin(seq)
-    src.propose([seq], [2])
+    src.propose([seq], rows(2))
     src.commit(seq, 0, 5)
     seq.ids += [5, *range(10, 85)]  # 76 tokens committed while the draft rested (the context holds 96)
     armed = []
@@ -146,10 +151,9 @@ def test_a_re_probe_arms_the_window(llama_copy_onnx):
     try:
         other = FakeSeq([1, 2, 3], seq_id=2)
         src.begin(other)
-        src.propose([other], [2])
+        src.propose([other], rows(2))
         assert armed == []  # not probing
-        seq.probing = True
-        src.propose([seq], [2])
+        src.propose([seq], rows(2, probing=True))
         assert armed == [PROBE_WINDOW]
     finally:
         OnnxDrafter.limit_catchup = real
@@ -391,7 +395,7 @@ def test_a_draft_error_leaves_only_its_row_without_drafts(what, caplog):
     for seq in (bad, good):
         src.begin(seq)
     for _ in range(3):
-        drafts = src.propose([bad, good], [3, 3])
+        drafts = src.propose([bad, good], rows(3, 3))
         assert drafts[1].ids  # the repeating text: the healthy row drafts
         if what != "commit":
             assert drafts[0].ids == []

@@ -255,6 +255,7 @@ def test_draft_selection_is_lossless_and_prefers_what_pays(llama_target, llama_r
            "draft": {"kind": "onnx", "model": str(llama_random_onnx), "candidates": ["onnx", "ngram"]},
            "speculation": {"gamma": 4}}
     with Engine.from_config(cfg) as eng:
+        assert eng.source.cands["onnx"].proposer.catchup_skip == 4  # draft.catchup_skip: next to a lookup
         for _ in range(2):
             for p, ref in zip(PROMPTS, reference):
                 out = eng.generate(p, max_new_tokens=40)
@@ -313,8 +314,6 @@ def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     from hetero_spec.draft.base import DraftCosts
     from hetero_spec.draft.ngram import NgramProposer
     from hetero_spec.draft.onnx_drafter import OnnxDrafter
-    from hetero_spec.draft.source import LocalSource, SelectingSource
-
     model = CostModel(verify_fixed_s=0.005, verify_per_token_s=0.0004, draft_token_s=0.0006)
     costs = {"onnx": DraftCosts(0.0006), "ngram": DraftCosts(0.000001)}
     sel = _chooser(model, costs)
@@ -329,12 +328,7 @@ def test_selection_counts_a_models_catch_up_in_its_round(llama_copy_onnx):
     # in two processes the worker catches up on its own cores: not counted against the round
     sel.layouts["onnx"] = "two_process"
     assert sel.predict(model, "onnx", 8)[0] > dear
-    # a model candidate next to a lookup feeds at most draft.catchup_skip tokens of the lookup's text; alone, all
-    from hetero_spec.tuning.controller import Controller
-
-    selection = Controller(Tuning(profile=model), "in_process", False).selection
-    both = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx)), "ngram": LocalSource(NgramProposer())},
-                           selection, catchup_skip=3)
-    assert both.cands["onnx"].catchup_skip == 3
-    alone = SelectingSource({"onnx": LocalSource(OnnxDrafter(llama_copy_onnx))}, selection)
-    assert alone.cands["onnx"].catchup_skip is None
+    # a model candidate next to a lookup feeds at most draft.catchup_skip tokens of the lookup's text (the Engine
+    # builds it so: test_draft_selection_is_lossless_and_prefers_what_pays); every request's drafter does
+    drafter = OnnxDrafter(llama_copy_onnx, catchup_skip=3)
+    assert drafter.spawn().catchup_skip == 3 and OnnxDrafter(llama_copy_onnx).spawn().catchup_skip is None

@@ -7,11 +7,14 @@ asked are always allowed, and no call raises because a draft is slow, wrong or g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..tuning.controller import RowPlan
 
 
 @dataclass
@@ -35,24 +38,26 @@ class DraftCosts:
 
 
 class Seq(Protocol):
-    """What a draft source may read of a sequence (scheduler.Seq)."""
+    """What a draft source may read of a sequence (scheduler.Seq): the request's tokens, nothing of the plan."""
 
     id: int
     ids: list[int]  # prompt + committed tokens
     params: SamplingParams
     prompt_ids: list[int]
-    gamma: int  # the controller's gamma this round (before the room left)
-    gamma_auto: bool  # speculation.gamma auto: the gamma changes between rounds (at most tuning's G_MAX)
-    probing: bool  # this round re-probes after rounds at gamma 0
 
 
 class DraftSource(Protocol):
-    name: str
-    layout: str  # "in_process" (drafting and verifying take turns) or "two_process" (they overlap)
-    chooses_gamma: bool  # picks each round's draft length itself (<= k): draft selection
+    """What a source can do, not which layout it is: drafts_ahead, it drafts while the target verifies (another
+    process: the round waits for its drafts at most the plan's deadline); drafts_together, it drafts many rows in
+    one call. The plan's rows (tuning/controller.RowPlan) say what to draft; offers lists a selection's choices."""
 
-    def begin(self, seq: Seq) -> None: ...
-    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]: ...
+    name: str
+    drafts_ahead: bool
+    drafts_together: bool
+
+    def begin(self, seq: Seq, ahead: int, most: int) -> None: ...
+    def offers(self, seqs: list[Seq], caps: list[int]) -> list[list[str]] | None: ...
+    def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float) -> list[Draft]: ...
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None: ...
     def end(self, seq: Seq) -> dict[str, Any]: ...
     def costs(self) -> DraftCosts: ...

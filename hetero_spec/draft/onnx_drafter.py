@@ -21,17 +21,20 @@ class OnnxDrafter:
     name = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
-                 vocab_width: int | None = None, spin: bool = True, prompt_window: int | None = None):
+                 vocab_width: int | None = None, spin: bool = True, prompt_window: int | None = None,
+                 catchup_skip: int | None = None):
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
         self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
                                  spin=spin), None, prompt_window)
+        self.catchup_skip = catchup_skip
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of
         the batched buffer once enable_batching was called, so that `propose_batch` can step it with others)."""
         new = OnnxDrafter.__new__(OnnxDrafter)
         new._attach(self.decoder, self._pool, self.prompt_window)
+        new.catchup_skip = self.catchup_skip
         return new
 
     def enable_batching(self, slots: int) -> None:
@@ -83,8 +86,8 @@ class OnnxDrafter:
         self._base = 0
         # Both limits trade a little acceptance for speed (proposals never change the output): RoPE attention sees
         # relative positions, so a cache with a gap, or restarted late, is the same model on less context.
-        #: draft selection: only the last catchup_skip of the tokens another strategy committed are fed (feeding
-        #: all cost about two draft tokens a round, demo pair)
+        #: draft selection next to a lookup (draft.catchup_skip): only the last catchup_skip of the tokens another
+        #: strategy committed are fed
         self.catchup_skip: int | None = None
         #: one-shot (a re-probe, or draft.prompt_window): a longer backlog restarts the cache on its last tokens
         self.catchup_window: int | None = None

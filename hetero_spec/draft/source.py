@@ -8,8 +8,10 @@ import time
 from collections import Counter
 from typing import Any
 
+from collections.abc import Callable
+
 from .base import Draft, DraftCosts, DraftSource, Proposer, Seq
-from .onnx_drafter import OnnxDrafter
+from ..tuning.controller import RowPlan
 from ..tuning.cost_model import Ema
 from .select import LOOKUPS
 
@@ -20,16 +22,13 @@ PROBE_WINDOW = 64  # a re-probe feeds the draft at most this many of the tokens 
 
 class LocalSource:
     """Drafts with one proposer per sequence, spawned from a loaded one (one model, a state per sequence).
-    Sequences drafting with the ONNX model step together (OnnxDrafter.propose_batch)."""
+    together(proposers, ks): drafts for several sequences in one call (OnnxDrafter.propose_batch), if it can."""
 
-    layout = "in_process"
-    chooses_gamma = False
+    drafts_ahead = False
 
-    def __init__(self, proposer: Proposer, slots: int = 1):
-        self.proposer, self.name = proposer, proposer.name
-        self.catchup_skip: int | None = None  # OnnxDrafter.catchup_skip (set by SelectingSource)
-        if isinstance(proposer, OnnxDrafter):
-            proposer.enable_batching(slots)  # the batch's drafters: slots of one buffer
+    def __init__(self, proposer: Proposer, together: Callable[[list[Proposer], list[int]], list[Draft]] | None = None):
+        self.proposer, self.name, self._together = proposer, proposer.name, together
+        self.drafts_together = together is not None
         self._props: dict[int, Proposer] = {}
         self._proposed: dict[int, bool] = {}  # drafted for the sequence this round
         self._fresh: set[int] = set()  # sequences not drafted for yet: their first catch-up is the prompt
@@ -46,38 +45,39 @@ class LocalSource:
             log.warning("draft %s: %s failed for request %d (it drafts nothing while this lasts; output is "
                         "unchanged): %s: %s", self.name, what, seq.id, type(exc).__name__, exc, exc_info=exc)
 
-    def begin(self, seq: Seq) -> None:
+    def begin(self, seq: Seq, ahead: int = 0, most: int = 0) -> None:
         self._proposed[seq.id] = False
         self._fresh.add(seq.id)
         try:
             p = self._props[seq.id] = self.proposer.spawn()
-            if self.catchup_skip is not None and isinstance(p, OnnxDrafter):
-                p.catchup_skip = self.catchup_skip
             p.begin(seq.prompt_ids, seq.params)
         except Exception as exc:  # noqa: BLE001 - the request goes on without this draft
             self._props.pop(seq.id, None)
             self._failed(seq, "begin", exc)
 
-    def _ready(self, seq: Seq) -> Proposer:
-        p = self._props[seq.id]
-        if len(p.ids) != len(seq.ids):  # rounds it did not draft: take the committed text
-            p.sync(seq.ids)
-        if seq.probing:
-            p.limit_catchup(PROBE_WINDOW)
-        return p
+    def _ready(self, seq: Seq, probing: bool) -> Proposer:
+        proposer = self._props[seq.id]
+        if len(proposer.ids) != len(seq.ids):  # rounds it did not draft: take the committed text
+            proposer.sync(seq.ids)
+        if probing:
+            proposer.limit_catchup(PROBE_WINDOW)
+        return proposer
 
-    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float = 0.0) -> list[Draft]:
+    def offers(self, seqs: list[Seq], caps: list[int]) -> None:
+        return None  # one kind: nothing to choose among
+
+    def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float = 0.0) -> list[Draft]:
         drafts = [Draft(ids=[]) for _ in seqs]
-        for seq, k in zip(seqs, ks):
-            self._proposed[seq.id] = k > 0 and seq.id in self._props
+        for seq, row in zip(seqs, rows):
+            self._proposed[seq.id] = row.k > 0 and seq.id in self._props
         live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]]
-        live = [i for i in live if self._guarded(seqs[i], "catch-up", self._ready, seqs[i]) is not None]
+        live = [i for i in live if self._guarded(seqs[i], "catch-up", self._ready, seqs[i], rows[i].probing) is not None]
         if not live:
             return drafts
-        props, live_ks = [self._props[seqs[i].id] for i in live], [ks[i] for i in live]
+        props, live_ks = [self._props[seqs[i].id] for i in live], [rows[i].k for i in live]
         t = time.perf_counter()
         try:
-            made = (OnnxDrafter.propose_batch(props, live_ks) if isinstance(self.proposer, OnnxDrafter)  # together
+            made = (self._together(props, live_ks) if self._together is not None
                     else [p.propose(k) for p, k in zip(props, live_ks)])
         except Exception:  # noqa: BLE001 - which row failed is not known: each alone, and only that one drafts nothing
             made = [self._guarded(seqs[i], "propose", p.propose, k) or Draft(ids=[])
@@ -134,75 +134,73 @@ class LocalSource:
 
 
 class SelectingSource:
-    """Per-round draft selection (draft/select.py): for each sequence, the controller's chosen candidate drafts,
-    or none. Lookups are asked first and compete only where they found a match; a worker candidate is asked every
-    round (k = 0 when another drafts), so that it keeps its stream and hears the commits."""
+    """Per-round draft selection (draft/select.py) among candidate sources: the lookups are asked first (offers)
+    and compete only where they found a match; the controller's plan names each row's strategy, which drafts. A
+    candidate that drafts ahead (the worker) is asked every round (k = 0 when another drafts), so that it keeps its
+    stream and hears the commits."""
 
     name = "select"
-    chooses_gamma = True
+    drafts_together = False
 
-    def __init__(self, candidates: dict[str, DraftSource], selection, names: list[str] | None = None,
-                 catchup_skip: int = 4):
-        """selection(names, layouts, cost_fns): Controller.selection. names: the strategies chosen among (default:
-        every candidate); one left out (the worker, next to candidates [ngram]) still runs and hears every commit.
-        catchup_skip: draft.catchup_skip, for the model candidates next to a lookup."""
+    def __init__(self, candidates: dict[str, DraftSource], names: list[str] | None = None):
+        """names: the strategies chosen among (default: every candidate); one left out (the worker, next to
+        candidates [ngram]) still runs and hears every commit."""
         if not candidates:
             raise ValueError("draft selection needs at least one candidate")
-        self.cands = candidates
-        names = list(candidates) if names is None else names
-        self.layout = "two_process" if any(c.layout == "two_process" for c in candidates.values()) else "in_process"
+        self.cands, self.names = candidates, list(candidates) if names is None else names
+        self.drafts_ahead = any(c.drafts_ahead for c in candidates.values())
         self.lookups = [n for n in candidates if n in LOOKUPS]
-        for name, c in candidates.items():
-            if self.lookups and name not in LOOKUPS and isinstance(c, LocalSource):
-                c.catchup_skip = catchup_skip
-        self.chooser = selection(names, {n: candidates[n].layout for n in names},
-                                 {n: candidates[n].costs for n in names})
-        self._chosen: dict[int, tuple[str | None, int]] = {}
+        self._found: dict[int, dict[str, Draft]] = {}  # per sequence: this round's lookup drafts
+        self._chosen: dict[int, str | None] = {}  # per sequence: the candidate that drafted this round
 
-    def begin(self, seq: Seq) -> None:
+    def begin(self, seq: Seq, ahead: int = 0, most: int = 0) -> None:
         for c in self.cands.values():
-            c.begin(seq)
-        self._chosen[seq.id] = (None, 0)
+            c.begin(seq, ahead, most)
+        self._chosen[seq.id] = None
 
-    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
+    def offers(self, seqs: list[Seq], caps: list[int]) -> list[list[str]]:
+        """Each row's strategies: the model candidates, and a lookup as "name@n" where it matched a suffix of n
+        tokens (a long match is right far more often: acceptance is kept per length)."""
         out = []
-        self.chooser.next_round()
-        for seq, k in zip(seqs, ks):
-            found = {n: self.cands[n].propose([seq], [k], budget_s)[0] if k > 0 else Draft(ids=[])
-                     for n in self.lookups}
-            # a lookup competes as "name@n", n the suffix length it matched: a long match is right far more often
-            avail = [f"{n}@{found[n].match}" if n in self.lookups else n for n in self.chooser.names
-                     if n not in self.lookups or found[n].ids]
-            key, g = self.chooser.choose(k, avail, stream=seq.id, round_started=True)
-            name = key.partition("@")[0] if key else None
-            made = {n: c.propose([seq], [min(g, k) if n == name else 0], budget_s)[0]
+        for seq, cap in zip(seqs, caps):
+            row = [RowPlan(k=cap)]
+            found = self._found[seq.id] = {n: self.cands[n].propose([seq], row)[0] if cap > 0 else Draft(ids=[])
+                                           for n in self.lookups}
+            out.append([f"{n}@{found[n].match}" if n in self.lookups else n for n in self.names
+                        if n not in self.lookups or found[n].ids])
+        return out
+
+    def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float) -> list[Draft]:
+        """Each row's draft by the strategy its plan names; one deadline for the round's waits."""
+        out, deadline = [], time.monotonic() + budget_s
+        for seq, row in zip(seqs, rows):
+            name = row.strategy.partition("@")[0] if row.strategy and row.k > 0 else None
+            made = {n: c.propose([seq], [RowPlan(k=row.k if n == name else 0, ahead=row.ahead)],
+                                 max(0.0, deadline - time.monotonic()))[0]
                     for n, c in self.cands.items() if n not in self.lookups}
-            draft = Draft(ids=found[name].ids[:max(1, g)]) if name in self.lookups else made.get(name, Draft(ids=[]))
-            self._chosen[seq.id] = (key, len(draft.ids))
+            found = self._found.pop(seq.id, {})
+            draft = Draft(ids=found[name].ids[:max(1, row.k)]) if name in self.lookups else made.get(name, Draft([]))
+            self._chosen[seq.id] = name
             out.append(draft)
         return out
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
-        key, k = self._chosen.get(seq.id, (None, 0))
-        if key is not None and k:
-            self.chooser.observe_round(key, k, n_accepted, stream=seq.id)
-        name = key.partition("@")[0] if key else None
+        name = self._chosen.get(seq.id)
         for n, c in self.cands.items():
-            if n == name or c.layout == "two_process":
+            if n == name or c.drafts_ahead:
                 c.commit(seq, n_accepted if n == name else 0, next_token)
-        self._chosen[seq.id] = (None, 0)
+        self._chosen[seq.id] = None
 
     def end(self, seq: Seq) -> dict[str, Any]:
-        out = {key: v for c in self.cands.values() for key, v in c.end(seq).items()}
         self._chosen.pop(seq.id, None)
-        self.chooser.forget(seq.id)
-        return {**out, "draft_selection": self.chooser.summary()}
+        self._found.pop(seq.id, None)
+        return {key: v for c in self.cands.values() for key, v in c.end(seq).items()}
 
     def costs(self) -> DraftCosts:
-        return DraftCosts(None, None)  # each candidate's own goes to the chooser
+        return DraftCosts(None, None)  # each candidate's own goes to the controller's selection
 
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        workers = [c for c in self.cands.values() if c.layout == "two_process"]
+        workers = [c for c in self.cands.values() if c.drafts_ahead]
         return workers[0].health(probe, timeout_s) if workers else {"draft": "in_process"}
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from ..config import Config
 from ..draft.base import Draft, DraftCosts, Seq
 from ..draft.select import prompt_window
+from ..tuning.controller import RowPlan
 from .cpus import allowed, draft_cpus, pin_threads
 from .pipelined import DraftLink, LinkCosts
 from .supervisor import DraftSupervisor, WorkerSpec
@@ -30,8 +31,8 @@ class WorkerSource:
     """`launcher` and `clock` are seams for tests (an in-memory worker, a ticking clock)."""
 
     name = "onnx-pipelined"
-    layout = "two_process"
-    chooses_gamma = False
+    drafts_ahead = True
+    drafts_together = True  # the worker steps its streams together
 
     def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, max_streams: int = 8,
                  launcher=None, clock=time.monotonic):
@@ -52,26 +53,28 @@ class WorkerSource:
         self._counts: dict[int, tuple[int, int]] = {}  # supervisor failures and restarts when a sequence began
         self.sup.start()
 
-    def begin(self, seq: Seq) -> None:
-        """The worker starts drafting block 1 while the target reads the prompt."""
-        gamma = max(1, seq.gamma)
-        max_ahead = self.config.runtime.max_ahead or 2 * max(gamma, 16 if seq.gamma_auto else gamma) + 1
+    def begin(self, seq: Seq, ahead: int, most: int) -> None:
+        """The worker starts drafting block 1 (`ahead` tokens) while the target reads the prompt; it keeps at most
+        runtime.max_ahead drafts (default: two of the longest blocks the plan may ask, `most`, and one)."""
+        gamma = max(1, ahead)
+        max_ahead = self.config.runtime.max_ahead or 2 * max(gamma, most) + 1
         trace = [] if self.trace else None
         self.links[seq.id] = link = DraftLink(self.sup, seq.id, seq.params, gamma, max_ahead, self.link_costs,
                                               self.routes, trace, self.vocab_width, clock=self.clock)
         self._counts[seq.id] = (self.sup.failures, self.sup.restarts)
         link.begin(seq.ids)
 
-    def propose(self, seqs: list[Seq], ks: list[int], budget_s: float) -> list[Draft]:
-        """Each row's draft; the whole round waits for drafts at most budget_s (one deadline, not one a row)."""
+    def offers(self, seqs: list[Seq], caps: list[int]) -> None:
+        return None  # one kind: nothing to choose among
+
+    def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float) -> list[Draft]:
+        """Each row's draft; the worker drafts ahead at each row's `ahead` (0: it rests); the whole round waits for
+        drafts at most budget_s (one deadline, not one a row)."""
         out, deadline = [], self.clock() + budget_s
-        for seq, k in zip(seqs, ks):
+        for seq, row in zip(seqs, rows):
             link = self.links[seq.id]
-            # the worker drafts while this sequence speculates, and for greedy and coupled requests also while it
-            # does not: its tokens are then compared with the target's own for free (acceptance, measured)
-            shadow = seq.params.greedy or seq.params.coupled
-            link.control(seq.gamma > 0 or shadow, seq.ids, seq.gamma if seq.gamma > 0 else None)
-            out.append(link.gather(seq.ids, k, max(0.0, deadline - self.clock())))
+            link.control(row.ahead > 0, seq.ids, row.ahead or None)
+            out.append(link.gather(seq.ids, row.k, max(0.0, deadline - self.clock())))
             if link.shadow[0]:
                 out[-1].shadow, link.shadow = link.shadow, (0, 0)
         return out

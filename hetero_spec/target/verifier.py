@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers import cache_utils
-from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.utils import logging as hf_logging
 
 from ..errors import ModelLoadError
@@ -45,10 +44,11 @@ def resolve_device(device: str) -> torch.device:
 
 @dataclass
 class TargetState:
-    """One request's target-side state: the KV cache and how many tokens it holds."""
+    """One request's target-side state: the KV cache and how many tokens it holds (slot: its rows in a KeptKV)."""
 
     cache: object
     n_cached: int = 0
+    slot: int | None = None
 
 
 class TargetModel:
@@ -101,19 +101,29 @@ class TargetModel:
             raise ModelLoadError(f"target model {str(model_dir)!r} has sliding-window layers; target.kv_cache_dtype "
                                  f"{kv_cache_dtype} supports full-attention caches only (use auto)")
         self.staging = Staging(self.device)
+        self.kept: KeptKV | None = None
 
     def new_state(self) -> TargetState:
+        if self.kept is not None and (slot := self.kept.acquire()) is not None:
+            state = TargetState(cache=None, slot=slot)
+            state.cache = self.kept.cache([state])
+            return state
         cache = DynamicCache(config=self.config)
         if self.kv_cache_dtype != "auto":
             cache.layers = [StoredKVLayer(self.kv_cache_dtype) for _ in cache.layers]
         return TargetState(cache=cache)
 
     def enable_batching(self, slots: int) -> None:
-        """Nothing to set up: verify_batch builds each batch from the rows' own caches."""
+        """States from now on are slots of one kept batch cache (up to `slots`; more get caches of their own), which
+        verify_batch reads in place. Sliding-window and quantized models keep a cache per row (verified row by row)."""
+        if slots > 1 and self.kept is None and not (self.windowed or self.quantized):
+            self.kept = KeptKV(len(DynamicCache(config=self.config).layers), slots)
 
     def release_state(self, state: TargetState) -> None:
-        """Drop the request's cache now (a request ended or was cancelled)."""
-        state.cache, state.n_cached = None, 0
+        """Drop the request's cache now (a request ended or was cancelled); its slot is free for the next."""
+        if state.slot is not None and self.kept is not None:
+            self.kept.release(state.slot)
+        state.cache, state.n_cached, state.slot = None, 0, None
 
     @torch.inference_mode()
     def forward(self, state: TargetState, tokens: list[int], last_only: bool = False) -> torch.Tensor:
@@ -154,51 +164,90 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: list[bool]) -> list:
-        """Verify several requests' blocks in ONE forward pass: what `verify` returns for each row. Padded: each
-        row's past right-aligned in [B, heads, L, dim] (L the longest past; masked zeros on its left), its block
-        left-aligned in [B, K] (the pad tokens after it are seen by nothing real, attention being causal), explicit
-        positions. Each row then takes back its own new positions, so a rollback never leaves a pad behind.
-        Sliding-window caches (a padded copy cannot keep their recorded past) and quantized models (see __init__)
-        verify one row per pass."""
+        """Verify several requests' blocks in ONE forward pass: what `verify` returns for each row. The rows' caches
+        are their slots of the kept cache, read in place (KeptKV); each block is left-aligned in [B, K] and written
+        after its own past, and a 4D mask lets query j of a row see its past and its block up to j (the pad after
+        a short block is seen by nothing real). Rows without a slot verify one per pass."""
         if len(greedy) != len(rows):
             raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
-        if len(rows) == 1 or self.windowed or self.quantized:
+        if len(rows) == 1 or any(state.slot is None for state, _, _ in rows):
             return [self.verify(state, last, draft, g) for (state, last, draft), g in zip(rows, greedy)]
-        lens = [state.n_cached for state, _, _ in rows]
-        blocks = [[last, *draft] for _, last, draft in rows]
-        big_l, big_k = max(lens), max(len(b) for b in blocks)
-        batch = self._padded_cache([state.cache for state, _, _ in rows], lens, big_l)
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0].slot)  # ascending slots: a view when contiguous
+        states = [rows[i][0] for i in order]
+        blocks = [[rows[i][1], *rows[i][2]] for i in order]
+        big_k = max(len(block) for block in blocks)
         ids = torch.zeros((len(rows), big_k), dtype=torch.long)
-        mask = torch.zeros((len(rows), big_l + big_k), dtype=torch.long)
-        for i, (n, block) in enumerate(zip(lens, blocks)):
+        for i, block in enumerate(blocks):
             ids[i, :len(block)] = torch.tensor(block)
-            mask[i, big_l - n:] = 1
-        pos = torch.tensor(lens)[:, None] + torch.arange(big_k)[None]
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: batch})
-        results = []
-        for i, ((state, _, _), block) in enumerate(zip(rows, blocks)):
-            end = big_l + len(block)
-            for layer, new in zip(state.cache.layers, batch.layers):
-                layer.update(new.keys[i:i + 1, :, big_l:end], new.values[i:i + 1, :, big_l:end])
+        past = torch.tensor([state.n_cached for state in states])
+        pos = past[:, None] + torch.arange(big_k)[None]  # [B, K]
+        seen = torch.arange(int(past.max()) + big_k)[None, None] <= pos[:, :, None]  # [B, K, L]
+        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill(~seen, torch.finfo(self.dtype).min)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask[:, None].to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: self.kept.cache(states)})
+        results: list = [None] * len(rows)
+        for i, (state, block) in enumerate(zip(states, blocks)):
             state.n_cached += len(block)
-            results.append(_outputs(out.logits[i, :len(block)], greedy[i]))
+            results[order[i]] = _outputs(out.logits[i, :len(block)], greedy[order[i]])
         return results
 
-    def _padded_cache(self, caches: list, lens: list[int], big_l: int):
-        """One DynamicCache [B, heads, big_l, dim] per layer: each row's past right-aligned, zeros before it."""
-        batch = DynamicCache(config=self.config)
-        if not big_l:
-            return batch
-        like = next(cache for cache, n in zip(caches, lens) if n).layers  # a row with a past: shapes the empty ones
 
-        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:  # each [1, heads, >= n, dim] -> [B, heads, big_l, dim]
-            return torch.cat([F.pad(t[:, :, :n], (0, 0, big_l - n, 0)) for t, n in zip(tensors, lens)])
+class KeptKV:
+    """The kept KV cache of a batch's rows (enable_batching): per layer, keys and values [slots, kv_heads, capacity,
+    head_dim], allocated at the first write and grown (doubled, once for all slots) when a row needs more. A state
+    owns a slot; its past is positions [0, n_cached) of it, so a rollback is its count alone. A pass over rows in
+    adjacent slots reads a view of the buffer, with no copy (vLLM's and the onnx KvPool's idea)."""
 
-        for li, layer in enumerate(batch.layers):
-            srcs = [cache.layers[li] if n else like[li] for cache, n in zip(caches, lens)]
-            layer.update(padded([s.keys for s in srcs]), padded([s.values for s in srcs]))
-        return batch
+    def __init__(self, n_layers: int, slots: int):
+        self.slots, self.keys, self.values = slots, [None] * n_layers, [None] * n_layers
+        self._free = list(range(slots))
+
+    def acquire(self) -> int | None:
+        return self._free.pop(0) if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free = sorted({*self._free, slot})
+
+    def cache(self, states: list[TargetState]) -> Cache:
+        """A transformers Cache over these states' slots (in this order; one state: that request's own cache)."""
+        return Cache(layers=[SlotLayer(self, layer, states) for layer in range(len(self.keys))])
+
+    def write(self, layer: int, states: list[TargetState], keys: torch.Tensor, values: torch.Tensor):
+        """Store each row's new keys and values [B, heads, new, dim] after its past; every row's past and new
+        positions up to the longest, [B, heads, L, dim] (positions past a row's own are masked)."""
+        end = max(state.n_cached for state in states) + keys.shape[-2]
+        for name, new in (("keys", keys), ("values", values)):
+            buf = getattr(self, name)[layer]
+            if buf is None or buf.shape[2] < end:
+                grown = new.new_zeros((self.slots, new.shape[1], max(end, 2 * (0 if buf is None else buf.shape[2]),
+                                                                          64), new.shape[3]))
+                if buf is not None:
+                    grown[:, :, :buf.shape[2]] = buf
+                buf = getattr(self, name)[layer] = grown
+            for i, state in enumerate(states):
+                buf[state.slot, :, state.n_cached:state.n_cached + new.shape[2]] = new[i]
+        slots = [state.slot for state in states]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return self.keys[layer][slots[0]:slots[-1] + 1, :, :end], self.values[layer][slots[0]:slots[-1] + 1, :, :end]
+        index = torch.tensor(slots, device=keys.device)
+        return self.keys[layer][:, :, :end].index_select(0, index), self.values[layer][:, :, :end].index_select(0, index)
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of a Cache over slots of a KeptKV: writes go to the rows' slots; a crop is the state's count."""
+
+    def __init__(self, kept: KeptKV, layer: int, states: list[TargetState]):
+        super().__init__()
+        self.kept, self.layer, self.states, self.is_initialized = kept, layer, states, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.kept.write(self.layer, self.states, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return max(state.n_cached for state in self.states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Nothing to free: TargetModel.rollback sets the state's count."""
 
 
 def _outputs(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:

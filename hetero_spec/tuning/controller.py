@@ -30,6 +30,15 @@ PLAIN_HOLD = 16
 G_MAX = 16
 
 
+def layout_rate(model: CostModel, acceptance: float, layout: str, speculating: bool = True) -> tuple[int, float]:
+    """What the controller earns on a layout's costs: (the gamma it chooses, 0 where the target alone is faster;
+    predicted tok/s), or the target alone's rate where speculation is off (not speculating). The placement asks
+    this before it moves a layout (tuning/placement.py), so the two never disagree on whether speculation pays."""
+    if not speculating:
+        return 0, 1.0 / model.verify(0)
+    return model.best_gamma(acceptance, layout, G_MAX)
+
+
 @dataclass
 class SharedPassCost:
     """S(t): seconds of one target pass over t positions shared by several requests: the median of the last RECENT
@@ -141,71 +150,127 @@ class Tuning:
 
 @dataclass
 class StreamControl:
-    """One stream's part of the controller. `fixed`: a configured integer gamma (no choice made)."""
+    """One stream's part of the controller. `fixed`: a configured integer gamma (no choice made). shadow: its
+    drafts can be compared with the target's own tokens for free while it rests (greedy and coupled requests)."""
 
     fixed: int | None = None
+    stream_id: int = 0
+    shadow: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)
     choices: Counter = field(default_factory=Counter)
     reason: str = ""
     gamma: int = 0  # this round's gamma, before the room left (0: none)
     probing: bool = False  # this round re-probes after rounds at gamma 0
+    ahead: int = 0  # the block a source that drafts ahead drafts at: the last gamma > 0
     _round: int = 0
     #: (key, rate, a) of a gamma 0 chosen afresh; key: (engine-wide tested tokens, the draft's costs) then
     _off: tuple | None = None
     _off_rounds: int = 0
 
 
+@dataclass
+class RowPlan:
+    """One row's part of a round. k: drafts to verify (0: the target alone). ahead: the block a source that drafts
+    ahead drafts at meanwhile (0: it rests). strategy: the draft selection's choice ("ngram@3"; None: the source's
+    only kind). probing: a re-probe after rounds at gamma 0 (the draft catches up on a short window)."""
+
+    k: int = 0
+    ahead: int = 0
+    strategy: str | None = None
+    probing: bool = False
+
+
+@dataclass
+class RoundPlan:
+    """The controller's decision for one round: per row, what to draft; for the round, whether no row drafts (one
+    shared plain pass) and how long the round may wait for drafts made in another process (None: drafted here)."""
+
+    rows: list[RowPlan]
+    shared: bool = False
+    deadline_s: float | None = None
+
+    @property
+    def ks(self) -> list[int]:
+        return [row.k for row in self.rows]
+
+
+#: what a draft selection offers a round: given each row's cap, the strategies that can draft each row (a lookup
+#: as "name@n", n the suffix it matched, where it matched), or None when the source has no choice to make
+Offers = Callable[[list[int]], list[list[str]] | None]
+
+
 class Controller:
     """layout: the cost model's round (in_process | two_process). batch_blocks: the target verifies rows with blocks
-    of different lengths in one pass (else one pass per drafting row)."""
+    of different lengths in one pass (else one pass per drafting row). together: the source drafts many rows in
+    one call (its rows' steps are priced as one shared pass)."""
 
     def __init__(self, tuning: Tuning, layout: str, batch_blocks: bool, mode: str = "throughput",
                  plain_hold: int = PLAIN_HOLD):
         self.tuning, self.layout, self.batch_blocks, self.mode = tuning, layout, batch_blocks, mode
         self.plain_hold = plain_hold  # serving.plain_hold
+        self.together = False
+        self.chooser: StrategyChooser | None = None  # draft selection (Controller.selection)
         self.last_plan = ""
         self.last_rates: tuple[float, float] | None = None  # (speculating, one shared pass): predicted tok/s
         self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
 
-    def stream(self, gamma: int | str) -> StreamControl:
-        return StreamControl(fixed=gamma if isinstance(gamma, int) else None)
+    def stream(self, gamma: int | str, stream_id: int = 0, shadow: bool = False) -> StreamControl:
+        sc = StreamControl(fixed=gamma if isinstance(gamma, int) else None, stream_id=stream_id, shadow=shadow)
+        sc.ahead = self.initial_gamma(sc)
+        return sc
 
     def estimate(self, sc: StreamControl) -> float:
         """A stream's acceptance, starting from the engine-wide estimate."""
         return sc.acceptance.rate(self.tuning.global_acceptance(), self.tuning.prior_weight)
 
     # -- 1) plan -------------------------------------------------------------------------------------------
-    def plan(self, streams: list[StreamControl], rooms: list[int], chooses_gamma: bool = False) -> list[int]:
-        """This round's draft length per stream (0: none), at most room - 1 (room: the tokens it may still
-        commit). chooses_gamma: the draft source picks the gamma (selection): an auto stream gets the largest."""
+    def plan(self, streams: list[StreamControl], rooms: list[int], offers: Offers | None = None,
+             wait_default_s: float = 0.010) -> RoundPlan:
+        """The round's plan: each row's k is at most room - 1 (room: the tokens it may still commit). offers: the
+        source's strategies per row (draft selection), asked only when some row may draft. wait_default_s: see
+        wait_budget (the rows' prefill time, say)."""
         size, left = self._plain
         if len(streams) > 1 and size == len(streams) and left > 0:
             self._plain = (size, left - 1)
-            for sc in streams:
-                sc.probing, sc.gamma = False, 0
-                sc.choices[0] += 1
-            return [0] * len(streams)
-        ks = []
-        for sc, room in zip(streams, rooms):
-            sc.gamma = (G_MAX if sc.fixed is None else sc.fixed) if chooses_gamma else self._choose(sc)
-            ks.append(max(0, min(sc.gamma, room - 1)))
+            return self._plain_round(streams)
+        caps = [max(0, min(G_MAX if sc.fixed is None else sc.fixed, room - 1)) for sc, room in zip(streams, rooms)]
+        offered = offers(caps) if offers is not None and self.chooser is not None else None
+        if offered is None:
+            rows = [self._row(sc, min(self._choose(sc), cap)) for sc, cap in zip(streams, caps)]
+        else:
+            self.chooser.next_round()
+            rows = [self._selected(sc, cap, names) for sc, cap, names in zip(streams, caps, offered)]
         if len(streams) > 1 and all(sc.fixed is None for sc in streams):
-            together = not chooses_gamma and self.layout == "in_process"
-            # a selection drafts at most k, and what the model draft would: the batch is priced on that, not k
-            priced = [self._expected_k(sc, k) for sc, k in zip(streams, ks)] if chooses_gamma else ks
-            if not any(self.plan_batch(priced, [self.estimate(sc) for sc in streams], together)):
-                ks = [0] * len(streams)
-                for sc in streams:
-                    sc.gamma = 0
-        return ks
+            together = self.together and offered is None
+            if not any(self.plan_batch([row.k for row in rows], [self.estimate(sc) for sc in streams], together)):
+                return self._plain_round(streams, counted=True)
+        deadline = self.wait_budget(max(row.k for row in rows), wait_default_s) if self.layout == "two_process" \
+            else None
+        return RoundPlan(rows, shared=len(rows) > 1 and not any(row.k for row in rows), deadline_s=deadline)
 
-    def _expected_k(self, sc: StreamControl, cap: int) -> int:
-        """What a stream whose draft length the source chooses (draft selection) is expected to draft: the cost
-        model's best gamma for its acceptance, at most cap (cap without a model)."""
-        model = self.tuning.model()
-        if model is None or cap <= 0:
-            return cap
-        return min(cap, model.best_gamma(self.estimate(sc), self.layout, G_MAX)[0])
+    def _row(self, sc: StreamControl, k: int, strategy: str | None = None) -> RowPlan:
+        if sc.gamma > 0:
+            sc.ahead = sc.gamma
+        return RowPlan(k=max(0, k), ahead=sc.ahead if sc.gamma > 0 or sc.shadow else 0, strategy=strategy,
+                       probing=sc.probing)
+
+    def _selected(self, sc: StreamControl, cap: int, names: list[str]) -> RowPlan:
+        """Draft selection's row: the strategy the chooser picks among those offered, at its gamma (<= cap); a
+        source drafting ahead keeps drafting at the stream's largest block."""
+        sc.probing, sc.gamma = False, G_MAX if sc.fixed is None else sc.fixed
+        key, g = self.chooser.choose(cap, names, stream=sc.stream_id, round_started=True)
+        sc.choices[g] += 1
+        return self._row(sc, g, key)
+
+    def _plain_round(self, streams: list[StreamControl], counted: bool = False) -> RoundPlan:
+        """No row drafts: one shared pass (a source drafting ahead goes on only where it compares for free)."""
+        rows = []
+        for sc in streams:
+            if not counted:
+                sc.choices[0] += 1
+            sc.probing, sc.gamma = False, 0
+            rows.append(self._row(sc, 0))
+        return RoundPlan(rows, shared=True, deadline_s=0.0 if self.layout == "two_process" else None)
 
     def _choose(self, sc: StreamControl) -> int:
         """A stream's gamma as if it ran alone (best predicted goodput; 0: the target alone is best), or a re-probe."""
@@ -226,7 +291,7 @@ class Controller:
                 sc._off_rounds += 1
             else:
                 a = self.estimate(sc)
-                g, rate = model.best_gamma(a, self.layout, G_MAX)
+                g, rate = layout_rate(model, a, self.layout)
                 sc._off, sc._off_rounds = ((key, rate, a) if g == 0 else None), 0
             if g == 0:
                 t.rounds_off += 1
@@ -300,13 +365,17 @@ class Controller:
         return alone is None or joined is None or joined <= LATENCY_SLOWDOWN * alone
 
     # -- 5) observe ----------------------------------------------------------------------------------------
-    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None) -> None:
-        """One stream's round: k drafts, n accepted; verify_s None when the pass was shared with other rows."""
+    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None, row: RowPlan | None = None) -> None:
+        """One stream's round as planned in row (default: its last plan): k drafts, n accepted; verify_s None when
+        the pass was shared with other rows."""
+        row = row or RowPlan(probing=sc.probing)
         sc.acceptance.observe(k, n)
         self.tuning.acceptance.observe(k, n)
         if verify_s is not None:
             self.tuning.observe_verify(k, verify_s)
-        if sc.probing and k > 0:
+        if row.strategy is not None and k > 0:
+            self.chooser.observe_round(row.strategy, k, n, stream=sc.stream_id)
+        elif row.probing and k > 0:
             self.tuning.probed(n > 0)
 
     def observe_costs(self, token_s: float | None, transfer_s: float | None) -> None:
@@ -323,8 +392,11 @@ class Controller:
 
     def selection(self, names: list[str], layouts: dict[str, str],
                   cost_fns: dict[str, Callable[[], DraftCosts]]) -> StrategyChooser:
-        """The choice among draft strategies (draft.candidates), on this controller's costs and probe schedule."""
-        return StrategyChooser(names, self.tuning, layouts, cost_fns, prior_acceptance=self.tuning.prior_acceptance)
+        """The choice among draft strategies (draft.candidates), on this controller's costs and probe schedule:
+        part of every plan from now on."""
+        self.chooser = StrategyChooser(names, self.tuning, layouts, cost_fns,
+                                       prior_acceptance=self.tuning.prior_acceptance)
+        return self.chooser
 
     def observe_shadow(self, tested: int, accepted: int) -> None:
         """Drafts compared with tokens the target decoded alone: a draft judged useless early can be judged again."""
@@ -337,9 +409,20 @@ class Controller:
         model = self.tuning.model()
         return max(1, model.best_gamma(self.estimate(sc), self.layout, G_MAX)[0]) if model else 4
 
-    def summary(self, sc: StreamControl) -> dict:
-        return {"choices": {str(g): c for g, c in sorted(sc.choices.items())}, "last_reason": sc.reason,
-                "acceptance_estimate": round(self.estimate(sc), 4)}
+    def first_block(self, sc: StreamControl) -> tuple[int, int]:
+        """(the block a source that drafts ahead starts at, the longest block a plan may ask of this stream)."""
+        return sc.ahead, G_MAX if sc.fixed is None else max(1, sc.fixed)
+
+    def end(self, sc: StreamControl) -> dict:
+        """A stream ended: what its stats report of the controller's choices (its per-stream state goes)."""
+        out: dict = {}
+        if sc.fixed is None:
+            out["gamma_auto"] = {"choices": {str(g): c for g, c in sorted(sc.choices.items())},
+                                 "last_reason": sc.reason, "acceptance_estimate": round(self.estimate(sc), 4)}
+        if self.chooser is not None:
+            self.chooser.forget(sc.stream_id)
+            out["draft_selection"] = self.chooser.summary()
+        return out
 
 
 @dataclass

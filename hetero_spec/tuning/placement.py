@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .controller import layout_rate
 from .cost_model import CostModel, fit_line
 from .profile import beside, decoder_token_s, prefilled, transfer_points, verify_points
 
@@ -105,9 +106,9 @@ def candidates(config, n_cpus: int) -> list[Layout]:
     return out
 
 
-def predict(costs: Costs, layout: Layout, acceptance: float, g_max: int = 16) -> tuple[int, float]:
-    """(best gamma, predicted goodput in committed tokens/s) of a layout."""
-    return costs.model(layout).best_gamma(acceptance, layout.mode, g_max)
+def predict(costs: Costs, layout: Layout, acceptance: float, speculating: bool = True) -> tuple[int, float]:
+    """(the controller's gamma, predicted goodput in committed tokens/s) of a layout (controller.layout_rate)."""
+    return layout_rate(costs.model(layout), acceptance, layout.mode, speculating)
 
 
 def choose(costs: Costs, layouts: list[Layout], acceptance: float) -> tuple[Layout, list[dict[str, Any]]]:
@@ -285,7 +286,7 @@ def replacement(costs: Costs, layouts: list[Layout], now: Layout, acceptance: fl
         return (observed[lay], "observed") if lay in observed else (predict(costs, lay, acceptance)[1], "predicted")
     rate_now, how_now = rate(now)
     if spec_off and now not in observed:  # what runs now is the target alone
-        rate_now, how_now = 1.0 / costs.model(now).verify(0), "predicted, speculation off"
+        rate_now, how_now = predict(costs, now, acceptance, speculating=False)[1], "predicted, speculation off"
     best = max(layouts, key=lambda lay: rate(lay)[0])
     rate_best, how_best = rate(best)
     stale = now in observed and observed[now] < STALE_SHARE * predict(costs, now, acceptance)[1]
