@@ -220,6 +220,24 @@ def test_cli_errors_are_clear(tmp_path, copy_config, capsys):
         run_bench(BenchSettings(config=copy_config, out=tmp_path / "o", max_new_tokens=8), prompt_ids=[[5] * 90])
 
 
+def test_prefill_stall_scenario_runs_every_arm_and_writes_its_table(tmp_path, copy_config, capsys):
+    """No timing is asserted (the bench measures): every arm ran each repeat, the long prompt fits the context, its
+    table and report are written, and bad settings are one clear line."""
+    out = tmp_path / "stall"
+    assert main(["bench", "--config", str(copy_config), "--out", str(out), "--scenario", "prefill-stall",
+                 "--chunks", "0,16", "--long-prompt-tokens", "500", "--max-new-tokens", "6", "--repeats", "2"]) == 0
+    report = json.loads((out / "prefill_stall.json").read_text())
+    assert list(report["runs"]) == ["none", "0", "16"] and all(len(r) == 2 for r in report["runs"].values())
+    assert report["long_prompt_tokens"] == 96 - 8  # llama_gqa.json: a context of 96
+    assert report["medians"]["none"]["long_ttft_ms"] == 0 and report["medians"]["16"]["long_ttft_ms"] > 0
+    table = capsys.readouterr().out
+    assert table == (out / "prefill_stall.md").read_text() and "| arrives, 0 (whole) |" in table
+    err = lambda *args: main(["bench", "--config", str(copy_config), "--scenario", "prefill-stall", *args]) == 2 \
+        and capsys.readouterr().err
+    assert "--chunks must be comma-separated integers >= 0, got '0,x'" in err("--chunks", "0,x")
+    assert "--long-prompt-tokens must be >= 1, got 0" in err("--long-prompt-tokens", "0")
+
+
 def test_prompts_file_errors_name_the_line(tmp_path, copy_config):
     from hetero_spec.bench.prompts import prompts_from_file
     from hetero_spec.config import load_config

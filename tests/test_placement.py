@@ -95,7 +95,7 @@ def test_engine_resolves_auto_by_measurement_then_from_the_cache(monkeypatch, tm
     with Engine.from_config({**cfg, "speculation": {"profile": str(prof), "gamma": "auto"}}) as eng:
         assert eng.placement["chosen"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
         assert eng.placement["why"].startswith("best predicted goodput at acceptance 0.900 (profile")
-        assert eng.source.layout == "two_process"  # the worker runs
+        assert eng.source.drafts_ahead  # the worker runs
         assert [eng.generate(p, max_new_tokens=24).token_ids for p in PROMPTS] == refs
 
 
@@ -134,7 +134,7 @@ def test_demo_config_end_to_end(monkeypatch, tmp_path):
         refs = [ref.generate(p, max_new_tokens=40).token_ids for p in prompts]
     with Engine.from_config(demo) as eng:
         assert eng.placement["chosen"]["mode"] in ("in_process", "two_process")
-        assert (eng.source.layout == "two_process") == (eng.placement["chosen"]["mode"] == "two_process")
+        assert eng.source.drafts_ahead == (eng.placement["chosen"]["mode"] == "two_process")
         outs = [eng.generate(p, max_new_tokens=40) for p in prompts]
     assert [o.token_ids for o in outs] == refs
     assert all("gamma_auto" in o.stats["extra"] for o in outs)
@@ -163,7 +163,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
     # depends on the machine's load; here every round tests its block, so the acceptance is measured after the
     # same rounds on any machine
     with Engine.from_config(cfg, controller=FixedController.factory("on", budget_s=60.0)) as eng:
-        assert eng.placement["chosen"]["mode"] == "two_process" and eng.source.layout == "two_process"
+        assert eng.placement["chosen"]["mode"] == "two_process" and eng.source.drafts_ahead
         for _ in range(6):
             assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
             assert eng.wait_idle(120)  # a re-placement runs between requests, after the caller heard DONE
@@ -172,7 +172,7 @@ def test_a_useless_draft_moves_the_placement_to_the_target_alone(monkeypatch, tm
         sw = eng.placement["switches"]
         assert len(sw) == 1 and sw[0]["to"]["mode"] == "in_process" and sw[0]["to"]["target_threads"] == 2
         assert "measured acceptance" in sw[0]["why"]
-        assert eng.source.layout == "in_process" and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
+        assert not eng.source.drafts_ahead and eng.config.runtime.mode == "in_process" and eng.config.target.threads == 2
         assert eng.tuning.profile is None  # the profile's costs were for the old layout
         # gamma auto restarted from the new layout's measured costs: the first points after the reset are the
         # seeded ones (blocks of 1 and 9 tokens, twice each), whatever ran after the switch
@@ -203,12 +203,12 @@ def test_a_draft_better_than_assumed_moves_the_placement_to_two_processes(monkey
     with Engine.from_config({"target": target, "draft": {"kind": "none"}}) as ref_eng:
         refs = [ref_eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
     with Engine.from_config(cfg) as eng:
-        assert eng.placement["chosen"]["mode"] == "in_process" and eng.source.layout == "in_process"
+        assert eng.placement["chosen"]["mode"] == "in_process" and not eng.source.drafts_ahead
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
         assert eng.wait_idle(120)
         sw = eng.placement["switches"]
         assert len(sw) == 1 and sw[0]["to"] == {"mode": "two_process", "target_threads": 1, "draft_threads": 1}
-        assert eng.source.layout == "two_process"
+        assert eng.source.drafts_ahead
         assert [eng.generate(p, max_new_tokens=30).token_ids for p in PROMPTS] == refs
 
 

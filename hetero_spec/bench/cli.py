@@ -23,7 +23,8 @@ OUT/bench.json (every number) and OUT/bench.md."""
 EXAMPLES = """examples:
   hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2 --precision-matrix fp32,int8
   hetero-spec bench --config configs/cpu-demo.yaml --systems target_only,hetero_spec,ort_genai_spec,llama_cpp_spec \\
-    --prompts humaneval:20 --llama-cpp BIN_DIR --llama-cpp-target T.gguf --llama-cpp-draft D.gguf"""
+    --prompts humaneval:20 --llama-cpp BIN_DIR --llama-cpp-target T.gguf --llama-cpp-draft D.gguf
+  hetero-spec bench --config configs/cpu-demo.yaml --scenario prefill-stall --chunks 0,128,256 --repeats 5"""
 
 
 def add_bench_parser(sub) -> None:
@@ -63,6 +64,11 @@ def add_bench_parser(sub) -> None:
       help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
     a("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
       help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
+    a("--scenario", choices=["decode", "prefill-stall"], default="decode",
+      help="decode (default): the systems above, prompt by prompt; prefill-stall: three streams decode while a long "
+           "prompt arrives, per --chunks setting and with none arriving: their longest wait, the long one's TTFT")
+    a("--chunks", default="0,128", metavar="LIST", help="prefill-stall: serving.prefill_chunk settings (0: whole)")
+    a("--long-prompt-tokens", type=int, default=900, metavar="N", help="prefill-stall: the long prompt's tokens")
     a("--draft-hf", type=Path, metavar="DIR",
       help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model, if it is one)")
     a("--ort-target", type=Path, metavar="DIR", help="an existing ONNX export of the target for the ort_genai systems "
@@ -108,7 +114,28 @@ def settings_from_args(args) -> BenchSettings:
 
 
 def cmd_bench(args) -> int:
+    if args.scenario == "prefill-stall":
+        return _prefill_stall(args)
     s, t = settings_from_args(args), time.perf_counter()
     print(render_markdown(run_bench(s)), end="")
     print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {s.out / 'bench.json'} and bench.md]", file=sys.stderr)
+    return 0
+
+
+def _prefill_stall(args) -> int:
+    from ..config import parse_override
+    from .stall import render, run_stall
+    try:
+        chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    except ValueError:
+        chunks = []
+    if not chunks or min(chunks) < 0:
+        raise BenchError(f"--chunks must be comma-separated integers >= 0, got {args.chunks!r}")
+    for flag, val in (("--long-prompt-tokens", args.long_prompt_tokens), ("--repeats", args.repeats)):
+        if val < 1:
+            raise BenchError(f"{flag} must be >= 1, got {val}")
+    report = run_stall(args.config, dict(parse_override(o) for o in args.overrides), args.out, chunks,
+                       args.long_prompt_tokens, args.max_new_tokens or 96, args.repeats,
+                       say=lambda line: print(line, file=sys.stderr, flush=True))
+    print(render(report), end="")
     return 0
