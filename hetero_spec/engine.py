@@ -220,10 +220,10 @@ class Engine:
             self._build(config)
             if self._auto_config is None and config.speculation.gamma == "auto" and self.tuning.profile is None \
                     and self.source is not None:
-                t = time.perf_counter()
+                started = time.perf_counter()
                 curve = seed_verify_curve(self.tuning, self.target, prompt_len=min(32, self.target.context_len // 2))
                 log.info("gamma auto: the verify curve, measured in %.1f s (ms per k drafts): %s",
-                         time.perf_counter() - t, {k: round(v * 1e3, 2) for k, v in curve.items()})
+                         time.perf_counter() - started, {k: round(v * 1e3, 2) for k, v in curve.items()})
         except BaseException:
             self._finalizer()
             raise
@@ -278,26 +278,26 @@ class Engine:
 
     def _make_source(self, config: Config):
         """The draft source: the worker (two_process), a selection (draft.candidates), one local kind, or None."""
-        d, slots = config.draft, config.serving.max_batch
-        if d.kind == "ngram" and d.ngram.min_n > d.ngram.max_n:
-            raise ConfigError(config.source, "draft.ngram.min_n", d.ngram.min_n,
-                              f"must be <= draft.ngram.max_n ({d.ngram.max_n})")
+        draft, slots = config.draft, config.serving.max_batch
+        if draft.kind == "ngram" and draft.ngram.min_n > draft.ngram.max_n:
+            raise ConfigError(config.source, "draft.ngram.min_n", draft.ngram.min_n,
+                              f"must be <= draft.ngram.max_n ({draft.ngram.max_n})")
         cands: dict[str, Any] = {}
         if config.runtime.mode == "two_process":
             from .runtime.worker_source import WorkerSource
             cands["onnx"] = WorkerSource(config, self.target.vocab_width, context_len=self.target.context_len,
                                          max_streams=slots)
             self.loop_cpus = cands["onnx"].target_cpus
-            if not d.candidates:
+            if not draft.candidates:
                 return cands["onnx"]
-        elif not d.candidates:
-            return self._local(config, d.kind, slots)
-        lookup = any(kind in LOOKUPS for kind in d.candidates)  # a model candidate feeds only the last catchup_skip
-        for kind in d.candidates:  # the worker runs even when only the n-gram lookup is chosen among
+        elif not draft.candidates:
+            return self._local(config, draft.kind, slots)
+        lookup = any(kind in LOOKUPS for kind in draft.candidates)  # a model candidate feeds only the last catchup_skip
+        for kind in draft.candidates:  # the worker runs even when only the n-gram lookup is chosen among
             if kind not in cands:
-                cands[kind] = self._local(config, kind, slots, catchup_skip=d.catchup_skip if lookup else None)
+                cands[kind] = self._local(config, kind, slots, catchup_skip=draft.catchup_skip if lookup else None)
         from .draft.source import SelectingSource
-        names = list(d.candidates)
+        names = list(draft.candidates)
         self.controller.selection(names, {n: "two_process" if cands[n].drafts_ahead else "in_process" for n in names},
                                   {n: cands[n].costs for n in names})
         return SelectingSource(cands, names=names)
@@ -310,17 +310,18 @@ class Engine:
         from .draft.onnx_drafter import OnnxDrafter
         from .draft.select import prompt_window
         from .draft.source import LocalSource
-        d = config.draft
+        draft = config.draft
         if kind == "ngram":
-            return LocalSource(NgramProposer(max_n=d.ngram.max_n, min_n=d.ngram.min_n))
+            return LocalSource(NgramProposer(max_n=draft.ngram.max_n, min_n=draft.ngram.min_n))
         if kind == "corpus":
             from .draft.corpus import CorpusProposer, cached_table
             if not (tok := Path(self.target.model_dir) / "tokenizer.json").is_file():
-                raise config.error("draft.candidates", d.candidates,
+                raise config.error("draft.candidates", draft.candidates,
                                    f"corpus needs the target's tokenizer.json, not found in {self.target.model_dir}")
             return LocalSource(CorpusProposer(cached_table(tok)))
-        drafter = OnnxDrafter(d.model, providers=d.providers, threads=d.threads, vocab_width=self.target.vocab_width,
-                              spin=False, prompt_window=prompt_window(d.prompt_window, d.candidates, "in_process"),
+        window = prompt_window(draft.prompt_window, draft.candidates, "in_process")
+        drafter = OnnxDrafter(draft.model, providers=draft.providers, threads=draft.threads,
+                              vocab_width=self.target.vocab_width, spin=False, prompt_window=window,
                               catchup_skip=catchup_skip)
         drafter.enable_batching(slots)
         return LocalSource(drafter, together=OnnxDrafter.propose_batch)
@@ -416,13 +417,14 @@ class Engine:
             return {"target": "ok" if stalled <= max(limit, 1.0) else "stalled", "busy": True,
                     "since_last_round_s": round(stalled, 3), **self._draft_health(False)}
         try:
-            t = time.perf_counter()
+            started = time.perf_counter()
             state = self.target.new_state()
             try:
                 self.target.verify(state, 0, [], True)  # a one-token pass on an empty cache
             finally:
                 self.target.release_state(state)
-            return {"target": "ok", "busy": False, "target_step_ms": round((time.perf_counter() - t) * 1e3, 3),
+            step_ms = round((time.perf_counter() - started) * 1e3, 3)
+            return {"target": "ok", "busy": False, "target_step_ms": step_ms,
                     **self._draft_health(True, timeout_s)}
         finally:
             self.lock.release()
@@ -441,19 +443,19 @@ class Engine:
         """Validate a request (RequestError names argument and value), tokenize its prompt; waits out a re-placement."""
         with self._swap:
             self._check_open()
-            g, vocab = self.config.generation, self.target.vocab_width
-            a = request_args(self.config, **kw)
-            if [t for t in g.stop_token_ids if t >= vocab]:
-                raise self.config.error("generation.stop_token_ids", g.stop_token_ids,
+            gen, vocab = self.config.generation, self.target.vocab_width
+            args = request_args(self.config, **kw)
+            if [t for t in gen.stop_token_ids if t >= vocab]:
+                raise self.config.error("generation.stop_token_ids", gen.stop_token_ids,
                                         f"ids outside the target's vocabulary [0, {vocab})")
-            check_stop_ids(a["stop_token_ids"], vocab)
-            params = SamplingParams(temperature=a["temperature"], top_k=a["top_k"], top_p=a["top_p"],
-                                    seed=a["seed"] if a["seed"] is not None else secrets.randbits(48),
+            check_stop_ids(args["stop_token_ids"], vocab)
+            params = SamplingParams(temperature=args["temperature"], top_k=args["top_k"], top_p=args["top_p"],
+                                    seed=args["seed"] if args["seed"] is not None else secrets.randbits(48),
                                     sampling=self.config.speculation.sampling)
-            stops = set() if a["ignore_eos"] else set(self.target.eos_token_ids)
-            stops |= set(g.stop_token_ids) | set(a["stop_token_ids"])
-            req = Request(prompt_ids=self._prompt_ids(prompt), max_new_tokens=a["max_new_tokens"], params=params,
-                          gamma=a["gamma"], stop_ids=frozenset(stops))
+            stops = set() if args["ignore_eos"] else set(self.target.eos_token_ids)
+            stops |= set(gen.stop_token_ids) | set(args["stop_token_ids"])
+            req = Request(prompt_ids=self._prompt_ids(prompt), max_new_tokens=args["max_new_tokens"], params=params,
+                          gamma=args["gamma"], stop_ids=frozenset(stops))
             check_request(req, self.target.context_len)  # an over-long prompt fails here, before anything streams
         return req
 

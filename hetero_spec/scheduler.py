@@ -335,23 +335,23 @@ class Scheduler:
             started = time.perf_counter()
             drafts = source.propose(seqs, rows, plan.deadline_s or 0.0)
             share = (time.perf_counter() - started) / len(seqs)
-            for s in seqs:
+            for seq in seqs:
                 if plan.deadline_s is None:
-                    s.stats.time_draft_s += share
+                    seq.stats.time_draft_s += share
                 else:
-                    s.stats.time_wait_s += share
+                    seq.stats.time_wait_s += share
         # 3) verify
-        t0 = time.monotonic()
+        verify_started = time.monotonic()
         outs = target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
                                    [s.params.greedy for s in seqs])
-        t1 = time.monotonic()
-        verify_s = t1 - t0
+        span = (verify_started, time.monotonic())
+        verify_s = span[1] - span[0]
         self.batch_sizes.append(len(seqs))
         controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
                                 not any(d.ids for d in drafts), verify_s)
         for seq, row, draft, out in zip(seqs, rows, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe
-                self._finish_round(eng, seq, row, draft, out, verify_s, (t0, t1), n_rows=len(seqs))
+                self._finish_round(eng, seq, row, draft, out, verify_s, span, n_rows=len(seqs))
             except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                 log.exception("scheduler: request %d failed", seq.id)
                 self._end(eng, seq, exc)

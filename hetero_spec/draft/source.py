@@ -49,8 +49,8 @@ class LocalSource:
         self._proposed[seq.id] = False
         self._fresh.add(seq.id)
         try:
-            p = self._props[seq.id] = self.proposer.spawn()
-            p.begin(seq.prompt_ids, seq.params)
+            proposer = self._props[seq.id] = self.proposer.spawn()
+            proposer.begin(seq.prompt_ids, seq.params)
         except Exception as exc:  # noqa: BLE001 - the request goes on without this draft
             self._props.pop(seq.id, None)
             self._failed(seq, "begin", exc)
@@ -70,12 +70,12 @@ class LocalSource:
         drafts = [Draft(ids=[]) for _ in seqs]
         for seq, row in zip(seqs, rows):
             self._proposed[seq.id] = row.k > 0 and seq.id in self._props
-        live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]]
-        live = [i for i in live if self._guarded(seqs[i], "catch-up", self._ready, seqs[i], rows[i].probing) is not None]
+        live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]
+                and self._guarded(seq, "catch-up", self._ready, seq, rows[i].probing) is not None]
         if not live:
             return drafts
         props, live_ks = [self._props[seqs[i].id] for i in live], [rows[i].k for i in live]
-        t = time.perf_counter()
+        started = time.perf_counter()
         try:
             made = (self._together(props, live_ks) if self._together is not None
                     else [p.propose(k) for p, k in zip(props, live_ks)])
@@ -84,9 +84,9 @@ class LocalSource:
                     for i, p, k in zip(live, props, live_ks)]
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
-        self._observe(time.perf_counter() - t, props, made, fresh)
-        for i, d in zip(live, made):
-            drafts[i] = d
+        self._observe(time.perf_counter() - started, props, made, fresh)
+        for i, draft in zip(live, made):
+            drafts[i] = draft
         return drafts
 
     def _guarded(self, seq: Seq, what: str, call, *args):
@@ -116,8 +116,8 @@ class LocalSource:
     def end(self, seq: Seq) -> dict[str, Any]:
         self._proposed.pop(seq.id, None)
         self._fresh.discard(seq.id)
-        if (p := self._props.pop(seq.id, None)) is not None:
-            self._guarded(seq, "close", p.close)
+        if (proposer := self._props.pop(seq.id, None)) is not None:
+            self._guarded(seq, "close", proposer.close)
         errors = self._errors.pop(seq.id, 0)
         return {"draft_errors": errors} if errors else {}
 
@@ -154,8 +154,8 @@ class SelectingSource:
         self._chosen: dict[int, str | None] = {}  # per sequence: the candidate that drafted this round
 
     def begin(self, seq: Seq, ahead: int = 0, most: int = 0) -> None:
-        for c in self.cands.values():
-            c.begin(seq, ahead, most)
+        for candidate in self.cands.values():
+            candidate.begin(seq, ahead, most)
         self._chosen[seq.id] = None
 
     def offers(self, seqs: list[Seq], caps: list[int]) -> list[list[str]]:
@@ -186,9 +186,9 @@ class SelectingSource:
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
         name = self._chosen.get(seq.id)
-        for n, c in self.cands.items():
-            if n == name or c.drafts_ahead:
-                c.commit(seq, n_accepted if n == name else 0, next_token)
+        for cand_name, candidate in self.cands.items():
+            if cand_name == name or candidate.drafts_ahead:
+                candidate.commit(seq, n_accepted if cand_name == name else 0, next_token)
         self._chosen[seq.id] = None
 
     def end(self, seq: Seq) -> dict[str, Any]:
@@ -204,5 +204,5 @@ class SelectingSource:
         return workers[0].health(probe, timeout_s) if workers else {"draft": "in_process"}
 
     def close(self) -> None:
-        for c in self.cands.values():
-            c.close()
+        for candidate in self.cands.values():
+            candidate.close()

@@ -215,22 +215,24 @@ class KeptKV:
     def write(self, layer: int, states: list[TargetState], keys: torch.Tensor, values: torch.Tensor):
         """Store each row's new keys and values [B, heads, new, dim] after its past; every row's past and new
         positions up to the longest, [B, heads, L, dim] (positions past a row's own are masked)."""
-        end = max(state.n_cached for state in states) + keys.shape[-2]
-        for name, new in (("keys", keys), ("values", values)):
-            buf = getattr(self, name)[layer]
-            if buf is None or buf.shape[2] < end:
-                grown = new.new_zeros((self.slots, new.shape[1], max(end, 2 * (0 if buf is None else buf.shape[2]),
-                                                                          64), new.shape[3]))
+        end = max(state.n_cached for state in states) + keys.shape[2]
+        slots = [state.slot for state in states]
+        adjacent = slots == list(range(slots[0], slots[0] + len(slots)))
+        index = None if adjacent else torch.tensor(slots, device=keys.device)
+        out = []
+        for buffers, new in ((self.keys, keys), (self.values, values)):
+            buf = buffers[layer]
+            if buf is None or buf.shape[2] < end:  # doubled, for every slot at once
+                size = max(end, 64, 2 * (0 if buf is None else buf.shape[2]))
+                grown = new.new_zeros((self.slots, new.shape[1], size, new.shape[3]))
                 if buf is not None:
                     grown[:, :, :buf.shape[2]] = buf
-                buf = getattr(self, name)[layer] = grown
+                buf = buffers[layer] = grown
             for i, state in enumerate(states):
                 buf[state.slot, :, state.n_cached:state.n_cached + new.shape[2]] = new[i]
-        slots = [state.slot for state in states]
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return self.keys[layer][slots[0]:slots[-1] + 1, :, :end], self.values[layer][slots[0]:slots[-1] + 1, :, :end]
-        index = torch.tensor(slots, device=keys.device)
-        return self.keys[layer][:, :, :end].index_select(0, index), self.values[layer][:, :, :end].index_select(0, index)
+            out.append(buf[slots[0]:slots[0] + len(slots), :, :end] if adjacent else
+                       buf[:, :, :end].index_select(0, index))
+        return tuple(out)
 
 
 class SlotLayer(DynamicLayer):

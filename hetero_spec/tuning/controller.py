@@ -215,13 +215,16 @@ class Controller:
         self._plain = (0, 0)  # (batch size, rounds left): a plain plan holds this long for an unchanged batch
 
     def stream(self, gamma: int | str, stream_id: int = 0, shadow: bool = False) -> StreamControl:
-        sc = StreamControl(fixed=gamma if isinstance(gamma, int) else None, stream_id=stream_id, shadow=shadow)
-        sc.ahead = self.initial_gamma(sc)
-        return sc
+        """A new stream's part; it starts drafting ahead at the configured gamma, or the cost model's best (else 4)."""
+        stream = StreamControl(fixed=gamma if isinstance(gamma, int) else None, stream_id=stream_id, shadow=shadow)
+        model = self.tuning.model()
+        stream.ahead = stream.fixed if stream.fixed is not None else \
+            max(1, model.best_gamma(self.estimate(stream), self.layout, G_MAX)[0]) if model else 4
+        return stream
 
-    def estimate(self, sc: StreamControl) -> float:
+    def estimate(self, stream: StreamControl) -> float:
         """A stream's acceptance, starting from the engine-wide estimate."""
-        return sc.acceptance.rate(self.tuning.global_acceptance(), self.tuning.prior_weight)
+        return stream.acceptance.rate(self.tuning.global_acceptance(), self.tuning.prior_weight)
 
     # -- 1) plan -------------------------------------------------------------------------------------------
     def plan(self, streams: list[StreamControl], rooms: list[int], offers: Offers | None = None,
@@ -233,98 +236,99 @@ class Controller:
         if len(streams) > 1 and size == len(streams) and left > 0:
             self._plain = (size, left - 1)
             return self._plain_round(streams)
-        caps = [max(0, min(G_MAX if sc.fixed is None else sc.fixed, room - 1)) for sc, room in zip(streams, rooms)]
+        caps = [max(0, min(G_MAX if s.fixed is None else s.fixed, room - 1)) for s, room in zip(streams, rooms)]
         offered = offers(caps) if offers is not None and self.chooser is not None else None
         if offered is None:
-            rows = [self._row(sc, min(self._choose(sc), cap)) for sc, cap in zip(streams, caps)]
+            rows = [self._row(s, min(self._choose(s), cap)) for s, cap in zip(streams, caps)]
         else:
             self.chooser.next_round()
-            rows = [self._selected(sc, cap, names) for sc, cap, names in zip(streams, caps, offered)]
-        if len(streams) > 1 and all(sc.fixed is None for sc in streams):
+            rows = [self._selected(s, cap, names) for s, cap, names in zip(streams, caps, offered)]
+        if len(streams) > 1 and all(s.fixed is None for s in streams):
             together = self.together and offered is None
-            if not any(self.plan_batch([row.k for row in rows], [self.estimate(sc) for sc in streams], together)):
+            if not any(self.plan_batch([row.k for row in rows], [self.estimate(s) for s in streams], together)):
                 return self._plain_round(streams, counted=True)
         deadline = self.wait_budget(max(row.k for row in rows), wait_default_s) if self.layout == "two_process" \
             else None
         return RoundPlan(rows, shared=len(rows) > 1 and not any(row.k for row in rows), deadline_s=deadline)
 
-    def _row(self, sc: StreamControl, k: int, strategy: str | None = None) -> RowPlan:
-        if sc.gamma > 0:
-            sc.ahead = sc.gamma
-        return RowPlan(k=max(0, k), ahead=sc.ahead if sc.gamma > 0 or sc.shadow else 0, strategy=strategy,
-                       probing=sc.probing)
+    def _row(self, stream: StreamControl, k: int, strategy: str | None = None) -> RowPlan:
+        if stream.gamma > 0:
+            stream.ahead = stream.gamma
+        ahead = stream.ahead if stream.gamma > 0 or stream.shadow else 0
+        return RowPlan(k=max(0, k), ahead=ahead, strategy=strategy, probing=stream.probing)
 
-    def _selected(self, sc: StreamControl, cap: int, names: list[str]) -> RowPlan:
+    def _selected(self, stream: StreamControl, cap: int, names: list[str]) -> RowPlan:
         """Draft selection's row: the strategy the chooser picks among those offered, at its gamma (<= cap); a
         source drafting ahead keeps drafting at the stream's largest block."""
-        sc.probing, sc.gamma = False, G_MAX if sc.fixed is None else sc.fixed
-        key, g = self.chooser.choose(cap, names, stream=sc.stream_id, round_started=True)
-        sc.choices[g] += 1
-        return self._row(sc, g, key)
+        stream.probing, stream.gamma = False, G_MAX if stream.fixed is None else stream.fixed
+        key, gamma = self.chooser.choose(cap, names, stream=stream.stream_id, round_started=True)
+        stream.choices[gamma] += 1
+        return self._row(stream, gamma, key)
 
     def _plain_round(self, streams: list[StreamControl], counted: bool = False) -> RoundPlan:
         """No row drafts: one shared pass (a source drafting ahead goes on only where it compares for free)."""
         rows = []
-        for sc in streams:
+        for stream in streams:
             if not counted:
-                sc.choices[0] += 1
-            sc.probing, sc.gamma = False, 0
-            rows.append(self._row(sc, 0))
+                stream.choices[0] += 1
+            stream.probing, stream.gamma = False, 0
+            rows.append(self._row(stream, 0))
         return RoundPlan(rows, shared=True, deadline_s=0.0 if self.layout == "two_process" else None)
 
-    def _choose(self, sc: StreamControl) -> int:
+    def _choose(self, stream: StreamControl) -> int:
         """A stream's gamma as if it ran alone (best predicted goodput; 0: the target alone is best), or a re-probe."""
-        sc.probing = False
-        if sc.fixed is not None:
-            return sc.fixed
-        sc._round += 1
-        t, model = self.tuning, self.tuning.model()
+        stream.probing = False
+        if stream.fixed is not None:
+            return stream.fixed
+        stream._round += 1
+        tuning, model = self.tuning, self.tuning.model()
         if model is None:
-            g = EXPLORE[(sc._round - 1) % len(EXPLORE)]
-            sc.reason = "exploring: no profile and too few measurements for a cost model yet"
+            gamma = EXPLORE[(stream._round - 1) % len(EXPLORE)]
+            stream.reason = "exploring: no profile and too few measurements for a cost model yet"
         else:
-            key = (t.acceptance.tested, t.draft_token_s, t.transfer_s)
-            if sc._off is not None and sc._off[0] == key and sc._off_rounds < 32:
+            key = (tuning.acceptance.tested, tuning.draft_token_s, tuning.transfer_s)
+            if stream._off is not None and stream._off[0] == key and stream._off_rounds < 32:
                 # off, and nothing was tested since (gamma 0 rounds test nothing) nor the draft's costs moved: the
                 # answer has not changed, so do not pay the search every round (about 0.1 ms, 2-3 % of a step)
-                g, (_, rate, a) = 0, sc._off
-                sc._off_rounds += 1
+                gamma, (_, rate, a) = 0, stream._off
+                stream._off_rounds += 1
             else:
-                a = self.estimate(sc)
-                g, rate = layout_rate(model, a, self.layout)
-                sc._off, sc._off_rounds = ((key, rate, a) if g == 0 else None), 0
-            if g == 0:
-                t.rounds_off += 1
-                if t.rounds_off >= t.probe_every:
-                    g, t.rounds_off, sc.probing = PROBE_GAMMA, 0, True
-            if g or sc._off_rounds == 0:  # the reason is built only when the choice was made afresh
-                sc.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {g} (E="
-                             f"{expected_tokens(a, g):.2f}, round {model.round_time(g, a, self.layout) * 1e3:.2f} "
-                             "ms)" + (f"; re-probe (every {t.probe_every} rounds off)" if sc.probing else ""))
-        sc.choices[g] += 1
-        return g
+                a = self.estimate(stream)
+                gamma, rate = layout_rate(model, a, self.layout)
+                stream._off, stream._off_rounds = ((key, rate, a) if gamma == 0 else None), 0
+            if gamma == 0:
+                tuning.rounds_off += 1
+                if tuning.rounds_off >= tuning.probe_every:
+                    gamma, tuning.rounds_off, stream.probing = PROBE_GAMMA, 0, True
+            if gamma or stream._off_rounds == 0:  # the reason is built only when the choice was made afresh
+                round_ms = model.round_time(gamma, a, self.layout) * 1e3
+                stream.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {gamma} (E="
+                                 f"{expected_tokens(a, gamma):.2f}, round {round_ms:.2f} ms)"
+                                 + (f"; re-probe (every {tuning.probe_every} rounds off)" if stream.probing else ""))
+        stream.choices[gamma] += 1
+        return gamma
 
     def plan_batch(self, ks: list[int], acceptances: list[float], together: bool = False) -> list[int]:
         """Rows' own choices, or all 0 (one shared pass), by predicted tok/s. together: drafting rows draft as one."""
-        b, model, shared = len(ks), self.tuning.model(), self.tuning.shared
+        batch, model, shared = len(ks), self.tuning.model(), self.tuning.shared
         self.last_rates = None
-        if b < 2 or not any(ks):
-            self.last_plan = "one row" if b < 2 else "no row drafts"
+        if batch < 2 or not any(ks):
+            self.last_plan = "one row" if batch < 2 else "no row drafts"
             return ks
-        plain_s, spec_s = shared.cost(b, model), self._spec_time(ks, model, together)
+        plain_s, spec_s = shared.cost(batch, model), self._spec_time(ks, model, together)
         if plain_s is None or spec_s is None:
             self.last_plan = "costs not measured yet: the rows' own choices"
             return ks
-        spec_rate, plain_rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks)) / spec_s, b / plain_s
+        spec_rate, plain_rate = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks)) / spec_s, batch / plain_s
         self.last_rates = (spec_rate, plain_rate)
         if spec_rate > plain_rate:
-            self.last_plan = (f"batch of {b}: speculation predicts {spec_rate:.0f} tok/s against {plain_rate:.0f} "
+            self.last_plan = (f"batch of {batch}: speculation predicts {spec_rate:.0f} tok/s against {plain_rate:.0f} "
                               "for one shared pass")
             return ks
-        self.last_plan = (f"batch of {b}: one shared pass predicts {plain_rate:.0f} tok/s against "
+        self.last_plan = (f"batch of {batch}: one shared pass predicts {plain_rate:.0f} tok/s against "
                           f"{spec_rate:.0f} speculating")
-        self._plain = (b, self.plain_hold)
-        return [0] * b
+        self._plain = (batch, self.plain_hold)
+        return [0] * batch
 
     def _spec_time(self, ks: list[int], model: CostModel | None, together: bool) -> float | None:
         """Predicted seconds of a speculating round of the batch (docs/features-batching.md#the-batch-plan); drafting
@@ -351,9 +355,9 @@ class Controller:
         is slower than decoding alone); half of `default_s` before any cost."""
         model = self.tuning.model()
         cap = model.verify(0) if model is not None else default_s
-        if (d := self.tuning.draft_token_s) is None:
+        if (token_s := self.tuning.draft_token_s) is None:
             return 0.5 * cap
-        return min(cap, (k * d + self.tuning.transfer_s) * 1.5 + 0.0005)
+        return min(cap, (k * token_s + self.tuning.transfer_s) * 1.5 + 0.0005)
 
     def may_join(self, batch: int) -> bool:
         """serving.mode latency: whether one more request may join a batch of `batch` (throughput: always)."""
@@ -365,16 +369,17 @@ class Controller:
         return alone is None or joined is None or joined <= LATENCY_SLOWDOWN * alone
 
     # -- 5) observe ----------------------------------------------------------------------------------------
-    def observe(self, sc: StreamControl, k: int, n: int, verify_s: float | None, row: RowPlan | None = None) -> None:
+    def observe(self, stream: StreamControl, k: int, n: int, verify_s: float | None,
+                row: RowPlan | None = None) -> None:
         """One stream's round as planned in row (default: its last plan): k drafts, n accepted; verify_s None when
         the pass was shared with other rows."""
-        row = row or RowPlan(probing=sc.probing)
-        sc.acceptance.observe(k, n)
+        row = row or RowPlan(probing=stream.probing)
+        stream.acceptance.observe(k, n)
         self.tuning.acceptance.observe(k, n)
         if verify_s is not None:
             self.tuning.observe_verify(k, verify_s)
         if row.strategy is not None and k > 0:
-            self.chooser.observe_round(row.strategy, k, n, stream=sc.stream_id)
+            self.chooser.observe_round(row.strategy, k, n, stream=stream.stream_id)
         elif row.probing and k > 0:
             self.tuning.probed(n > 0)
 
@@ -402,25 +407,18 @@ class Controller:
         """Drafts compared with tokens the target decoded alone: a draft judged useless early can be judged again."""
         self.tuning.acceptance.observe(tested, accepted)
 
-    def initial_gamma(self, sc: StreamControl) -> int:
-        """The gamma a stream starts at (a worker's first block): the configured one, or the cost model's best."""
-        if sc.fixed is not None:
-            return sc.fixed
-        model = self.tuning.model()
-        return max(1, model.best_gamma(self.estimate(sc), self.layout, G_MAX)[0]) if model else 4
-
-    def first_block(self, sc: StreamControl) -> tuple[int, int]:
+    def first_block(self, stream: StreamControl) -> tuple[int, int]:
         """(the block a source that drafts ahead starts at, the longest block a plan may ask of this stream)."""
-        return sc.ahead, G_MAX if sc.fixed is None else max(1, sc.fixed)
+        return stream.ahead, G_MAX if stream.fixed is None else max(1, stream.fixed)
 
-    def end(self, sc: StreamControl) -> dict:
+    def end(self, stream: StreamControl) -> dict:
         """A stream ended: what its stats report of the controller's choices (its per-stream state goes)."""
         out: dict = {}
-        if sc.fixed is None:
-            out["gamma_auto"] = {"choices": {str(g): c for g, c in sorted(sc.choices.items())},
-                                 "last_reason": sc.reason, "acceptance_estimate": round(self.estimate(sc), 4)}
+        if stream.fixed is None:
+            out["gamma_auto"] = {"choices": {str(g): c for g, c in sorted(stream.choices.items())},
+                                 "last_reason": stream.reason, "acceptance_estimate": round(self.estimate(stream), 4)}
         if self.chooser is not None:
-            self.chooser.forget(sc.stream_id)
+            self.chooser.forget(stream.stream_id)
             out["draft_selection"] = self.chooser.summary()
         return out
 
@@ -452,13 +450,14 @@ class StrategyChooser:
         """(predicted goodput, gamma) of strategy `name` at its best gamma <= g_max. A lookup is right in runs (a
         copy continues once it starts): its acceptance is run-aware (cost_model.expected_tokens)."""
         base = name.partition("@")[0]
-        acc, layout, c = self._stats(name).acceptance, self.layouts.get(base, "in_process"), self.cost_fns[base]()
-        m = replace(model, draft_token_s=c.token_s if c.token_s is not None else model.draft_token_s,
-                    catchup_s=c.catchup_s if layout == "in_process" else 0.0)
+        acc, layout, costs = self._stats(name).acceptance, self.layouts.get(base, "in_process"), self.cost_fns[base]()
+        priced = replace(model, draft_token_s=costs.token_s if costs.token_s is not None else model.draft_token_s,
+                    catchup_s=costs.catchup_s if layout == "in_process" else 0.0)
         lookup = base in LOOKUPS
         a = (acc.next_rate if lookup else acc.rate)(self.prior, self.weight)
-        g, rate = m.best_gamma(a, layout, g_max, a_first=acc.first_rate(self.prior, self.weight) if lookup else None)
-        return rate, g
+        a_first = acc.first_rate(self.prior, self.weight) if lookup else None
+        gamma, rate = priced.best_gamma(a, layout, g_max, a_first=a_first)
+        return rate, gamma
 
     def next_round(self) -> None:
         """A round begins: the clock of exploration and re-probes moves once a round, however many rows it has."""
@@ -505,10 +504,10 @@ class StrategyChooser:
     def observe_round(self, name: str, drafted: int, accepted: int, stream: int = 0) -> None:
         """A round `name` drafted for `stream`: its acceptance (drafted tokens, of which accepted); the outcome of
         that stream's re-probe, if it was one."""
-        st = self._stats(name)
-        st.rounds += 1
-        st.last_round = self._round
-        st.acceptance.observe(drafted, accepted)
+        record = self._stats(name)
+        record.rounds += 1
+        record.last_round = self._round
+        record.acceptance.observe(drafted, accepted)
         if self._probing.get(stream) == name and drafted:
             self.tuning.probed(accepted > 0)
             del self._probing[stream]
@@ -519,14 +518,14 @@ class StrategyChooser:
 
     def summary(self) -> dict:
         out = {}
-        for n, st in self.stats.items():
-            if not st.rounds and any(k.startswith(f"{n}@") for k in self.stats):
+        for name, record in self.stats.items():
+            if not record.rounds and any(k.startswith(f"{name}@") for k in self.stats):
                 continue  # a lookup drafts under its matched lengths' names
-            c, acc = self.cost_fns[n.partition("@")[0]](), st.acceptance
-            out[n] = {"rounds": st.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
+            costs, acc = self.cost_fns[name.partition("@")[0]](), record.acceptance
+            out[name] = {"rounds": record.rounds, "acceptance": round(acc.rate(self.prior, self.weight), 4),
                       "first_token_acceptance": round(acc.first_rate(self.prior, self.weight), 4),
                       "acceptance_after_accepted": round(acc.next_rate(self.prior, self.weight), 4),
                       "tested": acc.tested,
-                      "draft_ms_per_token": None if c.token_s is None else round(c.token_s * 1e3, 4),
-                      "catchup_ms_per_round": round(c.catchup_s * 1e3, 4)}
+                      "draft_ms_per_token": None if costs.token_s is None else round(costs.token_s * 1e3, 4),
+                      "catchup_ms_per_round": round(costs.catchup_s * 1e3, 4)}
         return {"strategies": out, "last_reason": self.reason}
