@@ -30,10 +30,10 @@ EXAMPLES = """examples:
 def add_bench_parser(sub) -> None:
     systems = [textwrap.fill(" ".join(c.__doc__.split("\n\n")[0].split()), 110, initial_indent=f"  {n:24}",
                              subsequent_indent=" " * 26) for n, c in SYSTEMS.items()]
-    p = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="\n".join(["systems (--systems; registry order is run order):", *systems, "", EXAMPLES]))
-    a = p.add_argument
+    epilog = "\n".join(["systems (--systems; registry order is run order):", *systems, "", EXAMPLES])
+    parser = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    a = parser.add_argument
     a("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
     a("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
     a("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name target_only "
@@ -85,7 +85,7 @@ def add_bench_parser(sub) -> None:
 def settings_from_args(args) -> BenchSettings:
     from ..config import parse_override
     humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
-    count = (int(n) if (n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
+    count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:
         raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
     for flag, val, low in (("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -101,10 +101,10 @@ def settings_from_args(args) -> BenchSettings:
             raise BenchError(f"--gammas must be comma-separated integers or 'config', got {text!r}") from None
         if not gammas or any(not 1 <= g <= 64 for g in gammas):
             raise BenchError(f"--gammas: each draft length must be in 1..64, got {text!r}")
-    pm = args.precision_matrix
-    matrix = [v.strip() for v in (pm or "").split(",") if v.strip()]
-    if pm is not None and (bad := [v for v in matrix if v not in (*PRECISIONS, "all")] or [pm] * (not matrix)):
-        raise BenchError(f"--precision-matrix {pm!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
+    asked = args.precision_matrix
+    matrix = [v.strip() for v in (asked or "").split(",") if v.strip()]
+    if asked is not None and (bad := [v for v in matrix if v not in (*PRECISIONS, "all")] or [asked] * (not matrix)):
+        raise BenchError(f"--precision-matrix {asked!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
     return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
@@ -116,9 +116,10 @@ def settings_from_args(args) -> BenchSettings:
 def cmd_bench(args) -> int:
     if args.scenario == "prefill-stall":
         return _prefill_stall(args)
-    s, t = settings_from_args(args), time.perf_counter()
-    print(render_markdown(run_bench(s)), end="")
-    print(f"[bench: {time.perf_counter() - t:.0f} s; wrote {s.out / 'bench.json'} and bench.md]", file=sys.stderr)
+    settings, started = settings_from_args(args), time.perf_counter()
+    print(render_markdown(run_bench(settings)), end="")
+    print(f"[bench: {time.perf_counter() - started:.0f} s; wrote {settings.out / 'bench.json'} and bench.md]",
+          file=sys.stderr)
     return 0
 
 
