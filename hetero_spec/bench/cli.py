@@ -32,7 +32,8 @@ def add_bench_parser(sub) -> None:
                              subsequent_indent=" " * 26) for n, c in SYSTEMS.items()]
     epilog = "\n".join(["systems (--systems; registry order is run order):", *systems, "", EXAMPLES])
     parser = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
-                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=epilog)
     a = parser.add_argument
     a("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
     a("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
