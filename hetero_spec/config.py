@@ -74,10 +74,12 @@ class TargetConfig(_Section):
     cache (a second copy of the weights in memory). `auto`: in two_process, every core this process may use (the
     worker's core is mostly free while the prompt is read: docs/features-two-process.md, "Prefill on every
     core"), otherwise target.threads. At most target.threads: no second session. Ignored by the torch backend."""
-    spin: bool = False
-    """onnx backend with threads > 1: let ONNX Runtime's pool threads spin after a run (its own default). Faster
-    on a machine the engine has to itself (demo target, 2 cores: 1.07-1.25x decoding alone), much slower on one
-    that other work keeps busy (0.62x with one core busy), so it is off by default."""
+    spin: bool | Literal["run"] = "run"
+    """onnx backend with threads > 1: how ONNX Runtime's pool threads wait for work. `run`: they spin while a run
+    lasts and stop when it returns (session.force_spinning_stop), so a draft session or other work gets the cores
+    between runs. `true`: they spin after a run too (ONNX Runtime's default; faster only on a machine the engine
+    has to itself). `false`: they never spin: each operator's work wakes them (demo target, 2 threads: about
+    1.3x `run`'s step). Measured: docs/benchmarks.md, "Per-step overhead"."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
 

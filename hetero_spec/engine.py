@@ -264,8 +264,6 @@ class Engine:
             threads = cpu_plan.threads
         if prefill == "auto":
             prefill = cpu_plan.prefill_threads if cpu_plan is not None else None
-        # ONNX Runtime's pool threads do not spin after a run unless target.spin: on a busy machine spinning
-        # measured much slower, on an idle one faster (docs/configuration.md, target.spin)
         self.target = load_target(config.target, threads, spin=config.target.spin, prefill_threads=prefill)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
@@ -321,7 +319,7 @@ class Engine:
             return LocalSource(CorpusProposer(cached_table(tok)))
         window = prompt_window(draft.prompt_window, draft.candidates, "in_process")
         drafter = OnnxDrafter(draft.model, providers=draft.providers, threads=draft.threads,
-                              vocab_width=self.target.vocab_width, spin=False, prompt_window=window,
+                              vocab_width=self.target.vocab_width, spin="run", prompt_window=window,
                               catchup_skip=catchup_skip)
         drafter.enable_batching(slots)
         return LocalSource(drafter, together=OnnxDrafter.propose_batch)

@@ -66,7 +66,7 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
-                 spin: bool = True, prefill_threads: int | None = None):
+                 spin: bool | str = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         # draft/export.add_logits_from's graph, else the export's own
         path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
@@ -92,13 +92,16 @@ class OnnxDecoder:
         self.layout = "shared" if self.shared else "copy"
 
     @staticmethod
-    def _load(path: Path, providers: list[str], threads: int, spin: bool, role: str):
+    def _load(path: Path, providers: list[str], threads: int, spin: bool | str, role: str):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if threads > 1 and not spin:
-            # pool threads spin for a while after each run, taking the cores the next session (draft or target)
-            # needs (demo pair on 2 cores, both at 2 threads: a round of 4 drafts + verify 17.0 -> 9.2 ms)
+        if threads > 1 and spin == "run":
+            # spin while a run lasts (without, each operator's work wakes the pool threads: demo target, 2 threads,
+            # 1.3x a step), and stop as it returns: spinning after a run takes the cores the next session (draft
+            # or target) needs (demo pair on 2 cores, both at 2 threads: a round of 4 drafts + verify 17.0 -> 9.2 ms)
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
+        elif threads > 1 and not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             return ort.InferenceSession(str(path), sess_options=opts, providers=providers)

@@ -13,6 +13,7 @@ import pytest
 
 from hetero_spec import Engine
 from hetero_spec.errors import ConfigError
+from hetero_spec.config import build_config
 from hetero_spec.target.onnx_backend import OnnxTarget
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42]]
@@ -221,19 +222,25 @@ def test_demo_pair_onnx_backend_agrees_with_torch():
 
 
 def test_target_spin_reaches_the_session(llama_copy_onnx, reference):
-    """target.spin (off by default: on a busy machine spinning pool threads cost far more than they save) is
-    the session's allow_spinning; the output does not depend on it."""
+    """target.spin is the session's spinning: `run` (the default) spins within a run only (force_spinning_stop),
+    true is ONNX Runtime's default, false never spins; the output does not depend on it."""
     cfg = {"target": {"model": str(llama_copy_onnx), "backend": "onnx", "threads": 2},
            "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}}
 
-    def spinning(eng) -> bool:
+    def entries(eng) -> tuple:
         opts = eng.target.decoder.session.get_session_options()
-        try:
-            return opts.get_session_config_entry("session.intra_op.allow_spinning") != "0"
-        except Exception:  # not set: ONNX Runtime's default, spinning
-            return True
+        got = []
+        for key in ("session.intra_op.allow_spinning", "session.force_spinning_stop"):
+            try:
+                got.append(opts.get_session_config_entry(key))
+            except Exception:  # not set: ONNX Runtime's default (spinning, not stopped after a run)
+                got.append(None)
+        return tuple(got)
 
-    with Engine.from_config(cfg) as off, Engine.from_config(cfg, overrides={"target.spin": True}) as on:
-        assert not spinning(off) and spinning(on)
-        assert on.generate(PROMPTS[0], max_new_tokens=20).token_ids == \
-            off.generate(PROMPTS[0], max_new_tokens=20).token_ids == reference[0][0][:20]
+    outs = []
+    for spin, want in (("run", (None, "1")), (True, (None, None)), (False, ("0", None))):
+        with Engine.from_config(cfg, overrides={"target.spin": spin}) as eng:
+            assert entries(eng) == want, spin
+            outs.append(eng.generate(PROMPTS[0], max_new_tokens=20).token_ids)
+    assert build_config(cfg).target.spin == "run"
+    assert outs == [reference[0][0][:20]] * 3

@@ -21,7 +21,7 @@ class OnnxDrafter:
     name = "onnx"
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
-                 vocab_width: int | None = None, spin: bool = True, prompt_window: int | None = None,
+                 vocab_width: int | None = None, spin: bool | str = True, prompt_window: int | None = None,
                  catchup_skip: int | None = None):
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")

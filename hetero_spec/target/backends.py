@@ -75,9 +75,8 @@ def onnx_model_dir(t, source: str = "<config>") -> Path:
     return cached_export(model, precision_of(t), execution_provider=builder_ep(t.providers))
 
 
-def load_target(t, threads: int | None, spin: bool = True, prefill_threads: int | None = None):
-    """The verifier for a resolved backend (t.backend is torch or onnx). spin: False when a draft shares the
-    process (ONNX Runtime's pool threads then stop spinning after each run). prefill_threads: onnx backend,
+def load_target(t, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None):
+    """The verifier for a resolved backend (t.backend is torch or onnx). spin: target.spin (OnnxDecoder). prefill_threads: onnx backend,
     the prompt's prefill on that many threads (a second session; None or <= threads: none)."""
     if t.backend == "onnx":
         from .onnx_backend import OnnxTarget

@@ -35,7 +35,7 @@ class OnnxTarget:
     batch_blocks = False
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
-                 max_context: int | None = None, spin: bool = True, prefill_threads: int | None = None):
+                 max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
         if not (model_dir / "model.onnx").is_file():
             raise ModelLoadError(f"target model directory {str(model_dir)!r} has no model.onnx; the onnx backend "
