@@ -224,6 +224,7 @@ def test_a_round_waits_for_drafts_once_not_once_a_row():
     from hetero_spec.draft.base import Draft
     from hetero_spec.runtime.worker_source import WorkerSource
     from hetero_spec.sampling import SamplingParams
+    from hetero_spec.tuning.controller import RowPlan
 
     now = [100.0]
     given = []
@@ -243,6 +244,6 @@ def test_a_round_waits_for_drafts_once_not_once_a_row():
     source.clock = lambda: now[0]
     seqs = [SimpleNamespace(id=i, ids=[1, 2, 3], gamma=4, params=SamplingParams()) for i in range(3)]
     source.links = {seq.id: Link() for seq in seqs}
-    drafts = source.propose(seqs, [4, 4, 4], budget_s=0.5)
+    drafts = source.propose(seqs, [RowPlan(k=4, ahead=4) for _ in seqs], budget_s=0.5)
     assert [d.ids for d in drafts] == [[], [], []]
     assert given == [0.5, 0.0, 0.0] and now[0] == 100.5

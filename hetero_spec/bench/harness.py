@@ -122,10 +122,10 @@ class System:
 
 def timed(run: Callable[..., Any], *args: Any, clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     """(seconds, run(*args)): the output's own_wall_s (a RunOutput's own clock) when set, else the clock around it."""
-    t = clock()
+    started = clock()
     out = run(*args)
     own = getattr(out, "own_wall_s", None)
-    return (clock() - t if own is None else own), out
+    return (clock() - started if own is None else own), out
 
 
 def tune(system: System, ctx: BenchContext, run: Callable[..., RunOutput], candidates: Sequence) -> Any:
@@ -160,33 +160,33 @@ def interleave(names: Sequence, prompts: Sequence, repeats: int, run: Callable[[
     `must` stops everything. Returns ({name: [[(seconds, output) per repeat] per prompt]}, {name: error})."""
     names, failed, start = list(names), {}, clock()
     runs: dict[Any, list] = {n: [] for n in names}
-    for i, prompt in enumerate(prompts):
-        for n in names:
-            runs[n].append([])  # this prompt's repeats
-        for r in range(repeats):
-            shift = (i * repeats + r) % len(names) if names else 0
-            for n in [n for n in names[shift:] + names[:shift] if n not in failed]:
+    for index, prompt in enumerate(prompts):
+        for name in names:
+            runs[name].append([])  # this prompt's repeats
+        for repeat in range(repeats):
+            shift = (index * repeats + repeat) % len(names) if names else 0
+            for name in [n for n in names[shift:] + names[:shift] if n not in failed]:
                 try:
-                    runs[n][-1].append(timed(run, n, prompt, clock=clock))
+                    runs[name][-1].append(timed(run, name, prompt, clock=clock))
                 except Exception as exc:  # one system's failure is reported, the others go on
-                    if n in must:
-                        raise BenchError(f"{n} failed on prompt {i}: {type(exc).__name__}: {exc}") from exc
-                    failed[n] = f"prompt {i}: {type(exc).__name__}: {exc}"
-        say(f"prompt {i + 1}/{len(prompts)} done ({clock() - start:.0f} s)")
+                    if name in must:
+                        raise BenchError(f"{name} failed on prompt {index}: {type(exc).__name__}: {exc}") from exc
+                    failed[name] = f"prompt {index}: {type(exc).__name__}: {exc}"
+        say(f"prompt {index + 1}/{len(prompts)} done ({clock() - start:.0f} s)")
     return {n: v for n, v in runs.items() if n not in failed}, failed
 
 
 def per_prompt(runs: list) -> list[dict[str, Any]]:
     """interleave's runs of a system -> per prompt: the repeats' median time, the first one's output and stats."""
-    pp = []
+    results = []
     for reps in runs:
         walls, first = [w for w, _ in reps], reps[0][1]
-        wall, n = statistics.median(walls), len(first.token_ids)
-        pp.append({"wall_s": round(wall, 6), "repeats_s": [round(w, 6) for w in walls], "new_tokens": n,
-                   "tokens_per_s": round(n / wall, 3) if wall > 0 else None,
-                   "token_ids_hash": hashlib.sha1(str(list(first.token_ids)).encode()).hexdigest()[:12],
-                   "stats": first.stats, "stable": all(o.token_ids == first.token_ids for _, o in reps)})
-    return pp
+        wall, new_tokens = statistics.median(walls), len(first.token_ids)
+        results.append({"wall_s": round(wall, 6), "repeats_s": [round(w, 6) for w in walls], "new_tokens": new_tokens,
+                        "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
+                        "token_ids_hash": hashlib.sha1(str(list(first.token_ids)).encode()).hexdigest()[:12],
+                        "stats": first.stats, "stable": all(o.token_ids == first.token_ids for _, o in reps)})
+    return results
 
 
 def pair(ours: Sequence[dict], ref: Sequence[dict]) -> dict[str, Any] | None:
@@ -194,10 +194,10 @@ def pair(ours: Sequence[dict], ref: Sequence[dict]) -> dict[str, Any] | None:
     ref's (ref's time over ours with equal token counts), and identical outputs."""
     if len(ours) != len(ref) or not ours:
         return None
-    r = [b["wall_s"] / a["wall_s"] if (n := a["new_tokens"]) == (m := b["new_tokens"]) or not n * m
-         else n / a["wall_s"] / (m / b["wall_s"]) for a, b in zip(ours, ref)]
-    return {"median": round(statistics.median(r), 4), "min": round(min(r), 4), "max": round(max(r), 4),
-            "won": sum(x > 1.0 for x in r), "prompts": len(r),
+    ratios = [b["wall_s"] / a["wall_s"] if (n := a["new_tokens"]) == (m := b["new_tokens"]) or not n * m
+              else n / a["wall_s"] / (m / b["wall_s"]) for a, b in zip(ours, ref)]
+    return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4), "max": round(max(ratios), 4),
+            "won": sum(x > 1.0 for x in ratios), "prompts": len(ratios),
             "identical": sum(a["token_ids_hash"] == b["token_ids_hash"] for a, b in zip(ours, ref))}
 
 
@@ -210,39 +210,39 @@ def resolve_systems(requested: list[str] | None, temperature: float = 0.0) -> li
     return [s for s in SYSTEMS if s in requested]
 
 
-def _entry(name: str, status: str, reason: str | None, extra: dict | None = None, pp: list | None = None) -> dict:
+def _entry(name: str, status: str, reason: str | None, extra: dict | None = None, rows: list | None = None) -> dict:
     return {"name": name, "status": status, "reason": reason, "tokens_per_s": None, "acceptance_rate": None,
-            "tokens_per_round": None, "per_prompt": pp or [], "extra": {} if extra is None else extra}
+            "tokens_per_round": None, "per_prompt": rows or [], "extra": {} if extra is None else extra}
 
 
 def _measured(name: str, runs: list, extra: dict, quantized: bool) -> dict[str, Any]:
     """A system's entry from its runs (an output changing between repeats fails it, unless the target is int8
     or int4: it rounds a verified block unlike a one-token step, so that is counted)."""
-    e = _entry(name, "ok", None, extra, pp := per_prompt(runs))
-    if (changed := [i for i, p in enumerate(pp) if not p["stable"]]) and quantized:
-        e["extra"]["changed_between_repeats"] = len(changed)
+    entry = _entry(name, "ok", None, extra, rows := per_prompt(runs))
+    if (changed := [i for i, p in enumerate(rows) if not p["stable"]]) and quantized:
+        entry["extra"]["changed_between_repeats"] = len(changed)
     elif changed:
-        e.update(status="failed", reason=f"prompt {changed[0]}: output changed between repeats")
-    stats, rates = [p["stats"] or {} for p in pp], [p["tokens_per_s"] for p in pp if p["tokens_per_s"]]
+        entry.update(status="failed", reason=f"prompt {changed[0]}: output changed between repeats")
+    stats, rates = [p["stats"] or {} for p in rows], [p["tokens_per_s"] for p in rows if p["tokens_per_s"]]
     drafted, rounds = (sum(s.get(k) or 0 for s in stats) for k in ("drafted", "rounds"))
-    e["tokens_per_s"] = round(statistics.median(rates), 3) if rates else None
+    entry["tokens_per_s"] = round(statistics.median(rates), 3) if rates else None
     if drafted and SYSTEMS[name].speculative:
-        e["acceptance_rate"] = round(sum(s.get("accepted") or 0 for s in stats) / drafted, 4)
-    e["tokens_per_round"] = round(sum(p["new_tokens"] for p in pp) / rounds, 3) if rounds else None
-    return e
+        entry["acceptance_rate"] = round(sum(s.get("accepted") or 0 for s in stats) / drafted, 4)
+    entry["tokens_per_round"] = round(sum(p["new_tokens"] for p in rows) / rounds, 3) if rounds else None
+    return entry
 
 
 def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[str], None]) -> list[dict]:
     """Set up and warm up each system (untimed), run them interleaved, close them: their bench.json entries."""
     baseline, live = proc_state(), {}
-    entries = {n: _entry(n, "skipped", r) for n in names if (r := SYSTEMS[n].unavailable(ctx))}
+    entries = {n: _entry(n, "skipped", why) for n in names if (why := SYSTEMS[n].unavailable(ctx))}
     for reason in dict.fromkeys(e["reason"] for e in entries.values()):
         say(f"skipping {', '.join(n for n, e in entries.items() if e['reason'] == reason)}: {reason}")
     todo = [n for n in names if n not in entries]
     try:
-        for i, name in enumerate(todo, 1):
-            say(f"setting up {name} ({i}/{len(todo)})")
-            system, t = SYSTEMS[name](), time.perf_counter()
+        for index, name in enumerate(todo, 1):
+            say(f"setting up {name} ({index}/{len(todo)})")
+            system, started = SYSTEMS[name](), time.perf_counter()
             proc_state(baseline)
             try:
                 system.setup(ctx)
@@ -254,7 +254,7 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
                     raise BenchError(f"the target_only reference failed: {type(exc).__name__}: {exc}") from exc
                 entries[name] = _entry(name, "unavailable", f"{type(exc).__name__}: {exc}")
                 continue
-            live[name] = (system, proc_state(), round(time.perf_counter() - t, 3))
+            live[name] = (system, proc_state(), round(time.perf_counter() - started, 3))
         proc_state(baseline)
 
         def run(name: str, prompt: list[int]) -> RunOutput:
@@ -281,12 +281,12 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
 def with_references(entries: list[dict], sampled: bool) -> None:
     """speedup_vs_REF, identical_to_REF (prompts) for target_only, a peer's own, (sampled) hetero_spec_target_only."""
     ok = {e["name"]: e for e in entries if e["status"] == "ok"}
-    for e in entries:
-        cls = SYSTEMS[e["name"]]
+    for row in entries:
+        cls = SYSTEMS[row["name"]]
         refs = (cls.peer_reference, SAMPLED_REFERENCE if sampled and cls.ours and cls.speculative else None)
-        for ref in [REFERENCE, *(r for r in refs if r and r != e["name"])]:
-            p = pair(e["per_prompt"], ok[ref]["per_prompt"]) if e["status"] == "ok" and ref in ok else None
-            e[f"speedup_vs_{ref}"], e[f"identical_to_{ref}"] = (p["median"], p["identical"]) if p else (None, None)
+        for ref in [REFERENCE, *(r for r in refs if r and r != row["name"])]:
+            p = pair(row["per_prompt"], ok[ref]["per_prompt"]) if row["status"] == "ok" and ref in ok else None
+            row[f"speedup_vs_{ref}"], row[f"identical_to_{ref}"] = (p["median"], p["identical"]) if p else (None, None)
 
 
 def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
@@ -300,8 +300,8 @@ def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
     todo += [((ours or [None])[0] if SYSTEMS[p].speculative else REFERENCE, p, "") for p in peers]
     out: dict[tuple, dict] = {}
     for name, peer, note in todo:
-        if name in ok and (name, peer) not in out and (p := pair(ok[name]["per_prompt"], ok[peer]["per_prompt"])):
-            out[(name, peer)] = {"system": name, "peer": peer, "note": note, **p}
+        if name in ok and (name, peer) not in out and (cmp := pair(ok[name]["per_prompt"], ok[peer]["per_prompt"])):
+            out[(name, peer)] = {"system": name, "peer": peer, "note": note, **cmp}
     return list(out.values())
 
 
