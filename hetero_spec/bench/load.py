@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,26 +17,22 @@ SYSTEMS = {"target_only": ALONE, "hetero_spec": {}}
 
 def run_level(engine, prompts: list[list[int]], concurrency: int, max_new: int) -> dict[str, Any]:
     """Serve every prompt once with `concurrency` client threads: outputs, latencies, throughput."""
-    outs, lat, ttft, lock = {}, [], [], threading.Lock()  # outs: {request: its token ids}
 
-    def one(i: int) -> None:
-        t0, ids, first = time.perf_counter(), [], None
-        for chunk in engine.stream_tokens(prompts[i], max_new_tokens=max_new, temperature=0.0):
-            first = time.perf_counter() - t0 if first is None else first
+    def one(prompt: list[int]) -> tuple[list[int], float, float]:  # (token ids, latency, time to first token)
+        started, ids, first = time.perf_counter(), [], None
+        for chunk in engine.stream_tokens(prompt, max_new_tokens=max_new, temperature=0.0):
+            first = time.perf_counter() - started if first is None else first
             ids.extend(chunk)
-        with lock:
-            outs[i] = ids
-            lat.append(time.perf_counter() - t0)
-            ttft.append(first or 0.0)
+        return ids, time.perf_counter() - started, first or 0.0
 
-    t = time.perf_counter()
+    started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, range(len(prompts))))
-    wall, tokens = time.perf_counter() - t, sum(len(v) for v in outs.values())
+        outputs, latencies, ttfts = zip(*pool.map(one, prompts))
+    wall, tokens = time.perf_counter() - started, sum(map(len, outputs))
     return {"concurrency": concurrency, "requests": len(prompts), "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "latency_p50_s": round(statistics.median(lat), 4),
-            "latency_p95_s": round(sorted(lat)[min(len(lat) - 1, round(0.95 * (len(lat) - 1)))], 4),
-            "ttft_p50_s": round(statistics.median(ttft), 4), "outputs": [outs[i] for i in range(len(prompts))]}
+            "tokens_per_s": round(tokens / wall, 2), "latency_p50_s": round(statistics.median(latencies), 4),
+            "latency_p95_s": round(sorted(latencies)[round(0.95 * (len(latencies) - 1))], 4),
+            "ttft_p50_s": round(statistics.median(ttfts), 4), "outputs": list(outputs)}
 
 
 def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int, out: Path,
@@ -47,30 +42,31 @@ def run_load(config_path: Path, levels: list[int], n_requests: int, max_new: int
     from ..config import load_config
     from ..engine import Engine
     from .prompts import heldout_prompt_ids
-    say = say or (lambda m: print(f"load: {m}", file=sys.stderr, flush=True))
+    say, overrides = say or (lambda m: print(f"load: {m}", file=sys.stderr, flush=True)), overrides or {}
     config = load_config(config_path, overrides=overrides)
     prompts = heldout_prompt_ids(config, Path(config_path), n_requests, 128)
     report: dict[str, Any] = {"config": str(config_path), "requests": n_requests, "max_new_tokens": max_new,
                               "levels": levels, "repeats": repeats, "layouts": {}, "systems": {}}
     with ExitStack() as stack:
         engines = {}
-        for n, over in SYSTEMS.items():
-            say(f"{n}: loading")
-            engines[n] = stack.enter_context(Engine.from_config(config_path, overrides={**(overrides or {}), **over}))
-            engines[n].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
-            report["layouts"][n] = engines[n].config.runtime.mode
+        for name, extra in SYSTEMS.items():
+            say(f"{name}: loading")
+            engines[name] = stack.enter_context(Engine.from_config(config_path, overrides={**overrides, **extra}))
+            engines[name].generate(prompts[0], max_new_tokens=16, temperature=0.0)  # warm
+            report["layouts"][name] = engines[name].config.runtime.mode
 
         def run(key: tuple[str, int], _) -> dict[str, Any]:
-            say(f"{key[0]}, concurrency {key[1]}, {n_requests} requests")
-            return run_level(engines[key[0]], prompts, key[1], max_new)
+            name, level = key
+            say(f"{name}, concurrency {level}, {n_requests} requests")
+            return run_level(engines[name], prompts, level, max_new)
 
-        keys = [(n, c) for c in levels for n in SYSTEMS]
+        keys = [(name, level) for level in levels for name in SYSTEMS]
         runs, _ = interleave(keys, [None] * repeats, 1, run, must=keys)  # one "prompt" per repeat: rotating
-    for name, c in keys:  # medians over the repeats; the first level's first repeat is the outputs' reference
-        mine, base = ([r[0][1] for r in runs[(name, lv)]] for lv in (c, levels[0]))
+    for name, level in keys:  # medians over the repeats; the first level's first repeat is the outputs' reference
+        mine, base = ([r[0][1] for r in runs[(name, lv)]] for lv in (level, levels[0]))
         same = sum(a == b for r in mine for a, b in zip(r["outputs"], base[0]["outputs"]))
         report["systems"].setdefault(name, []).append({
-            "concurrency": c, "requests": n_requests, "tokens": mine[0]["tokens"],
+            "concurrency": level, "requests": n_requests, "tokens": mine[0]["tokens"],
             **{k: round(statistics.median(r[k] for r in mine), 4)
                for k in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "wall_s")},
             "throughput_vs_first_level": round(statistics.median(r["tokens_per_s"] / b["tokens_per_s"]

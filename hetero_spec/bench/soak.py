@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ def settle(port: int, timeout_s: float = 60.0) -> tuple[dict[tuple[str, str], fl
 
 def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max_tokens: int = 64,
              warmup_s: float = 10.0, out: Path = Path("bench-out/soak"),
-             overrides: list[str] | dict[str, Any] | None = None, port: int = 0,
+             overrides: list[str] | None = None, port: int = 0,
              say: Callable[[str], None] | None = None, cut_share: float = 1 / 3,
              malformed_share: float = 0.1) -> dict[str, Any]:
     """Start the server, take the references, run the streams for `duration_s` (each request cut by its client with
@@ -147,22 +148,20 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
     stop the server; write OUT/soak.json and .md."""
     say = say or (lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
     if not port:
-        with socket.socket() as s:  # a port nothing listens on now
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
-    out, sets = Path(out), [f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) \
-        else overrides or []  # --set KEY=VALUE strings, or a mapping (values as JSON)
+        with socket.socket() as sock:  # a port nothing listens on now
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+    out = Path(out)
     say(f"starting the server on {HOST}:{port} (log: {out / 'server.log'})")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "server.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-c", "from hetero_spec.cli import main; raise SystemExit(main())",
                                  "serve", "--config", str(config_path), "--host", HOST, "--port", str(port),
-                                 *(a for p in sets for a in ("--set", p))], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+                                 *(a for o in overrides or () for a in ("--set", o))],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     halt, lock, threads, samples = threading.Event(), threading.Lock(), [], []
-    tally: dict[str, Any] = {"ok": 0, "lost": 0, "mismatches": 0, "tokens": 0, "cut": 0, "errors": [],
-                             "sent_errors": {}}
+    tally, sent_errors, errors = Counter(), Counter(), []  # tally: ok, lost, mismatches, tokens, cut
     try:
         wait_healthy(proc, port, out / "server.log")
         model = _request(port, "GET", "/v1/models", timeout=30.0)["data"][0]["id"]
@@ -171,61 +170,57 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         answers = (_request(port, "POST", "/v1/completions", b) for b in bodies)
         refs = [(r["choices"][0]["text"], r["usage"]) for r in answers]
         before, _ = settle(port)
-        t0 = time.monotonic()
+        started = time.monotonic()
 
-        def one(rng: random.Random, k: int) -> None:
-            """One request: malformed, cut, or whole (compared with its reference)."""
-            if (u := rng.random()) < malformed_share:
+        def one(rng: random.Random, index: int) -> None:
+            """One request on prompt `index`: malformed, cut, or whole (compared with its reference)."""
+            if (draw := rng.random()) < malformed_share:
                 endpoint, body, want = MALFORMED[rng.randrange(len(MALFORMED))]
                 got = send_malformed(port, endpoint, body.replace(b"{model}", model.encode()))
                 if got != want:
                     raise RuntimeError(f"malformed {body[:60]!r} on {endpoint}: HTTP {got}, expected {want}")
                 with lock:
-                    key = f"{endpoint} {want}"
-                    tally["sent_errors"][key] = tally["sent_errors"].get(key, 0) + 1
-            elif u < malformed_share + cut_share:
-                stream_completion(port, bodies[k], cut=True)
+                    sent_errors[f"{endpoint} {want}"] += 1
+            elif draw < malformed_share + cut_share:
+                stream_completion(port, bodies[index], cut=True)
                 with lock:
                     tally["cut"] += 1
             else:
-                text, usage = stream_completion(port, {**bodies[k], "stream_options": {"include_usage": True}})
+                text, usage = stream_completion(port, {**bodies[index], "stream_options": {"include_usage": True}})
                 with lock:
-                    tally["ok"] += 1
-                    tally["mismatches"] += (text, usage) != refs[k]
-                    tally["tokens"] += int(usage.get("completion_tokens", 0))
+                    tally.update(ok=1, mismatches=int((text, usage) != refs[index]),
+                                 tokens=int(usage.get("completion_tokens", 0)))
 
-        def client(i: int) -> None:
-            rng = random.Random(i)
-            for it in itertools.count():
-                k = (i + it) % len(PROMPTS)
+        def client(stream: int) -> None:
+            rng = random.Random(stream)
+            for request in itertools.count():
                 try:
-                    one(rng, k)
+                    one(rng, (stream + request) % len(PROMPTS))
                 except Exception as exc:  # noqa: BLE001 - any failure of a request is a lost request
                     with lock:
                         tally["lost"] += 1
-                        if len(tally["errors"]) < 20:  # the first few, for the report
-                            tally["errors"].append(f"stream {i}, request {it}: {type(exc).__name__}: {exc}")
-                if halt.is_set() or time.monotonic() >= t0 + duration_s:
+                        if len(errors) < 20:  # the first few, for the report
+                            errors.append(f"stream {stream}, request {request}: {type(exc).__name__}: {exc}")
+                if halt.is_set() or time.monotonic() >= started + duration_s:
                     return
 
         say(f"{streams} streams for {duration_s:g} s (warm-up {warmup_s:g} s), {max_tokens} tokens per request")
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
-        for t in threads:
-            t.start()
+        for thread in threads:
+            thread.start()
         while True:  # the server's RSS about every second, until the last client is done
-            samples.append([round(time.monotonic() - t0, 2), status_mb(proc.pid, "VmRSS")])
+            samples.append([round(time.monotonic() - started, 2), status_mb(proc.pid, "VmRSS")])
             if not (alive := [t for t in threads if t.is_alive()]):
                 break
             alive[0].join(1.0)
             if len(samples) % 5 == 0:
-                say(f"{time.monotonic() - t0:5.0f} s: {tally['ok']} ok, {tally['lost']} lost, {tally['mismatches']} "
-                    f"mismatched, {tally['tokens']} tokens, server RSS {samples[-1][1]} MB")
-        wall = time.monotonic() - t0
+                say(f"{time.monotonic() - started:5.0f} s: {tally['ok']} ok, {tally['lost']} lost, "
+                    f"{tally['mismatches']} mismatched, {tally['tokens']} tokens, server RSS {samples[-1][1]} MB")
+        wall = time.monotonic() - started
         after, in_flight = settle(port)
-        counted = {f"{e} {s}": after.get((e, s), 0.0) - before.get((e, s), 0.0) for e, s in after
-                   if s.startswith("4") and s != "499" and e in PATHS}  # 499: the cut streams, below
-        counted = {key: int(n) for key, n in counted.items() if n}
-        cut_counted = int(after.get(("completions", "499"), 0.0) - before.get(("completions", "499"), 0.0))
+        answered = {key: int(n - before.get(key, 0.0)) for key, n in after.items()}  # during the soak
+        counted = {f"{e} {s}": n for (e, s), n in answered.items()
+                   if n and s.startswith("4") and s != "499" and e in PATHS}  # 499: the cut streams, below
     finally:
         halt.set()  # on an error or Ctrl-C the clients stop after their current request
         if proc.poll() is None:  # SIGTERM, then SIGKILL
@@ -235,8 +230,8 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for t in threads:
-            t.join(5.0)
+        for thread in threads:
+            thread.join(5.0)
     samples = [s for s in samples if s[1] is not None]
     report: dict[str, Any] = {
         "config": str(config_path), "streams": streams, "duration_s": duration_s, "warmup_s": warmup_s,
@@ -244,9 +239,9 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
         "requests_ok": tally["ok"], "requests_lost": tally["lost"], "token_mismatches": tally["mismatches"],
         "tokens": tally["tokens"], "tokens_per_s": round(tally["tokens"] / wall, 2) if wall > 0 else 0.0,
         "rss_samples": samples, **rss_summary(samples, warmup_s), "rss_growth_limit": GROWTH_LIMIT,
-        "server_pid": proc.pid, "server_exit_code": proc.returncode, "errors": tally["errors"],
+        "server_pid": proc.pid, "server_exit_code": proc.returncode, "errors": errors,
         "cut_share": cut_share, "malformed_share": malformed_share, "requests_cut": tally["cut"],
-        "cut_counted_499": cut_counted, "errors_sent": dict(sorted(tally["sent_errors"].items())),
+        "cut_counted_499": answered.get(("completions", "499"), 0), "errors_sent": dict(sorted(sent_errors.items())),
         "errors_counted": dict(sorted(counted.items())), "in_flight_after": in_flight}
     report["errors_match"] = report["errors_sent"] == report["errors_counted"]
     report["goal_met"] = (report["requests_lost"] == 0 and report["token_mismatches"] == 0 and report["flat"]
@@ -262,14 +257,14 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    g, mb = report.get("rss_growth"), lambda v: "n/a" if v is None else f"{v:.1f}"
+    growth, mb = report.get("rss_growth"), lambda v: "n/a" if v is None else f"{v:.1f}"
     rows = [("requests ok", report["requests_ok"]), ("requests lost", report["requests_lost"]),
             ("token mismatches", report["token_mismatches"]), ("tokens", report["tokens"]),
             ("tokens/s", f"{report['tokens_per_s']:.1f}"), ("wall (s)", f"{report['wall_s']:.1f}"),
             (f"RSS after warm-up ({report['warmup_s']:g} s) (MB)", mb(report["rss_after_warmup_mb"])),
             ("RSS max after warm-up (MB)", mb(report["rss_max_after_warmup_mb"])),
             ("RSS at the end (MB)", mb(report["rss_end_mb"])),
-            ("RSS growth", "n/a" if g is None else f"{g * 100:.1f} %"),
+            ("RSS growth", "n/a" if growth is None else f"{growth * 100:.1f} %"),
             (f"RSS flat (<= {report['rss_growth_limit'] * 100:.0f} %)", "yes" if report["flat"] else "no"),
             ("requests cut by their client", report.get("requests_cut", 0)),
             ("... counted 499 by the server", report.get("cut_counted_499", 0)),

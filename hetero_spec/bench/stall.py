@@ -6,7 +6,6 @@ request's time to first token; medians over the repeats. Writes OUT/prefill_stal
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -52,6 +51,7 @@ def run_stall(config: Path, overrides: dict[str, Any], out: Path, chunks: list[i
               new_tokens: int, repeats: int, say=print) -> dict[str, Any]:
     """Every arm (NONE, then each chunk setting) once per repeat, interleaved; the medians per arm."""
     from ..engine import Engine
+    from .harness import write_report
 
     arms: list[int | str] = [NONE, *chunks]
     runs: dict[int | str, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -71,9 +71,7 @@ def run_stall(config: Path, overrides: dict[str, Any], out: Path, chunks: list[i
     report = {"config": str(config), "long_prompt_tokens": len(long_prompt), "streams": len(SHORT),
               "new_tokens": new_tokens, "repeats": repeats, "medians": medians,
               "runs": {str(arm): runs[arm] for arm in arms}}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_stall.json").write_text(json.dumps(report, indent=2))
-    (out / "prefill_stall.md").write_text(render(report))
+    write_report(out, "prefill_stall", report, render(report))
     return report
 
 
