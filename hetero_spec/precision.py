@@ -19,18 +19,18 @@ ONNX_GPU = ("fp32", "fp16", "int8", "int4")  # the builder's precisions for a GP
 def resolve_auto(cfg: Config, recommended: str | None) -> Config:
     """target.precision auto: the profile's recommendation when allow_lossy lets it change the model, else the
     checkpoint's own precision (target.dtype's), with a log line saying which and why."""
-    t = cfg.target
-    if t.precision != "auto":
+    target = cfg.target
+    if target.precision != "auto":
         return cfg
     out = cfg.model_copy(deep=True)
-    if t.allow_lossy and recommended is not None:
+    if target.allow_lossy and recommended is not None:
         out.target.precision = recommended
         why = "the profile's recommendation (allow_lossy)"
     else:
         out.target.precision = None  # from dtype
-        why = ("allow_lossy is off: the checkpoint's own precision" if not t.allow_lossy else
+        why = ("allow_lossy is off: the checkpoint's own precision" if not target.allow_lossy else
                "no profile recommends one (speculation.profile, `hetero-spec profile`): the checkpoint's own")
-    log.warning("target.precision auto: %s (%s)", out.target.precision or f"from dtype {t.dtype}", why)
+    log.warning("target.precision auto: %s (%s)", out.target.precision or f"from dtype {target.dtype}", why)
     return out
 
 
@@ -39,69 +39,71 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
     checked against what the backend can run here; ConfigError names the key and says why. What the backend
     cannot run is reported before a dtype that contradicts the precision: fixing the dtype first would only lead
     to the real reason (e.g. fp16 on the CPU export, which computes in fp32)."""
-    t = cfg.target
-    float_of = _FROM_DTYPE.get(t.dtype)
-    p = t.precision or float_of or ("bf16" if cuda else "fp32")
-    _check_backend(cfg, backend, cuda, p)
-    if t.precision is not None and float_of not in (None, t.precision) and not (
-            t.precision in ("int8", "int4") and float_of == "fp32"):
-        raise cfg.error("target.precision", t.precision,
-                        f"contradicts target.dtype: {t.dtype} (its alias for precision {float_of}); set one of "
-                        "them (quantized int8/int4 targets compute in float32: dtype auto or float32)")
-    return p
+    target = cfg.target
+    float_of = _FROM_DTYPE.get(target.dtype)
+    precision = target.precision or float_of or ("bf16" if cuda else "fp32")
+    _check_backend(cfg, backend, cuda, precision)
+    if target.precision is not None and float_of not in (None, target.precision) and not (
+            target.precision in ("int8", "int4") and float_of == "fp32"):
+        raise cfg.error("target.precision", target.precision,
+                        f"contradicts target.dtype: {target.dtype} (its alias for precision {float_of}); set one "
+                        "of them (quantized int8/int4 targets compute in float32: dtype auto or float32)")
+    return precision
 
 
-def _check_backend(cfg: Config, backend: str, cuda: bool, p: str) -> None:
-    t = cfg.target
-    if backend == "onnx" and t.kv_cache_dtype != "auto":
-        raise cfg.error("target.kv_cache_dtype", t.kv_cache_dtype, "the onnx backend keeps the export's KV cache "
-                        "(fp32 in the builder's CPU graph; the builder quantizes KV caches only for "
+def _check_backend(cfg: Config, backend: str, cuda: bool, precision: str) -> None:
+    target = cfg.target
+    if backend == "onnx" and target.kv_cache_dtype != "auto":
+        raise cfg.error("target.kv_cache_dtype", target.kv_cache_dtype, "the onnx backend keeps the export's KV "
+                        "cache (fp32 in the builder's CPU graph; the builder quantizes KV caches only for "
                         "GroupQueryAttention/PagedAttention on GPU providers): use auto, or the torch backend")
     if backend != "onnx":
-        if p == "int4" or (p == "int8" and cuda):
-            raise cfg.error("target.precision", p,
-                            f"the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); "
-                            f"{p}{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the onnx "
-                            "backend (int8, int4 on a CPU) or fp16/bf16")
+        if precision == "int4" or (precision == "int8" and cuda):
+            raise cfg.error("target.precision", precision,
+                            "the torch backend quantizes to int8 on a CPU only (PyTorch dynamic quantization); "
+                            f"{precision}{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the "
+                            "onnx backend (int8, int4 on a CPU) or fp16/bf16")
         return
-    if t.model is not None and (Path(t.model) / "model.onnx").is_file():
-        if t.precision is not None:
-            log.info("target.precision %s: target.model is already an export (%s); it is used as it is", p, t.model)
+    if target.model is not None and (Path(target.model) / "model.onnx").is_file():
+        if target.precision is not None:
+            log.info("target.precision %s: target.model is already an export (%s); it is used as it is", precision,
+                     target.model)
         return
-    first = (t.providers or ["CPUExecutionProvider"])[0]
-    if first == "CPUExecutionProvider" and p not in ONNX_CPU:
-        raise cfg.error("target.precision", p, "the ONNX model builder's CPU export computes in fp32: choose fp32, "
-                        "int8 or int4 for the CPU provider (fp16 needs a GPU provider's export: target.providers: "
-                        "[CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend on CUDA)")
-    if first != "CPUExecutionProvider" and p not in ONNX_GPU:
-        raise cfg.error("target.precision", p, f"the ONNX model builder exports fp32, fp16, int8 or int4 for "
+    first = (target.providers or ["CPUExecutionProvider"])[0]
+    if first == "CPUExecutionProvider" and precision not in ONNX_CPU:
+        raise cfg.error("target.precision", precision, "the ONNX model builder's CPU export computes in fp32: choose "
+                        "fp32, int8 or int4 for the CPU provider (fp16 needs a GPU provider's export: "
+                        "target.providers: [CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend "
+                        "on CUDA)")
+    if first != "CPUExecutionProvider" and precision not in ONNX_GPU:
+        raise cfg.error("target.precision", precision, f"the ONNX model builder exports fp32, fp16, int8 or int4 for "
                         f"{first}: choose one of them (bf16: the torch backend on CUDA)")
 
 
 def resolve_draft(cfg: Config) -> Config:
     """draft.precision with a Hugging Face draft.model: a config whose draft.model is the cached export at that
     precision (exported now if needed). An export given with draft.precision is an error."""
-    d = cfg.draft
-    if d.kind != "onnx" or d.model is None:
+    draft = cfg.draft
+    if draft.kind != "onnx" or draft.model is None:
         return cfg
-    if d.precision is None:
+    if draft.precision is None:
         return _pruned(cfg)
-    model = Path(d.model)
+    model = Path(draft.model)
     if (model / "model.onnx").is_file():
-        raise cfg.error("draft.precision", d.precision,
+        raise cfg.error("draft.precision", draft.precision,
                         f"draft.model ({model}) is already an ONNX export with its own precision; give the "
                         "Hugging Face checkpoint to export it at draft.precision, or drop draft.precision")
     if not (model / "config.json").is_file():
         raise cfg.error("draft.model", str(model),
                         "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
     from .target.export_cache import cached_export, exportable
-    ok, why = exportable(model)
-    if not ok:
+    exports, why = exportable(model)
+    if not exports:
         raise cfg.error("draft.model", str(model), f"cannot export the draft: {why}")
     out = cfg.model_copy(deep=True)
-    out.draft.model = cached_export(model, d.precision, role="draft")
+    out.draft.model = cached_export(model, draft.precision, role="draft")
     out.draft.precision = None
-    log.info("draft: %s at %s -> %s", model, d.precision, out.draft.model)
+    log.info("draft: %s at %s -> %s", model, draft.precision, out.draft.model)
     return _pruned(out)
 
 

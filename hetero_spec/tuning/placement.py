@@ -60,11 +60,11 @@ class Costs:
                 "corun": {k: [round(a, 4), round(b, 4)] for k, (a, b) in self.corun.items()}}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Costs:
-        return cls(verify={int(t): (float(v[0]), float(v[1])) for t, v in d["verify"].items()},
-                   draft_token_s={int(t): float(s) for t, s in d["draft_token_s"].items()},
-                   transfer_s=float(d.get("transfer_s", 0.0)),
-                   corun={k: (float(v[0]), float(v[1])) for k, v in (d.get("corun") or {}).items()})
+    def from_dict(cls, raw: dict[str, Any]) -> Costs:
+        return cls(verify={int(t): (float(v[0]), float(v[1])) for t, v in raw["verify"].items()},
+                   draft_token_s={int(t): float(s) for t, s in raw["draft_token_s"].items()},
+                   transfer_s=float(raw.get("transfer_s", 0.0)),
+                   corun={k: (float(v[0]), float(v[1])) for k, v in (raw.get("corun") or {}).items()})
 
     def covers(self, layout: Layout) -> bool:
         return layout.target_threads in self.verify and layout.draft_threads in self.draft_token_s
@@ -86,9 +86,9 @@ def allowed_cpus() -> int:
 def candidates(config, n_cpus: int) -> list[Layout]:
     """The layouts `runtime.mode` and `runtime.cpus` leave open on n_cpus cores (docs/features-tuning.md); with
     cpus not auto, the configured threads (target.threads unset: every core in process, those the worker leaves)."""
-    rt, t_cfg, d_cfg = config.runtime, config.target.threads, config.draft.threads
-    auto_cpus = rt.cpus == "auto"
-    modes = ["in_process", "two_process"] if rt.mode == "auto" else [rt.mode]
+    runtime, t_cfg, d_cfg = config.runtime, config.target.threads, config.draft.threads
+    auto_cpus = runtime.cpus == "auto"
+    modes = ["in_process", "two_process"] if runtime.mode == "auto" else [runtime.mode]
     if config.draft.kind != "onnx":
         modes = ["in_process"]  # only a model draft runs in a worker
     out: list[Layout] = []
@@ -97,12 +97,12 @@ def candidates(config, n_cpus: int) -> list[Layout]:
             out += [Layout("in_process", n_cpus, d) for d in sorted({1, n_cpus})]
         else:
             out.append(Layout("in_process", t_cfg or n_cpus, d_cfg))
-    if "two_process" in modes and (n_cpus >= 2 or rt.mode == "two_process"):
+    if "two_process" in modes and (n_cpus >= 2 or runtime.mode == "two_process"):
         if auto_cpus and n_cpus >= 2:
             out += [Layout("two_process", t, n_cpus - t) for t in range(1, n_cpus)]
         else:
-            d = min(d_cfg, max(1, n_cpus - 1))
-            out.append(Layout("two_process", t_cfg or max(1, n_cpus - d), d))
+            draft_threads = min(d_cfg, max(1, n_cpus - 1))
+            out.append(Layout("two_process", t_cfg or max(1, n_cpus - draft_threads), draft_threads))
     return out
 
 
@@ -163,19 +163,19 @@ def measure(config, layouts: list[Layout], say=None) -> Costs:
     say = say or (lambda m: log.info("placement: %s", m))
     onnx = config.draft.kind == "onnx"
     costs = Costs(verify={}, draft_token_s={lay.draft_threads: 0.0 for lay in layouts})
-    for t in sorted({lay.target_threads for lay in layouts}):
-        say(f"target verification at {t} thread(s)")
-        target = load_target(config.target, t, spin=config.target.spin)
-        costs.verify[t], vocab = measure_verify(target), target.vocab_width
+    for threads in sorted({lay.target_threads for lay in layouts}):
+        say(f"target verification at {threads} thread(s)")
+        target = load_target(config.target, threads, spin=config.target.spin)
+        costs.verify[threads], vocab = measure_verify(target), target.vocab_width
         for lay in layouts:
-            if onnx and lay.mode == "two_process" and lay.target_threads == t:
-                say(f"target and draft side by side, {t} + {lay.draft_threads} thread(s)")
+            if onnx and lay.mode == "two_process" and lay.target_threads == threads:
+                say(f"target and draft side by side, {threads} + {lay.draft_threads} thread(s)")
                 costs.corun[lay.split] = measure_corun(target, _draft_decoder(config, lay.draft_threads, vocab))
         del target  # before the next thread count loads its own
     if onnx:
-        for d in sorted(costs.draft_token_s):
-            say(f"draft time per token at {d} thread(s)")
-            costs.draft_token_s[d] = _draft_token_s(_draft_decoder(config, d, vocab))
+        for threads in sorted(costs.draft_token_s):
+            say(f"draft time per token at {threads} thread(s)")
+            costs.draft_token_s[threads] = _draft_token_s(_draft_decoder(config, threads, vocab))
         if any(lay.mode == "two_process" for lay in layouts):
             costs.transfer_s = transfer_points([64], 20)[0][1]
     return costs
@@ -202,10 +202,11 @@ def _cpu_model() -> str:
 def cache_path(config, layouts: list[Layout]) -> Path:
     """Where the measured costs are cached: keyed by the models, the backend, this machine and the layouts."""
     from ..target.export_cache import cache_root
-    t, d = config.target, config.draft
-    key = {"target": _stamp(t.model), "backend": t.backend, "providers": t.providers, "device": t.device,
-           "dtype": t.dtype, "precision": t.precision, "draft": _stamp(d.model) if d.kind == "onnx" else d.kind,
-           "draft_providers": d.providers, "host": platform.node(), "cpu": _cpu_model(), "cpus": allowed_cpus(),
+    target, draft = config.target, config.draft
+    key = {"target": _stamp(target.model), "backend": target.backend, "providers": target.providers,
+           "device": target.device, "dtype": target.dtype, "precision": target.precision,
+           "draft": _stamp(draft.model) if draft.kind == "onnx" else draft.kind, "draft_providers": draft.providers,
+           "host": platform.node(), "cpu": _cpu_model(), "cpus": allowed_cpus(),
            "threads": sorted({(lay.target_threads, lay.draft_threads) for lay in layouts}), "version": CACHE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_root() / "placement" / f"{digest}.json"

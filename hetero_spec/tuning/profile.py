@@ -35,8 +35,8 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
     tuning = Tuning(profile=model, prior_acceptance=min(max(a, 0.0), 1.0))
     try:  # the shared-pass costs against batch size, when the profile measured them
         batch = raw.get("batch") or {}
-        for b, secs in (batch.get("shared_pass_s") or {}).items():
-            tuning.shared.observe(int(b), float(secs))
+        for rows, secs in (batch.get("shared_pass_s") or {}).items():
+            tuning.shared.observe(int(rows), float(secs))
         if batch.get("recommended_max_batch") is not None:
             tuning.recommended_batch = int(batch["recommended_max_batch"])
         rec = (raw.get("precision") or {}).get("recommended")
@@ -47,14 +47,15 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
     return tuning
 
 
-def median_s(fn, reps: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def seconds_of(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def median_s(run, reps: int) -> float:
+    run()  # warm
+    return statistics.median(seconds_of(run) for _ in range(reps))
 
 
 @contextmanager
@@ -67,50 +68,47 @@ def prefilled(target, prompt: list[int], rows: int = 1):
             target.prefill(states[-1], prompt)
         yield states, states[0].n_cached
     finally:
-        for st in states:
-            target.release_state(st)
+        for state in states:
+            target.release_state(state)
 
 
-def verify_points(target, prompt: list[int], ks: list[int], reps: int) -> list[tuple[int, float]]:
+def verify_once(target, state, prompt: list[int], base: int, k: int) -> None:
+    """One verification of k drafts (the prompt's tokens again) after the cached prompt, rolled back."""
+    target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
+    target.rollback(state, base)
+
+
+def verify_points(target, prompt: list[int], drafts: list[int], reps: int) -> list[tuple[int, float]]:
     """Median seconds of one verification of k drafts (k + 1 tokens) after the cached prompt, for each k."""
     with prefilled(target, prompt) as ([state], base):
-        def once(k: int):
-            target.verify(state, prompt[-1], [prompt[i % len(prompt)] for i in range(k)], True)
-            target.rollback(state, base)
-        return [(k + 1, median_s(lambda k=k: once(k), reps)) for k in ks]
+        return [(k + 1, median_s(lambda k=k: verify_once(target, state, prompt, base, k), reps)) for k in drafts]
 
 
 CURVE_K = 8  # gamma auto without a profile or placement: the verify curve is measured at start up to this k
 
 
-def seed_verify_curve(tuning: Tuning, target, ks: range = range(CURVE_K + 1), reps: int = 2,
+def seed_verify_curve(tuning: Tuning, target, drafts: range = range(CURVE_K + 1), reps: int = 2,
                       prompt_len: int = 32) -> dict[int, float]:
     """Time `reps` verifications of k drafts for each k and give each to `tuning` as a pass it saw, so gamma auto
     knows the curve's shape (not a line: docs/features-tuning.md) from its first round. Returns k -> seconds."""
     prompt = [1 + i % 64 for i in range(prompt_len)]
     with prefilled(target, prompt) as ([state], base):
-        def once(k: int) -> float:
-            t = time.perf_counter()
-            target.verify(state, prompt[-1], [prompt[i % prompt_len] for i in range(k)], True)
-            seconds = time.perf_counter() - t
-            target.rollback(state, base)
-            return seconds
-        once(0)  # a warm-up, untimed
-        for k in ks:
+        verify_once(target, state, prompt, base, 0)  # a warm-up, untimed
+        for k in drafts:
             for _ in range(reps):
-                tuning.observe_verify(k, once(k))
-    return {k: tuning.measured[k] for k in ks}
+                tuning.observe_verify(k, seconds_of(lambda k=k: verify_once(target, state, prompt, base, k)))
+    return {k: tuning.measured[k] for k in drafts}
 
 
 def batch_points(target, prompt: list[int], sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """Median seconds of one shared target pass (`verify_batch`: the scheduler's plain round) over B rows of one
     token each after the same cached prompt, for each batch size B."""
     with prefilled(target, prompt, max(sizes)) as (states, base):
-        def once(b: int):
-            target.verify_batch([(st, prompt[-1], []) for st in states[:b]], [True] * b)
-            for st in states[:b]:
-                target.rollback(st, base)
-        return [(b, median_s(lambda b=b: once(b), reps)) for b in sizes]
+        def once(rows: int):
+            target.verify_batch([(state, prompt[-1], []) for state in states[:rows]], [True] * rows)
+            for state in states[:rows]:
+                target.rollback(state, base)
+        return [(rows, median_s(lambda rows=rows: once(rows), reps)) for rows in sizes]
 
 
 def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> int:
@@ -126,15 +124,15 @@ def recommended_batch(points: list[tuple[int, float]], gain: float = 1.10) -> in
 def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of an OnnxDecoder, 8 at a time after the prompt (not counted)."""
     import numpy as np
-    st = dec.new_state()
-    dec.append(st, prompt)
-    base = st.n_past
+    state = dec.new_state()
+    dec.append(state, prompt)
+    base = state.n_past
 
     def once():
         tok = prompt[-1]
         for _ in range(8):
-            tok = int(np.argmax(dec.append(st, [tok])[-1]))
-        dec.rewind(st, base)
+            tok = int(np.argmax(dec.append(state, [tok])[-1]))
+        dec.rewind(state, base)
     return median_s(once, reps) / 8
 
 
@@ -146,13 +144,13 @@ def beside(background, measure_fn):
     def loop():
         while not stop.is_set():
             background()
-    th = threading.Thread(target=loop, name="hetero-spec-beside", daemon=True)
-    th.start()
+    thread = threading.Thread(target=loop, name="hetero-spec-beside", daemon=True)
+    thread.start()
     try:
         return measure_fn()
     finally:
         stop.set()
-        th.join()
+        thread.join()
 
 
 def transfer_points(sizes: list[int], reps: int) -> list[tuple[int, float]]:
