@@ -88,17 +88,19 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
     fall, nor on which requests shared the pass. Coupled sampling ignores draft.probs (None is fine)."""
     base = len(ids)
     if params.greedy:
-        n, nxt = verify_greedy(draft.ids, out)
+        accepted, next_token = verify_greedy(draft.ids, out)
     elif params.coupled:
         p = logits_to_probs(out, params)  # [k + 1, vocab]
-        n, nxt = verify_coupled(draft.ids, p, lambda i: exponential_noise(params.seed, base + i, p.shape[1]))
+        accepted, next_token = verify_coupled(draft.ids, p,
+                                              lambda i: exponential_noise(params.seed, base + i, p.shape[1]))
     else:
         p = logits_to_probs(out, params)  # [k + 1, vocab]
         u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0] for i in range(len(draft.ids))])
-        n = rejection_accept(draft.ids, draft.probs, p, u_acc)
-        nxt = rejection_next(draft.ids, draft.probs, p, n, position_uniforms(params.seed, base + n, STREAM_TARGET)[0])
-    target.rollback(state, base + n)
-    return n, nxt
+        accepted = rejection_accept(draft.ids, draft.probs, p, u_acc)
+        next_token = rejection_next(draft.ids, draft.probs, p, accepted,
+                                    position_uniforms(params.seed, base + accepted, STREAM_TARGET)[0])
+    target.rollback(state, base + accepted)
+    return accepted, next_token
 
 
 def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: int, context_len: int,
@@ -369,15 +371,15 @@ class Scheduler:
         stats.time_verify_s += verify_s
         if eng.config.runtime.trace:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
-        n, nxt = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
-        stats.record_round(len(draft.ids), n)
-        eng.controller.observe(seq.control, len(draft.ids), n, verify_s if n_rows == 1 else None, row)
+        accepted, next_token = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
+        stats.record_round(len(draft.ids), accepted)
+        eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
-        emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:n], nxt], req, seq.generated,
+        emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:accepted], next_token], req, seq.generated,
                                                eng.target.context_len, stats)
         if not stats.finish_reason and eng.source is not None:
-            eng.source.commit(seq, n, nxt)
+            eng.source.commit(seq, accepted, next_token)
         stats.new_tokens = seq.generated
         stats.time_total_s = time.perf_counter() - seq.t_start
         if n_rows > 1:
