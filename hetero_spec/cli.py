@@ -28,15 +28,17 @@ CONFIG_HELP = "YAML config file (see configs/)"
 
 
 def _command(sub, name: str, run, help: str, description: str, config: str | None = CONFIG_HELP,
-             overrides: str | None = "override a config key, validated like the file (repeatable)", **kw):
-    """A subcommand's parser, which runs `run(args)`; with --config and --set unless their help is None."""
-    p = sub.add_parser(name, help=help, description=description, **kw)
-    p.set_defaults(run=run)
+             overrides: str | None = "override a config key, validated like the file (repeatable)", **parser_options):
+    """Add a subcommand's parser, which runs `run(args)`, with --config and --set unless their help is None; return
+    its add_argument for the command's own options."""
+    parser = sub.add_parser(name, help=help, description=description, **parser_options)
+    parser.set_defaults(run=run)
     if config:
-        p.add_argument("--config", required=True, help=config)
+        parser.add_argument("--config", required=True, help=config)
     if overrides:
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=overrides)
-    return p
+        parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                            help=overrides)
+    return parser.add_argument
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -44,71 +46,72 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
     return dict(map(parse_override, pairs))
 
 
-def _require(ok: bool, flag: str, value: Any, why: str) -> None:
-    if not ok:
+def _require(holds: bool, flag: str, value: Any, why: str) -> None:
+    if not holds:
         raise ConfigError(flag, "", value, why)
 
 
 def _add_generate(sub) -> None:
-    p = _command(sub, "generate", _cmd_generate, "generate a completion with speculative decoding",
-                 "Generate a completion. Greedy output (temperature 0) is token-identical to the target model alone; "
-                 "sampled output keeps its distribution.", overrides="override any config key, validated like the "
-                 "file (repeatable), e.g. --set speculation.gamma=6 --set draft.kind=ngram",
-                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--prompt", help="prompt text; read from standard input when omitted and stdin is not a terminal")
-    p.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: generation.max_new_tokens)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: generation.temperature)")
-    p.add_argument("--top-k", type=int, help="top-k filter, 0 = off (default: generation.top_k)")
-    p.add_argument("--top-p", type=float, help="nucleus mass, 1 = off (default: generation.top_p)")
-    p.add_argument("--seed", type=int, help="seed for sampling (default: generation.seed)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text, token_ids (generated only), finish_reason, stats")
-    p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+    arg = _command(sub, "generate", _cmd_generate, "generate a completion with speculative decoding",
+                   "Generate a completion. Greedy output (temperature 0) is token-identical to the target model alone; "
+                   "sampled output keeps its distribution.", overrides="override any config key, validated like the "
+                   "file (repeatable), e.g. --set speculation.gamma=6 --set draft.kind=ngram",
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    arg("--prompt", help="prompt text; read from standard input when omitted and stdin is not a terminal")
+    arg("--max-new-tokens", type=int, help="most tokens to generate (default: generation.max_new_tokens)")
+    arg("--temperature", type=float, help="0 = greedy (default: generation.temperature)")
+    arg("--top-k", type=int, help="top-k filter, 0 = off (default: generation.top_k)")
+    arg("--top-p", type=float, help="nucleus mass, 1 = off (default: generation.top_p)")
+    arg("--seed", type=int, help="seed for sampling (default: generation.seed)")
+    arg("--json", action="store_true",
+        help="print one JSON object: text, token_ids (generated only), finish_reason, stats")
+    arg("--no-stream", action="store_true", help="print the text at the end instead of streaming")
 
 
 def _add_export(sub) -> None:
     from .draft.export import PRECISIONS, PROVIDERS
-    p = _command(sub, "export", _cmd_export, "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
-                 "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
-                 "onnxruntime-genai's model builder, optionally quantized. Prints one progress line per stage on "
-                 "stderr; the builder's full output goes to OUT/export.log.", config=None, overrides=None,
-                 aliases=["export-draft"])
-    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, weights, "
-                   "tokenizer.json), or a GGUF file (converted once to a Hugging Face checkpoint in the cache first)")
-    p.add_argument("--out", required=True, help="output directory for model.onnx and genai_config.json")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
-    p.add_argument("--execution-provider", default="cpu", choices=PROVIDERS,
-                   help="execution provider the export targets (default cpu)")
-    p.add_argument("--block-size", type=int,
-                   help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
+    arg = _command(sub, "export", _cmd_export,
+                   "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
+                   "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
+                   "onnxruntime-genai's model builder, optionally quantized. Prints one progress line per stage on "
+                   "stderr; the builder's full output goes to OUT/export.log.", config=None, overrides=None,
+                   aliases=["export-draft"])
+    arg("--model", required=True, help="Hugging Face model directory (config.json, weights, "
+        "tokenizer.json), or a GGUF file (converted once to a Hugging Face checkpoint in the cache first)")
+    arg("--out", required=True, help="output directory for model.onnx and genai_config.json")
+    arg("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
+    arg("--execution-provider", default="cpu", choices=PROVIDERS,
+        help="execution provider the export targets (default cpu)")
+    arg("--block-size", type=int,
+        help="int4/int8 quantization block size (16..256; builder default 32; the demo int4 uses 128)")
 
 
 def _add_keys(sub) -> None:
-    p = _command(sub, "keys", _cmd_keys, "create CURVE keys for a TCP link beyond loopback (runtime.curve_keys)",
-                 "Create a directory (mode 0700) with ZeroMQ CURVE certificates: server.key_secret (the target) and "
-                 "client.key_secret (the draft worker), plus their public halves. Point runtime.curve_keys at it; "
-                 "every TCP link is then authenticated with these keys. Without it, TCP on loopback uses a fresh "
-                 "key pair per worker.", config=None, overrides=None)
-    p.add_argument("--out", required=True, help="directory to create (must not hold keys already)")
+    arg = _command(sub, "keys", _cmd_keys, "create CURVE keys for a TCP link beyond loopback (runtime.curve_keys)",
+                   "Create a directory (mode 0700) with ZeroMQ CURVE certificates: server.key_secret (the target) and "
+                   "client.key_secret (the draft worker), plus their public halves. Point runtime.curve_keys at it; "
+                   "every TCP link is then authenticated with these keys. Without it, TCP on loopback uses a fresh "
+                   "key pair per worker.", config=None, overrides=None)
+    arg("--out", required=True, help="directory to create (must not hold keys already)")
 
 
 def _add_draft_worker(sub) -> None:
-    p = _command(sub, "draft-worker", _cmd_draft_worker, "run a draft worker on this host for a remote target",
-                 "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port (the "
-                 "target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, using the "
-                 "keys of a `hetero-spec keys` directory (client.key_secret and the target's server.key). The worker "
-                 "outlives its targets: when the target restarts, it connects again. It exits on SIGTERM or Ctrl-C, "
-                 "or with code 2 when the target refuses its key.",
-                 config=None, overrides=None, formatter_class=argparse.RawDescriptionHelpFormatter,
-                 epilog="example (docs/features-two-process.md, \"Draft workers on other hosts\"):\n"
-                        "  hetero-spec draft-worker --connect tcp://10.0.0.5:5555 --keys keys/ --model draft-onnx/")
-    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the target's runtime.host:port")
-    p.add_argument("--keys", required=True, metavar="DIR", help="directory with client.key_secret and server.key")
-    p.add_argument("--model", required=True, metavar="DIR", help="exported ONNX draft (`hetero-spec export`)")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
-    p.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
-    p.add_argument("--vocab-width", type=int, default=0, help="the target's logits width, if the draft's differs")
-    p.add_argument("--max-streams", type=int, default=64, help="requests drafted for at once (default 64)")
+    arg = _command(sub, "draft-worker", _cmd_draft_worker, "run a draft worker on this host for a remote target",
+                   "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port (the "
+                   "target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, using the "
+                   "keys of a `hetero-spec keys` directory (client.key_secret and the target's server.key). The worker "
+                   "outlives its targets: when the target restarts, it connects again. It exits on SIGTERM or Ctrl-C, "
+                   "or with code 2 when the target refuses its key.",
+                   config=None, overrides=None, formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog="example (docs/features-two-process.md, \"Draft workers on other hosts\"):\n"
+                          "  hetero-spec draft-worker --connect tcp://10.0.0.5:5555 --keys keys/ --model draft-onnx/")
+    arg("--connect", required=True, metavar="tcp://HOST:PORT", help="the target's runtime.host:port")
+    arg("--keys", required=True, metavar="DIR", help="directory with client.key_secret and server.key")
+    arg("--model", required=True, metavar="DIR", help="exported ONNX draft (`hetero-spec export`)")
+    arg("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
+    arg("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    arg("--vocab-width", type=int, default=0, help="the target's logits width, if the draft's differs")
+    arg("--max-streams", type=int, default=64, help="requests drafted for at once (default 64)")
 
 
 def _cmd_draft_worker(args) -> int:
@@ -131,88 +134,83 @@ def _cmd_draft_worker(args) -> int:
 
 
 def _add_profile(sub) -> None:
-    p = _command(sub, "profile", _cmd_profile, "measure this machine's costs, fit the cost model, recommend gamma",
-                 "Measure, on the configured target backend and draft: verification time of k = 0..16 draft tokens, "
-                 "the draft's time per token, transfer and prefill time, acceptance on calibration prompts and "
-                 "goodput at a few gammas; the same for each --draft and target precision; and each layout and core "
-                 "split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost model, "
-                 "recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). Use it "
-                 "with speculation: {gamma: auto, profile: PROFILE.yaml}.",
-                 config="YAML config (its target and onnx draft are measured)")
-    p.add_argument("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
-    p.add_argument("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
-    p.add_argument("--prompts-file", metavar="FILE", help='calibration prompts: JSONL, one {"prompt": "text"} or '
-                   '{"token_ids": [...]} per line (default: held-out prompts)')
-    p.add_argument("--draft", dest="drafts", action="append", default=[], metavar="DIR",
-                   help="another ONNX draft to measure next to draft.model, e.g. another precision "
-                        "(repeatable): its time per token, acceptance and best gamma")
-    p.add_argument("--no-placement", action="store_true",
-                   help="skip measuring each layout and core split (runtime.mode / runtime.cpus: auto)")
-    p.add_argument("--no-precisions", action="store_true",
-                   help="skip measuring each target precision (fp32, int8, int4 on an onnx CPU target; the first "
-                        "measurement of a precision exports it once)")
+    arg = _command(sub, "profile", _cmd_profile, "measure this machine's costs, fit the cost model, recommend gamma",
+                   "Measure, on the configured target backend and draft: verification time of k = 0..16 draft tokens, "
+                   "the draft's time per token, transfer and prefill time, acceptance on calibration prompts and "
+                   "goodput at a few gammas; the same for each --draft and target precision; and each layout and core "
+                   "split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost model, "
+                   "recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). Use it "
+                   "with speculation: {gamma: auto, profile: PROFILE.yaml}.",
+                   config="YAML config (its target and onnx draft are measured)")
+    arg("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
+    arg("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
+    arg("--prompts-file", metavar="FILE", help='calibration prompts: JSONL, one {"prompt": "text"} or '
+        '{"token_ids": [...]} per line (default: held-out prompts)')
+    arg("--draft", dest="drafts", action="append", default=[], metavar="DIR", help="another ONNX draft to measure "
+        "next to draft.model, e.g. another precision (repeatable): its time per token, acceptance and best gamma")
+    arg("--no-placement", action="store_true",
+        help="skip measuring each layout and core split (runtime.mode / runtime.cpus: auto)")
+    arg("--no-precisions", action="store_true", help="skip measuring each target precision (fp32, int8, int4 on an "
+        "onnx CPU target; the first measurement of a precision exports it once)")
 
 
 def _add_serve(sub) -> None:
-    p = _command(sub, "serve", _cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, health, metrics)",
-                 "Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, POST "
-                 "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health (probes "
-                 "the target and the draft worker; 503 when either is down or hung) and GET /metrics (Prometheus). "
-                 "Streaming is server-sent events (stream: true). Requests are batched by the Engine. Binds "
-                 "loopback unless --host says otherwise.", formatter_class=argparse.RawDescriptionHelpFormatter,
-                 epilog="examples:\n"
-                        "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
-                        "  hetero-spec serve --config configs/cpu-demo.yaml --ray --set serving.ray.num_replicas=2\n"
-                        "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
-                        "    -d '{\"model\": \"target\", \"prompt\": \"def parse(\", \"max_tokens\": 32, "
-                        "\"temperature\": 0}'")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
-    p.add_argument("--ray", action="store_true",
-                   help="deploy on Ray Serve: serving.ray.num_replicas Engines (or autoscaling) behind Serve's "
-                        "HTTP proxy, each replica on its own cores (needs the 'ray' extra; docs/serving.md)")
-    p.add_argument("--address", help="with --ray: the Ray cluster to join (auto, ray://HOST:10001); default "
-                   "serving.ray.address, else a local Ray instance")
+    arg = _command(sub, "serve", _cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, health, metrics)",
+                   "Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, POST "
+                   "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health (probes "
+                   "the target and the draft worker; 503 when either is down or hung) and GET /metrics (Prometheus). "
+                   "Streaming is server-sent events (stream: true). Requests are batched by the Engine. Binds "
+                   "loopback unless --host says otherwise.", formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog="examples:\n"
+                          "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
+                          "  hetero-spec serve --config configs/cpu-demo.yaml --ray --set serving.ray.num_replicas=2\n"
+                          "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+                          "    -d '{\"model\": \"target\", \"prompt\": \"def parse(\", \"max_tokens\": 32, "
+                          "\"temperature\": 0}'")
+    arg("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    arg("--port", type=int, default=8000, help="port (default 8000)")
+    arg("--model-name", help="the model id clients send (default: the target directory's name)")
+    arg("--ray", action="store_true", help="deploy on Ray Serve: serving.ray.num_replicas Engines (or autoscaling) "
+        "behind Serve's HTTP proxy, each replica on its own cores (needs the 'ray' extra; docs/serving.md)")
+    arg("--address", help="with --ray: the Ray cluster to join (auto, ray://HOST:10001); default "
+        "serving.ray.address, else a local Ray instance")
 
 
 def _add_load(sub) -> None:
-    p = _command(sub, "load", _cmd_load, "throughput and latency against concurrency (target-only and hetero_spec)",
-                 "For target-only and for the config's engine, and each concurrency level, client threads send the "
-                 "held-out prompts to one Engine: aggregate tokens/s, per-request latency p50/p95, time to first "
-                 "token, and whether outputs equal the first level's (greedy). The Engine decodes up to "
-                 "serving.max_batch requests together. Runs are interleaved over --repeats; ratios are paired. "
-                 "Writes OUT/load.json and OUT/load.md.")
-    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
-    p.add_argument("--requests", type=int, default=16, help="requests per level (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="interleaved repeats of every (system, level); medians and paired ratios (default 3)")
-    p.add_argument("--out", default="bench-out/load", help="output directory (default bench-out/load)")
+    arg = _command(sub, "load", _cmd_load, "throughput and latency against concurrency (target-only and hetero_spec)",
+                   "For target-only and for the config's engine, and each concurrency level, client threads send the "
+                   "held-out prompts to one Engine: aggregate tokens/s, per-request latency p50/p95, time to first "
+                   "token, and whether outputs equal the first level's (greedy). The Engine decodes up to "
+                   "serving.max_batch requests together. Runs are interleaved over --repeats; ratios are paired. "
+                   "Writes OUT/load.json and OUT/load.md.")
+    arg("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
+    arg("--requests", type=int, default=16, help="requests per level (default 16)")
+    arg("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    arg("--repeats", type=int, default=3,
+        help="interleaved repeats of every (system, level); medians and paired ratios (default 3)")
+    arg("--out", default="bench-out/load", help="output directory (default bench-out/load)")
 
 
 def _add_soak(sub) -> None:
-    p = _command(sub, "soak", _cmd_soak, "concurrent streams against a real server: lost requests, tokens, RSS",
-                 "Start `hetero-spec serve` on a free loopback port, take a greedy reference answer per prompt, "
-                 "then keep --streams streaming completions going for --duration seconds, a share of them cut by "
-                 "their client and a share malformed: requests lost (errors, no [DONE], a malformed request "
-                 "answered otherwise than expected), outputs or usage that differ from the reference, the server's "
-                 "RSS every second (flat: at most 10 % growth after --warmup), and /metrics against what was sent "
-                 "(every error counted, nothing left in flight). The server is stopped at the end. Writes "
-                 "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met.",
-                 overrides="override a config key of the server (repeatable)")
-    p.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of soak (default 60)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
-    p.add_argument("--warmup", type=float, default=10.0,
-                   help="seconds at the start that RSS growth is not judged on (default 10)")
-    p.add_argument("--out", default="bench-out/soak", help="output directory (default bench-out/soak)")
-    p.add_argument("--port", type=int, default=0, help="server port (default 0: a free one)")
-    p.add_argument("--cut-share", type=float, default=1 / 3,
-                   help="share of requests whose client goes away after the first event (default 1/3)")
-    p.add_argument("--malformed-share", type=float, default=0.1,
-                   help="share of malformed requests, each expecting its 400 or 404 (default 0.1); /metrics must "
-                        "count exactly these")
+    arg = _command(sub, "soak", _cmd_soak, "concurrent streams against a real server: lost requests, tokens, RSS",
+                   "Start `hetero-spec serve` on a free loopback port, take a greedy reference answer per prompt, "
+                   "then keep --streams streaming completions going for --duration seconds, a share of them cut by "
+                   "their client and a share malformed: requests lost (errors, no [DONE], a malformed request "
+                   "answered otherwise than expected), outputs or usage that differ from the reference, the server's "
+                   "RSS every second (flat: at most 10 % growth after --warmup), and /metrics against what was sent "
+                   "(every error counted, nothing left in flight). The server is stopped at the end. Writes "
+                   "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met.",
+                   overrides="override a config key of the server (repeatable)")
+    arg("--streams", type=int, default=32, help="concurrent streams (default 32)")
+    arg("--duration", type=float, default=60.0, help="seconds of soak (default 60)")
+    arg("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    arg("--warmup", type=float, default=10.0, help="seconds at the start that RSS growth is not judged on (default 10)")
+    arg("--out", default="bench-out/soak", help="output directory (default bench-out/soak)")
+    arg("--port", type=int, default=0, help="server port (default 0: a free one)")
+    arg("--cut-share", type=float, default=1 / 3,
+        help="share of requests whose client goes away after the first event (default 1/3)")
+    arg("--malformed-share", type=float, default=0.1, help="share of malformed requests, each expecting its 400 "
+        "or 404 (default 0.1); /metrics must count exactly these")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,9 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["bench"].set_defaults(run=cmd_bench)
     # `hetero-spec generate --log-level INFO` as well as `hetero-spec --log-level INFO generate`: each command
     # takes the flag too, defaulting to nothing so that the one given before the command stands
-    for p in {id(p): p for p in sub.choices.values()}.values():  # an alias (export-draft) shares its parser
-        p.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
-                       help="logging level (INFO logs the resolved config)")
+    for command in {id(p): p for p in sub.choices.values()}.values():  # an alias (export-draft) shares its parser
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                             help="logging level (INFO logs the resolved config)")
     return parser
 
 
@@ -247,8 +245,7 @@ def _read_prompt(arg: str | None) -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise HeteroSpecError("--prompt is required when standard input is a terminal "
                               '(e.g. --prompt "def parse(", or pipe the prompt in)')
-    raw = getattr(sys.stdin, "buffer", None)  # None for a text-only stream (io.StringIO)
-    if raw is None:
+    if (raw := getattr(sys.stdin, "buffer", None)) is None:  # a text-only stream (io.StringIO)
         return check_prompt_text(sys.stdin.read(), "standard input")
     return decode_utf8(raw.read(), "standard input")
 
@@ -259,29 +256,29 @@ def _cmd_generate(args) -> None:
     from .metrics import Stats
     from .validation import request_args
     prompt = _read_prompt(args.prompt)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed)
     config = load_config(args.config, overrides=_overrides(args.overrides))
-    request_args(config, flags=True, **kw)  # bad arguments fail now, not after the models have loaded
+    request_args(config, flags=True, **sampling)  # bad arguments fail now, not after the models have loaded
     with Engine(config) as eng:
         if args.json:
-            print(json.dumps(eng.generate(prompt, **kw).to_dict()))
+            print(json.dumps(eng.generate(prompt, **sampling).to_dict()))
             return
         if args.no_stream:
-            out = eng.generate(prompt, **kw)
+            out = eng.generate(prompt, **sampling)
             print(out.text)
-            s = out.stats
+            summary = out.stats
         else:
             stats = Stats()
-            pieces = eng.stream(prompt, stats=stats, **kw)  # validates the request: errors come before output
+            pieces = eng.stream(prompt, stats=stats, **sampling)  # validates the request: errors come before output
             print(prompt, end="", flush=True)  # echo the prompt, then stream the completion after it
             for piece in pieces:
                 print(piece, end="", flush=True)
             print()
-            s = stats.to_dict()
-    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
-    print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, acceptance {rate}, {s['rounds']} rounds, "
-          f"draft={s['proposer']} gamma={s['gamma']}, finish={s['finish_reason']}]", file=sys.stderr)
+            summary = stats.to_dict()
+    rate = "n/a" if summary["acceptance_rate"] is None else f"{summary['acceptance_rate']:.2f}"
+    print("[{new_tokens} tokens, {tokens_per_s:.1f} tok/s, acceptance {rate}, {rounds} rounds, draft={proposer} "
+          "gamma={gamma}, finish={finish_reason}]".format_map({**summary, "rate": rate}), file=sys.stderr)
 
 
 def _cmd_export(args) -> None:

@@ -16,7 +16,7 @@ def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
     opening or of its previous response (a client that trickles header lines holds nothing for long)."""
 
     class HeaderDeadline(H11Protocol):
-        header_timeout_s = timeout_s
+        _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -31,18 +31,14 @@ def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._disarm()
-            armed_for = self.cycle  # a new request replaces it once its headers are parsed
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late, armed_for)
+            self._disarm()  # armed for this cycle: a new request replaces it once its headers are parsed
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_late, self.cycle)
 
         def _disarm(self) -> None:
-            timer = getattr(self, "_header_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._header_timer = None
+            if self._header_timer is not None:
+                self._header_timer.cancel()  # a no-op on a timer that already fired
 
         def _headers_late(self, armed_for) -> None:
-            self._header_timer = None
             if self.cycle is armed_for and not self.transport.is_closing():
                 self.transport.close()
 
@@ -66,7 +62,7 @@ class BodyLimits:
             return await _refuse(send, 413, f"the request body is {int(length)} bytes; this server takes at most "
                                             f"{self.max_bytes} (serving.max_body_bytes)")
         loop = asyncio.get_running_loop()
-        deadline, chunks, size = loop.time() + self.timeout_s, [], 0
+        deadline, body = loop.time() + self.timeout_s, bytearray()
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
@@ -75,20 +71,16 @@ class BodyLimits:
                                                 "(serving.body_timeout_s)")
             if message["type"] != "http.request":
                 return  # the client left before its body was in: nobody to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
                 return await _refuse(send, 413, f"the request body is over {self.max_bytes} bytes "
                                                 "(serving.max_body_bytes)")
             if not message.get("more_body", False):
                 break
-        body, replayed = b"".join(chunks), []
+        unread = [{"type": "http.request", "body": bytes(body), "more_body": False}]
 
         async def replay():
-            if not replayed:
-                replayed.append(True)
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return unread.pop() if unread else await receive()
 
         await self.app(scope, replay, send)
 
