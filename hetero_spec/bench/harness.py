@@ -159,15 +159,13 @@ def interleave(names: Sequence, prompts: Sequence, repeats: int, run: Callable[[
     alike). run(name, prompt) -> its output, `timed`. A name whose run raises is dropped, its error kept; one in
     `must` stops everything. Returns ({name: [[(seconds, output) per repeat] per prompt]}, {name: error})."""
     names, failed, start = list(names), {}, clock()
-    runs: dict[Any, list] = {n: [] for n in names}
+    runs: dict[Any, list] = {n: [[] for _ in prompts] for n in names}  # per prompt, its repeats
     for index, prompt in enumerate(prompts):
-        for name in names:
-            runs[name].append([])  # this prompt's repeats
         for repeat in range(repeats):
             shift = (index * repeats + repeat) % len(names) if names else 0
             for name in [n for n in names[shift:] + names[:shift] if n not in failed]:
                 try:
-                    runs[name][-1].append(timed(run, name, prompt, clock=clock))
+                    runs[name][index].append(timed(run, name, prompt, clock=clock))
                 except Exception as exc:  # one system's failure is reported, the others go on
                     if name in must:
                         raise BenchError(f"{name} failed on prompt {index}: {type(exc).__name__}: {exc}") from exc
@@ -280,27 +278,29 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
 
 def with_references(entries: list[dict], sampled: bool) -> None:
     """speedup_vs_REF, identical_to_REF (prompts) for target_only, a peer's own, (sampled) hetero_spec_target_only."""
-    ok = {e["name"]: e for e in entries if e["status"] == "ok"}
+    measured = {e["name"]: e for e in entries if e["status"] == "ok"}
     for row in entries:
         cls = SYSTEMS[row["name"]]
         refs = (cls.peer_reference, SAMPLED_REFERENCE if sampled and cls.ours and cls.speculative else None)
         for ref in [REFERENCE, *(r for r in refs if r and r != row["name"])]:
-            p = pair(row["per_prompt"], ok[ref]["per_prompt"]) if row["status"] == "ok" and ref in ok else None
-            row[f"speedup_vs_{ref}"], row[f"identical_to_{ref}"] = (p["median"], p["identical"]) if p else (None, None)
+            paired = row["status"] == "ok" and ref in measured and pair(row["per_prompt"], measured[ref]["per_prompt"])
+            row[f"speedup_vs_{ref}"], row[f"identical_to_{ref}"] = \
+                (paired["median"], paired["identical"]) if paired else (None, None)
 
 
 def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
     """Ours against the peers, paired per prompt: each of our speculative systems against the best peer (fastest by
     median tokens/s), our first against every speculative peer, target_only against every peer's target alone."""
-    ok = {e["name"]: e for e in entries if e["status"] == "ok" and e["tokens_per_s"]}
-    ours = [n for n in ok if SYSTEMS[n].ours and SYSTEMS[n].speculative]
-    peers = [n for n in ok if not SYSTEMS[n].ours]
-    best = max(peers, key=lambda n: ok[n]["tokens_per_s"], default=None)
+    measured = {e["name"]: e for e in entries if e["status"] == "ok" and e["tokens_per_s"]}
+    ours = [n for n in measured if SYSTEMS[n].ours and SYSTEMS[n].speculative]
+    peers = [n for n in measured if not SYSTEMS[n].ours]
+    best = max(peers, key=lambda n: measured[n]["tokens_per_s"], default=None)
     todo = [(n, best, "best peer") for n in ours if best]
     todo += [((ours or [None])[0] if SYSTEMS[p].speculative else REFERENCE, p, "") for p in peers]
     out: dict[tuple, dict] = {}
     for name, peer, note in todo:
-        if name in ok and (name, peer) not in out and (cmp := pair(ok[name]["per_prompt"], ok[peer]["per_prompt"])):
+        if name in measured and (name, peer) not in out and \
+                (cmp := pair(measured[name]["per_prompt"], measured[peer]["per_prompt"])):
             out[(name, peer)] = {"system": name, "peer": peer, "note": note, **cmp}
     return list(out.values())
 

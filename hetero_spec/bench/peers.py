@@ -29,8 +29,9 @@ _PROMPT_EVAL = re.compile(rf"prompt eval time =\s*{_NUM} ms /\s*(\d+) tokens")
 _EVAL = re.compile(rf"(?<!prompt )eval time =\s*{_NUM} ms /\s*(\d+) runs")
 _ENCODED = re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUM} seconds")
 _DECODED = re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds")
-# lines may carry llama.cpp's log prefix ("0.02.424.071 I n_drafted = 29"); \b...\s*= keeps n_draft off n_drafted
-_COUNTS = {key: re.compile(rf"\b{key}\s*=\s*(\d+)") for key in ("n_draft", "n_drafted", "n_accept")}
+# lines may carry llama.cpp's log prefix ("0.02.424.071 I n_drafted = 29"); \b...\s*= keeps n_draft off n_drafted;
+# in the order of Timings' drafted, accepted, n_max
+_COUNTS = {key: re.compile(rf"\b{key}\s*=\s*(\d+)") for key in ("n_drafted", "n_accept", "n_draft")}
 
 
 class Peer(System):
@@ -38,15 +39,15 @@ class Peer(System):
     --gammas (else the config's gamma; 8 for auto) where it drafts. Subclasses set `backend` (what it runs on)."""
 
     def setup(self, ctx: BenchContext) -> None:
-        self.ctx, gamma = ctx, g if isinstance(g := ctx.config.speculation.gamma, int) else 8
+        self.ctx, gamma = ctx, ctx.config.speculation.gamma
         self.load(ctx)
-        gammas = (ctx.gammas or (gamma,)) if self.speculative else (None,)
+        gammas = (ctx.gammas or (gamma if isinstance(gamma, int) else 8,)) if self.speculative else (None,)
         self.setting = tune(self, ctx, self._run, [(t, k) for t in dict.fromkeys((1, cores())) for k in gammas])
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
-        t, k = self.setting
-        return {"backend": self.backend, "layout": "in_process" + (" (draft and verify in turn)" if k else ""),
-                "target_threads": t, "draft_threads": t if k else None, "gamma": k}
+        threads, gamma = self.setting
+        return {"backend": self.backend, "layout": "in_process" + (" (draft and verify in turn)" if gamma else ""),
+                "target_threads": threads, "draft_threads": threads if gamma else None, "gamma": gamma}
 
 
 class HfAssisted(Peer):
@@ -65,34 +66,36 @@ class HfAssisted(Peer):
         from transformers import AutoModelForCausalLM
         self.model, self.assistant = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32).eval()
                                       for m in (ctx.config.target.model, ctx.draft_hf))
-        gc = self.assistant.generation_config
-        gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = "constant", 0.0  # a pure constant
+        assistant = self.assistant.generation_config  # a pure constant number of drafted tokens
+        assistant.num_assistant_tokens_schedule, assistant.assistant_confidence_threshold = "constant", 0.0
+        defaults = self.model.generation_config
+        eos = defaults.eos_token_id[0] if isinstance(defaults.eos_token_id, list) else defaults.eos_token_id
+        self.pad_id = defaults.pad_token_id if defaults.pad_token_id is not None else eos or 0
 
     def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
         import torch
         torch.set_num_threads(setting[0])
         self.assistant.generation_config.num_assistant_tokens = setting[1]
-        ids, gc = torch.tensor([prompt_ids], dtype=torch.long), self.model.generation_config
-        eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                       min_new_tokens=max_new if self.ctx.config.generation.ignore_eos else 0,
                                       do_sample=False, num_beams=1, assistant_model=self.assistant,
-                                      pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else eos or 0)
+                                      pad_token_id=self.pad_id)
         return RunOutput(out[0, len(prompt_ids):].tolist())
 
 
 def _place(src: Path, dst: Path, keep: Callable[[Path], bool]) -> None:
     """Hard-link (or copy) the files of folder src that `keep` accepts into dst, but for those already there."""
     dst.mkdir(parents=True, exist_ok=True)
-    for f in filter(keep, src.iterdir()):
-        to = dst / f.name
-        if not to.is_file() or any(getattr(to.stat(), k) != getattr(f.stat(), k) for k in ("st_size", "st_mtime_ns")):
-            to.unlink(missing_ok=True)
+    stamp = lambda path: (path.stat().st_size, path.stat().st_mtime_ns)  # noqa: E731
+    for path in filter(keep, src.iterdir()):
+        if not (placed := dst / path.name).is_file() or stamp(placed) != stamp(path):
+            placed.unlink(missing_ok=True)
             try:
-                os.link(f, to)
+                os.link(path, placed)
             except OSError:
-                shutil.copy2(f, to)
+                shutil.copy2(path, placed)
 
 
 class OrtGenaiTargetOnly(Peer):
@@ -107,10 +110,10 @@ class OrtGenaiTargetOnly(Peer):
         return "onnxruntime-genai is not installed" if importlib.util.find_spec("onnxruntime_genai") is None else None
 
     def load(self, ctx: BenchContext) -> None:
-        import onnxruntime_genai as og
+        import onnxruntime_genai
         from ..target.backends import precision_of
         from ..target.export_cache import SOURCE_NAME, cached_export
-        precision, self.og, self.models = precision_of(ctx.config.target), og, {}
+        precision, self.genai, self.models = precision_of(ctx.config.target), onnxruntime_genai, {}
         self.dir = ctx.out / "ort_models" / ("target" if precision == "fp32" else f"target-{precision}")
         src = Path(ctx.ort_target) if ctx.ort_target else cached_export(ctx.config.target.model, precision)
         _place(src, self.dir, lambda f: f.is_file() and f.name != SOURCE_NAME)
@@ -124,34 +127,35 @@ class OrtGenaiTargetOnly(Peer):
         """The model loaded with these threads, warmed up once (max_draft_tokens is set per generator)."""
         if (threads := setting[0]) not in self.models:
             overlay: dict[str, Any] = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
-            if k := setting[1]:
+            if gamma := setting[1]:
                 draft = json.loads((unpruned(self.ctx.config.draft.model) / "genai_config.json").read_text())
                 block = {**draft["model"]["decoder"], "filename": "draft/model.onnx"}
                 block["session_options"] = {**block.get("session_options", {}), "intra_op_num_threads": threads}
-                overlay = {"model": {**overlay["model"], "draft": block}, "speculative": {"max_draft_tokens": k}}
-            cfg = self.og.Config(str(self.dir))
-            cfg.overlay(json.dumps(overlay))
-            self.models[threads] = self.og.Model(cfg)
+                overlay = {"model": {**overlay["model"], "draft": block}, "speculative": {"max_draft_tokens": gamma}}
+            config = self.genai.Config(str(self.dir))
+            config.overlay(json.dumps(overlay))
+            self.models[threads] = self.genai.Model(config)
             self._run(setting, self.ctx.prompts[0], min(WARMUP_TOKENS, self.ctx.max_new))
         return self.models[threads]
 
     def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
-        og, model, n0 = self.og, self._model(setting), len(prompt_ids)
-        params = og.GeneratorParams(model)
-        min_length = n0 + max_new if self.ctx.config.generation.ignore_eos else 0  # EOS masked until max_length
-        params.set_search_options(max_length=n0 + max_new, min_length=min_length, do_sample=False)
-        if setting[1]:
-            params.set_speculative_options(max_draft_tokens=setting[1])  # onnxruntime-genai 0.18
-        gen = og.Generator(model, params)
+        (_, gamma), model, start = setting, self._model(setting), len(prompt_ids)
+        params = self.genai.GeneratorParams(model)
+        min_length = start + max_new if self.ctx.config.generation.ignore_eos else 0  # EOS masked until max_length
+        params.set_search_options(max_length=start + max_new, min_length=min_length, do_sample=False)
+        if gamma:
+            params.set_speculative_options(max_draft_tokens=gamma)  # onnxruntime-genai 0.18
+        gen = self.genai.Generator(model, params)
         gen.append_tokens(prompt_ids)
-        while not gen.is_done() and gen.token_count() - n0 < max_new:
+        while not gen.is_done() and gen.token_count() - start < max_new:
             gen.generate_next_token()
-        ids = [int(t) for t in gen.get_sequence(0)[n0:n0 + max_new]]
+        ids = [int(t) for t in gen.get_sequence(0)[start:start + max_new]]
         if gen.is_done() and len(ids) < max_new and (last := int(gen.get_next_tokens()[0])) in self.eos:
             ids.append(last)  # ORT GenAI drops the stop token; the others keep it
-        s = gen.get_speculative_stats() if setting[1] else {}
-        return RunOutput(ids, {"drafted": s.get("draft_tokens_proposed"), "accepted": s.get("draft_tokens_accepted"),
-                               "rounds": s.get("rounds"), "effective_k": s.get("effective_k")} if s else None)
+        stats = gen.get_speculative_stats() if gamma else {}
+        names = {"drafted": "draft_tokens_proposed", "accepted": "draft_tokens_accepted", "rounds": "rounds",
+                 "effective_k": "effective_k"}
+        return RunOutput(ids, {key: stats.get(name) for key, name in names.items()} if stats else None)
 
     def setup(self, ctx: BenchContext) -> None:
         super().setup(ctx)
@@ -165,8 +169,8 @@ class OrtGenaiSpec(OrtGenaiTargetOnly):
 
     @classmethod
     def unavailable(cls, ctx: BenchContext) -> str | None:
-        d = ctx.config.draft
-        if d.kind != "onnx" or d.model is None or not (Path(d.model) / "genai_config.json").is_file():
+        draft = ctx.config.draft
+        if draft.kind != "onnx" or draft.model is None or not (Path(draft.model) / "genai_config.json").is_file():
             return "needs an ONNX draft exported by the model builder (draft.kind onnx, with genai_config.json)"
         return super().unavailable(ctx)
 
@@ -189,8 +193,8 @@ def parse_timings(stderr: str, speculative: bool) -> Timings:
         (p_ms, p_n), (e_ms, e_n) = _last(_PROMPT_EVAL, stderr, "prompt eval time"), _last(_EVAL, stderr, "eval time")
         return Timings(int(p_n), float(p_ms) / 1e3, int(e_n), float(e_ms) / 1e3)
     (e_n, e_s), (d_n, d_s) = _last(_ENCODED, stderr, "encoded N tokens"), _last(_DECODED, stderr, "decoded N tokens")
-    c = {k: int(m[-1]) if (m := p.findall(stderr)) else None for k, p in _COUNTS.items()}
-    return Timings(int(e_n), float(e_s), int(d_n), float(d_s), c["n_drafted"], c["n_accept"], c["n_draft"])
+    counts = [int(m[-1]) if (m := pattern.findall(stderr)) else None for pattern in _COUNTS.values()]
+    return Timings(int(e_n), float(e_s), int(d_n), float(d_s), *counts)
 
 
 def llama_args(bin_dir: Path, target: Path, prompt_file: Path, max_new: int, threads: int, ctx_size: int,
@@ -243,28 +247,28 @@ class LlamaCppTargetOnly(Peer):
         self.eos_id = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, int) else None
 
     def _run(self, setting: tuple, prompt_ids: list[int], max_new: int) -> RunOutput:
-        (threads, k), path, c = setting, Path(self._dir.name) / "prompt.txt", self.ctx
+        (threads, gamma), path, ctx = setting, Path(self._dir.name) / "prompt.txt", self.ctx
         text = self.tok.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         path.write_bytes((text + "\n").encode("utf-8"))  # -f drops one trailing newline: keep the prompt's own
-        n_ctx, t0 = len(prompt_ids) + max_new + CTX_MARGIN, time.perf_counter()
-        proc = subprocess.run(llama_args(c.llama_cpp, c.llama_cpp_target, path, max_new, threads, n_ctx,
-                                         c.llama_cpp_draft if k else None, k,
-                                         c.config.generation.ignore_eos), stdin=subprocess.DEVNULL, capture_output=True)
+        n_ctx, started = len(prompt_ids) + max_new + CTX_MARGIN, time.perf_counter()
+        args = llama_args(ctx.llama_cpp, ctx.llama_cpp_target, path, max_new, threads, n_ctx,
+                          ctx.llama_cpp_draft if gamma else None, gamma, ctx.config.generation.ignore_eos)
+        proc = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True)
         out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:
             raise RuntimeError(f"{self.tool} exited with {proc.returncode}: {' | '.join(err.splitlines()[-5:])}")
-        t, (gen, eos) = parse_timings(err, bool(k)), generated_text(out, text if k else None)
-        decode_s, counted = t.decode_s, t.decoded_tokens
-        if k:  # it decodes past -n: its time scaled to the tokens compared
-            eos, counted = t.decoded_tokens <= max_new, min(t.decoded_tokens, max_new)  # fewer: it met EOS
-            decode_s = t.decode_s * counted / t.decoded_tokens if t.decoded_tokens else t.decode_s
+        perf, (gen, eos) = parse_timings(err, bool(gamma)), generated_text(out, text if gamma else None)
+        decode_s, decoded, counted = perf.decode_s, perf.decoded_tokens, perf.decoded_tokens
+        if gamma:  # it decodes past -n: its time scaled to the tokens compared
+            eos, counted = decoded <= max_new, min(decoded, max_new)  # fewer: it met EOS
+            decode_s = perf.decode_s * counted / decoded if decoded else perf.decode_s
         ids = [int(i) for i in self.tok.encode(gen, add_special_tokens=False)][:max_new]
         ids += [self.eos_id] if eos and self.eos_id is not None and len(ids) < max_new else []
-        stats = {"prompt_tokens": t.prompt_tokens, "prefill_s": t.prefill_s, "decode_s": decode_s,
-                 "decoded_tokens": t.decoded_tokens, "counted_tokens": counted, "eos": eos,
-                 "process_wall_s": round(time.perf_counter() - t0, 4),
-                 **({"drafted": t.drafted, "accepted": t.accepted, "n_max": t.n_max} if k else {})}
-        return RunOutput(ids, stats, own_wall_s=t.prefill_s + decode_s)
+        stats = {"prompt_tokens": perf.prompt_tokens, "prefill_s": perf.prefill_s, "decode_s": decode_s,
+                 "decoded_tokens": decoded, "counted_tokens": counted, "eos": eos,
+                 "process_wall_s": round(time.perf_counter() - started, 4),
+                 **({"drafted": perf.drafted, "accepted": perf.accepted, "n_max": perf.n_max} if gamma else {})}
+        return RunOutput(ids, stats, own_wall_s=perf.prefill_s + decode_s)
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
         return {**super().describe(ctx), "target_gguf": str(ctx.llama_cpp_target), "timing": "llama.cpp's own clock",

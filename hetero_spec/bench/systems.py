@@ -30,10 +30,10 @@ class _Engine(System):
 
     def describe(self, ctx: BenchContext) -> dict[str, Any]:
         from ..target.backends import precision_of
-        cfg, plan = self.engine.config, getattr(self.engine, "_cpu_plan", None)
-        return {"backend": cfg.target.backend, "precision": precision_of(cfg.target), "layout": cfg.runtime.mode,
-                "target_threads": plan.threads if plan is not None else cfg.target.threads, "draft": cfg.draft.kind,
-                "draft_threads": cfg.draft.threads if cfg.draft.kind == "onnx" else None, "gamma": self.setting}
+        target, draft = self.engine.config.target, self.engine.config.draft
+        return {"backend": target.backend, "precision": precision_of(target), "layout": self.engine.config.runtime.mode,
+                "target_threads": target.threads, "draft": draft.kind,
+                "draft_threads": draft.threads if draft.kind == "onnx" else None, "gamma": self.setting}
 
     def close(self) -> None:  # after a failed setup too: run_pass ignores its errors
         self.engine.close()
@@ -82,9 +82,9 @@ class HeteroSpecTwoProcess(HeteroSpecInProcess):
     name = "hetero_spec_two_process"
 
     def overrides(self, ctx: BenchContext) -> dict[str, Any]:
-        d = ctx.config.draft.threads or 1
-        return {"runtime.mode": "two_process", "runtime.cpus": None, "runtime.pin_cpus": True, "draft.threads": d,
-                "target.threads": max(1, cores() - d)}
+        draft_threads = ctx.config.draft.threads or 1
+        return {"runtime.mode": "two_process", "runtime.cpus": None, "runtime.pin_cpus": True,
+                "draft.threads": draft_threads, "target.threads": max(1, cores() - draft_threads)}
 
     @classmethod
     def unavailable(cls, ctx: BenchContext) -> str | None:
