@@ -28,18 +28,18 @@ def check_providers(providers: list[str], source: str = "<config>", key: str = "
     available = ort.get_available_providers()
     if not providers:
         raise ConfigError(source, key, providers, f"at least one provider is needed; available: {', '.join(available)}")
-    for i, p in enumerate(providers):
-        if p not in available:
-            raise ConfigError(source, f"{key}[{i}]", p, f"execution provider not available in onnxruntime "
+    for i, provider in enumerate(providers):
+        if provider not in available:
+            raise ConfigError(source, f"{key}[{i}]", provider, f"execution provider not available in onnxruntime "
                               f"{ort.__version__}; available: {', '.join(available)}")
 
 
 @dataclass
 class DecoderState:
-    """One sequence's KV cache: `kv` arrays holding `n_past` positions (shared layout: the first n_past of
+    """One sequence's KV cache: `cache` arrays holding `n_past` positions (shared layout: the first n_past of
     `capacity`; copy layout: exactly n_past). `binding` is the state's IO binding (shared layout)."""
 
-    kv: list[np.ndarray] = field(default_factory=list)
+    cache: list[np.ndarray] = field(default_factory=list)
     n_past: int = 0
     binding: Any = None
     pool: KvPool | None = None  # a slot of a batched buffer (KvPool), or None: buffers of its own
@@ -50,7 +50,7 @@ class DecoderState:
 
     @property
     def capacity(self) -> int:
-        return self.kv[0].shape[2] if self.kv else 0
+        return self.cache[0].shape[2] if self.cache else 0
 
     @property
     def n_cached(self) -> int:  # the verifier interface's name (target/base.py): the ONNX target's state is this
@@ -83,9 +83,12 @@ class OnnxDecoder:
         self.model_dir = model_dir
         self._setup_io(model_dir)
         self.vocab_width = vocab_width or self.model_vocab
-        if self.head_tokens is not None:  # fit_width's scatter, worked out once (it runs every draft step)
+        # fit_width's scatter (logit i goes to column _head_cols[i]), worked out once: it runs every draft step
+        if self.head_tokens is not None:
             self._head_in = self.head_tokens < self.vocab_width
             self._head_cols = self.head_tokens[self._head_in]
+        else:  # the model's columns first, -inf after them
+            self._head_in, self._head_cols = slice(None), slice(0, self.head_width)
         declared = bool(self.search_config.get("past_present_share_buffer")) and bool(self.past_names)
         on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
         self.shared = (declared and on_cpu) if shared_buffer is None else (shared_buffer and declared)
@@ -113,17 +116,18 @@ class OnnxDecoder:
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")),
                                  key=lambda n: (int(n.split(".")[1]), n.endswith("value")))
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
-        self.has_position_ids = "position_ids" in inputs
+        self.input_names = set(inputs)
         # `logits_from` [1] (export.add_logits_from): logits from that position on, so a prefill or a catch-up pays
         # the LM head for its last position only
         self.has_logits_from = "logits_from" in inputs
         self._zero = np.zeros(1, dtype=np.int64)  # logits_from of a run that wants every position (stays bound)
         first = inputs[self.past_names[0]] if self.past_names else None
-        raw = json.loads(gcfg.read_text()) if (gcfg := model_dir / "genai_config.json").is_file() else {}
+        genai_path = model_dir / "genai_config.json"
+        raw = json.loads(genai_path.read_text()) if genai_path.is_file() else {}
         self.genai_config, self.search_config = raw.get("model", {}), raw.get("search", {})
-        dec = self.genai_config.get("decoder", {})
-        kv_heads = dec.get("num_key_value_heads") or (first.shape[1] if first is not None else 0)
-        head_dim = dec.get("head_size") or (first.shape[3] if first is not None else 0)
+        decoder = self.genai_config.get("decoder", {})
+        kv_heads = decoder.get("num_key_value_heads") or (first.shape[1] if first is not None else 0)
+        head_dim = decoder.get("head_size") or (first.shape[3] if first is not None else 0)
         if not isinstance(kv_heads, int) or not isinstance(head_dim, int):
             raise ModelLoadError(f"{model_dir}: cannot tell the KV cache shape (no genai_config.json)")
         self.kv_shape = (1, kv_heads, 0, head_dim)
@@ -133,7 +137,7 @@ class OnnxDecoder:
         self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
         # a pruned LM head (draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is the
         # tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
-        self.head_tokens = np.load(t) if (t := model_dir / HEAD_TOKENS).is_file() else None
+        self.head_tokens = np.load(model_dir / HEAD_TOKENS) if (model_dir / HEAD_TOKENS).is_file() else None
         self.head_width = self.model_vocab
         if self.head_tokens is not None:
             self.model_vocab = int(self.genai_config.get("vocab_size") or self.head_tokens.max() + 1)
@@ -148,63 +152,64 @@ class OnnxDecoder:
         """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width], or [1, vocab_width]
         for the last token with last_only (computed for it alone where the graph has `logits_from`). wide: a run of
         several tokens goes to the prefill session (prefill_threads), when there is one."""
-        n, total = len(tokens), state.n_past + len(tokens)
+        n_new, total = len(tokens), state.n_past + len(tokens)
         if total > self._ones.shape[1]:
             self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
-        if n == 1 and self.shared:
+        if n_new == 1 and self.shared:
             return self._step_shared(state, tokens[0])
+        rows = 1 if last_only and self.has_logits_from else n_new
         feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
-                 "attention_mask": self._ones[:, :total]}  # a contiguous view: no per-step allocation
-        if self.has_position_ids:
-            feeds["position_ids"] = np.arange(state.n_past, total, dtype=np.int64)[None]
-        rows = 1 if last_only and self.has_logits_from else n
-        if self.has_logits_from:
-            feeds["logits_from"] = np.asarray([n - rows], dtype=np.int64)
-        session = self._wide if wide and n > 1 and self._wide is not None else self.session
+                 "attention_mask": self._ones[:, :total],  # a contiguous view: no per-step allocation
+                 "position_ids": np.arange(state.n_past, total, dtype=np.int64)[None],
+                 "logits_from": np.asarray([n_new - rows], dtype=np.int64)}
+        session = self._wide if wide and n_new > 1 and self._wide is not None else self.session
         logits = self._run_shared(state, feeds, rows, session) if self.shared else self._run_copy(state, feeds, session)
-        state.n_past += n
+        state.n_past += n_new
         return self.fit_width(logits[0, -1:] if last_only else logits[0])
 
     def _run_copy(self, state: DecoderState, feeds: dict[str, np.ndarray], session) -> np.ndarray:
-        if not state.kv:
-            state.kv = [np.zeros(self.kv_shape, dtype=self.kv_dtype) for _ in self.past_names]
-        feeds.update(zip(self.past_names, state.kv))
-        outs = session.run(["logits", *self.present_names], feeds)
-        state.kv = outs[1:]
+        past = state.cache or [np.zeros(self.kv_shape, dtype=self.kv_dtype) for _ in self.past_names]
+        feeds = {name: value for name, value in feeds.items() if name in self.input_names}
+        outs = session.run(["logits", *self.present_names], feeds | dict(zip(self.past_names, past)))
+        state.cache = outs[1:]
         return outs[0]
 
-    def _make_room(self, state: DecoderState, n: int) -> None:
-        """Shared layout: buffers with room for n more positions (the state's own, or its KV pool's). A state's
+    def _make_room(self, state: DecoderState, n_new: int) -> None:
+        """Shared layout: buffers with room for n_new more positions (the state's own, or its KV pool's). A state's
         own grow into new buffers holding the cached positions, bound anew as past and present."""
-        needed = state.n_past + n
+        needed = state.n_past + n_new
         if needed <= state.capacity:
             return
         if state.pool is not None:
             return state.pool.ensure(needed)
-        kv = self._alloc(1, needed, state.capacity)
-        for new, old in zip(kv, state.kv):
+        buffers = self._alloc(1, needed, state.capacity)
+        for new, old in zip(buffers, state.cache):
             new[:, :, :state.n_past] = old[:, :, :state.n_past]
-        self._bind(state, kv)
+        self._bind(state, buffers)
 
     def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session) -> np.ndarray:
-        """rows: the positions the logits come out for (all n fed, or the last one)."""
+        """rows: the positions the logits come out for (all fed, or the last one)."""
         self._make_room(state, feeds["input_ids"].shape[1])
         if session is self.session:
-            io = state.binding
+            binding = state.binding
             state.step = None  # input_ids and logits are bound to this run's arrays now
         else:  # the prefill session: a binding of its own over the state's buffers, for this run only
-            io = session.io_binding()
-            self._bind_kv(io, state.kv)
-        for name, value in feeds.items():
-            io.bind_cpu_input(name, value)
-        logits = self._bind_logits(io, 1, rows)
-        session.run_with_iobinding(io)
+            binding = self._kv_binding(session, state.cache)
+        self._bind_inputs(binding, **feeds)
+        logits = self._bind_logits(binding, 1, rows)
+        session.run_with_iobinding(binding)
         return logits
 
-    def _bind_logits(self, io, rows: int, n: int) -> np.ndarray:
-        """Bind the logits output [rows, n, head_width] to a numpy array of ours (no OrtValue, no copy out)."""
-        logits = np.empty((rows, n, self.head_width), dtype=self.logits_dtype)
-        io.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
+    def _bind_inputs(self, binding, **feeds: np.ndarray) -> None:
+        """Bind those of the feeds that the graph takes (position_ids and logits_from are optional)."""
+        for name, value in feeds.items():
+            if name in self.input_names:
+                binding.bind_cpu_input(name, value)
+
+    def _bind_logits(self, binding, rows: int, positions: int) -> np.ndarray:
+        """Bind the logits output [rows, positions, head_width] to a numpy array of ours (no OrtValue, no copy)."""
+        logits = np.empty((rows, positions, self.head_width), dtype=self.logits_dtype)
+        binding.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         return logits
 
     def _step_shared(self, state: DecoderState, token: int) -> np.ndarray:
@@ -212,19 +217,16 @@ class OnnxDecoder:
         attention mask, whose length grows, is bound anew (binding every input and the logits cost 0.1-0.2 ms of
         Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
         self._make_room(state, 1)
-        io = state.binding
+        binding = state.binding
         if state.step is None:
-            ids, pos = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
-            io.bind_cpu_input("input_ids", ids)  # backed by ids' memory: what a later run reads is ids' value
-            if self.has_position_ids:
-                io.bind_cpu_input("position_ids", pos)
-            if self.has_logits_from:
-                io.bind_cpu_input("logits_from", self._zero)
-            state.step = (ids, pos, self._bind_logits(io, 1, 1))
-        ids, pos, logits = state.step
-        ids[0, 0], pos[0, 0] = token, state.n_past
-        io.bind_cpu_input("attention_mask", self._ones[:, :state.n_past + 1])
-        self.session.run_with_iobinding(io)
+            ids, positions = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+            # backed by the arrays' memory: what a later run reads is their value then
+            self._bind_inputs(binding, input_ids=ids, position_ids=positions, logits_from=self._zero)
+            state.step = (ids, positions, self._bind_logits(binding, 1, 1))
+        ids, positions, logits = state.step
+        ids[0, 0], positions[0, 0] = token, state.n_past
+        binding.bind_cpu_input("attention_mask", self._ones[:, :state.n_past + 1])
+        self.session.run_with_iobinding(binding)
         state.n_past += 1
         return self.fit_width(logits[0].copy())
 
@@ -233,17 +235,18 @@ class OnnxDecoder:
         cap = max(needed, min(max(2 * capacity, self.initial_capacity), self.context_len))
         return [np.zeros((rows, self.kv_shape[1], cap, self.kv_shape[3]), dtype=self.kv_dtype) for _ in self.past_names]
 
-    def _bind(self, state: DecoderState, kv: list[np.ndarray]) -> None:
-        io = self.session.io_binding()
-        self._bind_kv(io, kv)
-        state.kv, state.binding, state.step = kv, io, None
+    def _bind(self, state: DecoderState, buffers: list[np.ndarray]) -> None:
+        state.cache, state.binding, state.step = buffers, self._kv_binding(self.session, buffers), None
 
-    def _bind_kv(self, io, kv: list[np.ndarray]) -> None:
-        """Bind each buffer as both a past input and its present output (the kernel writes into it)."""
-        for past, present, buf in zip(self.past_names, self.present_names, kv):
+    def _kv_binding(self, session, buffers: list[np.ndarray]):
+        """A new IO binding of session with each buffer bound as both a past input and its present output (the
+        kernel writes into it)."""
+        binding = session.io_binding()
+        for past, present, buf in zip(self.past_names, self.present_names, buffers):
             value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares buf's memory
-            io.bind_ortvalue_input(past, value)
-            io.bind_ortvalue_output(present, value)
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        return binding
 
     def new_pool(self, slots: int) -> KvPool:
         """Batched buffers for up to `slots` sequences (shared layout only): see KvPool."""
@@ -254,50 +257,42 @@ class OnnxDecoder:
     def append_batch(self, states: list[DecoderState], tokens: list[int]) -> np.ndarray:
         """One token after each state's past, all states slots of one KvPool, in ONE run; logits [B, vocab].
         GroupQueryAttention batches rows with different pasts only for one new token per row, so blocks of several
-        tokens run one sequence at a time (`append`). The run covers the states' slots lo..hi; a slot in that range
-        not in the batch gets a dummy token at its n_past, past what it caches (its next append overwrites it)."""
+        tokens run one sequence at a time (`append`). The run covers the states' slots start..stop; a slot in that
+        range not in the batch gets a dummy token at its n_past, past what it caches (its next append overwrites it)."""
         pool = states[0].pool
         if pool is None or any(s.pool is not pool for s in states):
             raise ValueError("append_batch needs states from one KvPool")
-        lo, hi = min(s.slot for s in states), max(s.slot for s in states) + 1
-        rows = [s.slot - lo for s in states]
-        past = [pool.n_past(slot) for slot in range(lo, hi)]
+        start, stop = min(s.slot for s in states), max(s.slot for s in states) + 1
+        rows = [s.slot - start for s in states]
+        past = [pool.n_past(slot) for slot in range(start, stop)]
         pool.ensure(max(past) + 1)
-        ids = np.zeros((hi - lo, 1), dtype=np.int64)
+        ids = np.zeros((stop - start, 1), dtype=np.int64)
         ids[rows, 0] = tokens
         mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
-        io = pool.binding(lo, hi)
-        io.bind_cpu_input("input_ids", ids)
-        io.bind_cpu_input("attention_mask", mask)
-        if self.has_position_ids:
-            io.bind_cpu_input("position_ids", np.asarray(past, dtype=np.int64)[:, None])
-        if self.has_logits_from:
-            io.bind_cpu_input("logits_from", self._zero)
-        logits = self._bind_logits(io, hi - lo, 1)
-        self.session.run_with_iobinding(io)
+        binding = pool.binding(start, stop)
+        self._bind_inputs(binding, input_ids=ids, attention_mask=mask,
+                          position_ids=np.asarray(past, dtype=np.int64)[:, None], logits_from=self._zero)
+        logits = self._bind_logits(binding, stop - start, 1)
+        self.session.run_with_iobinding(binding)
         for s in states:
             s.n_past += 1
         return self.fit_width(logits[rows, 0])
 
-    def rewind(self, state: DecoderState, n: int) -> None:
-        """Keep only the first n cached positions."""
-        if n > state.n_past:
-            raise ValueError(f"cannot rewind to {n}; cache holds {state.n_past}")
-        if n < state.n_past and not self.shared:
-            state.kv = [p[:, :, :n, :] for p in state.kv]
-        state.n_past = n
+    def rewind(self, state: DecoderState, n_keep: int) -> None:
+        """Keep only the first n_keep cached positions."""
+        if n_keep > state.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_past}")
+        if n_keep < state.n_past and not self.shared:
+            state.cache = [past[:, :, :n_keep, :] for past in state.cache]
+        state.n_past = n_keep
 
     def fit_width(self, logits: np.ndarray) -> np.ndarray:
         """Make the logits as wide as vocab_width (-inf where the model has no column, or its head no row)."""
-        w = self.vocab_width
-        if self.head_tokens is not None:
-            out = np.full((*logits.shape[:-1], w), -np.inf, dtype=logits.dtype)
-            out[..., self._head_cols] = logits[..., self._head_in]
-            return out
-        if logits.shape[-1] >= w:
-            return logits[..., :w]
-        pad = np.full((*logits.shape[:-1], w - logits.shape[-1]), -np.inf, dtype=logits.dtype)
-        return np.concatenate([logits, pad], axis=-1)
+        if self.head_tokens is None and logits.shape[-1] >= self.vocab_width:
+            return logits[..., :self.vocab_width]  # a view: no copy
+        out = np.full((*logits.shape[:-1], self.vocab_width), -np.inf, dtype=logits.dtype)
+        out[..., self._head_cols] = logits[..., self._head_in]
+        return out
 
 
 class KvPool:
@@ -310,14 +305,14 @@ class KvPool:
         if slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {slots}")
         self.decoder, self.slots = decoder, slots
-        self.kv: list[np.ndarray] = []
+        self.cache: list[np.ndarray] = []
         # weak: a state dropped without release() (a probe, a crashed request) frees its slot when collected
         self._states: weakref.WeakValueDictionary[int, DecoderState] = weakref.WeakValueDictionary()
-        self._bindings: dict[tuple[int, int], Any] = {}  # (lo, hi) -> IO binding of those slots' buffers
+        self._bindings: dict[tuple[int, int], Any] = {}  # (start, stop) -> IO binding of those slots' buffers
 
     @property
     def capacity(self) -> int:
-        return self.kv[0].shape[2] if self.kv else 0
+        return self.cache[0].shape[2] if self.cache else 0
 
     def n_past(self, slot: int) -> int:
         state = self._states.get(slot)
@@ -329,7 +324,7 @@ class KvPool:
         if free is None:
             return None
         state = self._states[free] = DecoderState(pool=self, slot=free)
-        if self.kv:
+        if self.cache:
             self._bind(state)
         else:
             self.ensure(1)
@@ -338,27 +333,27 @@ class KvPool:
     def release(self, state: DecoderState) -> None:
         if self._states.get(state.slot) is state:
             del self._states[state.slot]
-        state.pool, state.binding, state.kv, state.n_past, state.step = None, None, [], 0, None
+        state.pool, state.binding, state.cache, state.n_past, state.step = None, None, [], 0, None
 
     def ensure(self, needed: int) -> None:
         """At least `needed` positions per slot; growing copies every slot's cached positions once."""
         if needed <= self.capacity:
             return
-        kv = self.decoder._alloc(self.slots, needed, self.capacity)
-        for new, old in zip(kv, self.kv):
+        buffers = self.decoder._alloc(self.slots, needed, self.capacity)
+        for new, old in zip(buffers, self.cache):
             new[:, :, :old.shape[2]] = old
-        self.kv = kv
+        self.cache = buffers
         self._bindings.clear()
         for state in self._states.values():
             self._bind(state)
 
-    def binding(self, lo: int, hi: int):
-        """An IO binding with slots lo..hi of every past buffer bound as both past and present (made once per
+    def binding(self, start: int, stop: int):
+        """An IO binding with slots start..stop of every past buffer bound as both past and present (made once per
         range and capacity: binding 2 x layers OrtValues costs more than the inputs)."""
-        if (lo, hi) not in self._bindings:
-            io = self._bindings[(lo, hi)] = self.decoder.session.io_binding()
-            self.decoder._bind_kv(io, [buf[lo:hi] for buf in self.kv])
-        return self._bindings[(lo, hi)]
+        if (start, stop) not in self._bindings:
+            views = [buf[start:stop] for buf in self.cache]
+            self._bindings[(start, stop)] = self.decoder._kv_binding(self.decoder.session, views)
+        return self._bindings[(start, stop)]
 
     def _bind(self, state: DecoderState) -> None:
-        self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.kv])
+        self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.cache])

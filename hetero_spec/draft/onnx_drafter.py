@@ -26,15 +26,13 @@ class OnnxDrafter:
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
         self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
-                                 spin=spin), None, prompt_window)
-        self.catchup_skip = catchup_skip
+                                 spin=spin), None, prompt_window, catchup_skip)
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of
         the batched buffer once enable_batching was called, so that `propose_batch` can step it with others)."""
         new = OnnxDrafter.__new__(OnnxDrafter)
-        new._attach(self.decoder, self._pool, self.prompt_window)
-        new.catchup_skip = self.catchup_skip
+        new._attach(self.decoder, self._pool, self.prompt_window, self.catchup_skip)
         return new
 
     def enable_batching(self, slots: int) -> None:
@@ -52,30 +50,30 @@ class OnnxDrafter:
             return [d.propose(k) for d, k in zip(drafters, ks)]
         ks = [min(k, d.context_len - len(d.ids)) for d, k in zip(drafters, ks)]
         pending = [-1] * len(drafters)  # each drafter's next token to feed
-        for j, (d, k) in enumerate(zip(drafters, ks)):
-            d.last_catchup_s, d._proposed = 0.0, []
+        for j, (drafter, k) in enumerate(zip(drafters, ks)):
+            drafter.last_catchup_s, drafter._proposed = 0.0, []
             if k > 0:
-                start, todo = d._backlog()
+                start, todo = drafter._backlog()
                 if len(todo) > 1:
-                    t0 = time.perf_counter()
-                    d._feed(start, todo[:-1], last_only=True)
-                    d.last_catchup_s = time.perf_counter() - t0
+                    started = time.perf_counter()
+                    drafter._feed(start, todo[:-1], last_only=True)
+                    drafter.last_catchup_s = time.perf_counter() - started
                 pending[j] = todo[-1]
         probs: list[list[np.ndarray]] = [[] for _ in drafters]
         for i in range(max(ks, default=0)):
             live = [j for j, k in enumerate(ks) if i < k]
             logits = pool.decoder.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
             for row, j in enumerate(live):
-                d = drafters[j]
-                d._at.append(len(d.ids) + i - 1)  # the token just fed: ids[-1], then this block's drafts
-                tok, q = d._choose(logits[row], len(d.ids) + i)
-                d._proposed.append(tok)
+                drafter = drafters[j]
+                drafter._at.append(len(drafter.ids) + i - 1)  # the token just fed: ids[-1], then this block's drafts
+                tok, q = drafter._choose(logits[row], len(drafter.ids) + i)
+                drafter._proposed.append(tok)
                 if q is not None:
                     probs[j].append(q)
                 pending[j] = tok
         return [Draft(ids=list(d._proposed), probs=np.stack(p) if p else None) for d, p in zip(drafters, probs)]
 
-    def _attach(self, decoder: OnnxDecoder, pool, prompt_window: int | None) -> None:
+    def _attach(self, decoder: OnnxDecoder, pool, prompt_window: int | None, catchup_skip: int | None) -> None:
         self.decoder, self._pool, self.state = decoder, pool, decoder.new_state()
         self.model_dir, self.vocab_width = decoder.model_dir, decoder.vocab_width
         self.model_vocab, self.context_len = decoder.model_vocab, decoder.context_len
@@ -88,7 +86,7 @@ class OnnxDrafter:
         # relative positions, so a cache with a gap, or restarted late, is the same model on less context.
         #: draft selection next to a lookup (draft.catchup_skip): only the last catchup_skip of the tokens another
         #: strategy committed are fed
-        self.catchup_skip: int | None = None
+        self.catchup_skip = catchup_skip
         #: one-shot (a re-probe, or draft.prompt_window): a longer backlog restarts the cache on its last tokens
         self.catchup_window: int | None = None
         self.prompt_window = prompt_window  #: draft.prompt_window: each stream's first catchup_window (begin)
@@ -115,9 +113,9 @@ class OnnxDrafter:
 
     def _keep_below(self, limit: int) -> None:
         """Drop the cached positions of ids[limit:]."""
-        n = bisect.bisect_left(self._at, limit)
-        if n < len(self._at):
-            self.rewind_to(n)
+        n_keep = bisect.bisect_left(self._at, limit)
+        if n_keep < len(self._at):
+            self.rewind_to(n_keep)
 
     def _restart(self, base: int) -> None:
         """An empty cache that starts at ids[base] (in a slot of the pool, when there is one free)."""
@@ -131,10 +129,10 @@ class OnnxDrafter:
         """Run tokens through the model after the cached past; returns logits [len(tokens), vocab_width]."""
         return self._feed(self._fed(), tokens)
 
-    def rewind_to(self, n: int) -> None:
-        """Keep only the first n cached positions."""
-        self.decoder.rewind(self.state, n)
-        del self._at[n:]
+    def rewind_to(self, n_keep: int) -> None:
+        """Keep only the first n_keep cached positions."""
+        self.decoder.rewind(self.state, n_keep)
+        del self._at[n_keep:]
 
     # -- Proposer protocol -------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -181,23 +179,21 @@ class OnnxDrafter:
         return draft
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
-    def extend(self, n: int) -> Draft:
-        """Append n of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
-        n = min(n, self.context_len - len(self.ids))
-        out, probs = [], []
+    def extend(self, n_tokens: int) -> Draft:
+        """Append n_tokens of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
+        base, probs = len(self.ids), []
         self.last_catchup_s = 0.0
-        for _ in range(max(n, 0)):
+        for _ in range(max(min(n_tokens, self.context_len - base), 0)):
             start, pending = self._backlog()
-            t0 = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
+            started = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
             logits = self._feed(start, pending, last_only=True)[-1]
-            if t0:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
-                self.last_catchup_s = time.perf_counter() - t0
+            if started:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
+                self.last_catchup_s = time.perf_counter() - started
             tok, q = self._choose(logits, len(self.ids))
             self.ids.append(tok)
-            out.append(tok)
             if q is not None:
                 probs.append(q)
-        return Draft(ids=out, probs=np.stack(probs) if probs else None)
+        return Draft(ids=self.ids[base:], probs=np.stack(probs) if probs else None)
 
     def truncate(self, length: int) -> None:
         """Forget tokens from position `length` on (and their cache entries)."""

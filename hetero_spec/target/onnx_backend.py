@@ -43,8 +43,7 @@ class OnnxTarget:
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
                                    prefill_threads=prefill_threads)
         self.model_dir, self.vocab_width = model_dir, self.decoder.vocab_width
-        ctx = self.decoder.context_len
-        self.context_len = min(ctx, max_context) if max_context else ctx
+        self.context_len = min(self.decoder.context_len, max_context or self.decoder.context_len)
         eos = self.decoder.genai_config.get("eos_token_id")
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos])} if eos is not None else set()
         tok = model_dir / "tokenizer.json"
@@ -74,9 +73,7 @@ class OnnxTarget:
         return self.decoder.append(state, tokens, wide=wide, last_only=last_only)
 
     def rollback(self, state: DecoderState, n_keep: int) -> None:
-        """Drop cached positions after the first n_keep (the rejected draft tokens)."""
-        if n_keep > state.n_cached:
-            raise ValueError(f"cannot roll back to {n_keep} tokens; cache holds {state.n_cached}")
+        """Drop cached positions after the first n_keep (the rejected draft tokens); ValueError past the cache."""
         self.decoder.rewind(state, n_keep)
 
     def prefill(self, state: DecoderState, prompt_ids: list[int], start: int = 0, stop: int | None = None) -> None:
