@@ -1,11 +1,8 @@
 """CPU placement of the two-process layout: which cores the draft worker gets, the target's threads on the
 rest, and pinning of this process's threads."""
 
-from __future__ import annotations
-
 import logging
 import os
-import threading
 from contextlib import contextmanager, suppress
 
 from ..config import Config
@@ -35,11 +32,11 @@ class CpuPlan:
             import torch
             self._orig_threads = torch.get_num_threads()
         self.threads = config.target.threads
-        dc = draft_cpus(config)
-        if dc is not None:
-            n = len([c for c in self._orig_cpus if c not in dc])
-            log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", dc, n)
-            self.threads = self.threads or n
+        worker_cpus = draft_cpus(config)
+        if worker_cpus is not None:
+            spare = len(self._orig_cpus - set(worker_cpus))  # the cores left to the target
+            log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", worker_cpus, spare)
+            self.threads = self.threads or spare
         # target.prefill_threads auto: the prompt is read on every core (docs/features-two-process.md)
         self.prefill_threads = len(self._orig_cpus)
 
@@ -68,10 +65,9 @@ def pinned_thread(cpus: list[int] | None):
     if not cpus or not hasattr(os, "sched_setaffinity"):
         yield
         return
-    tid = threading.get_native_id()
-    before = os.sched_getaffinity(tid)
-    os.sched_setaffinity(tid, set(cpus))
+    before = os.sched_getaffinity(0)  # on Linux, pid 0 is the calling thread
+    os.sched_setaffinity(0, set(cpus))
     try:
         yield
     finally:
-        os.sched_setaffinity(tid, before)
+        os.sched_setaffinity(0, before)

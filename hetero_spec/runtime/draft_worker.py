@@ -9,8 +9,6 @@ thread). CURVE keys arrive as one JSON line on stdin (`--keys-stdin`), which onl
     python -m hetero_spec.runtime.draft_worker --endpoint ipc:///tmp/x.sock --model DIR
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import logging
@@ -51,14 +49,20 @@ class _Stream:
     sent: int = 0       # stream positions below this have been sent
     # the stream was rebased on a correction: its first token goes out alone, at once (the target waits for it)
     rush: bool = False
-    # drafted, not sent yet: when their drafting began, its time, how many tokens it covers, their distributions
+    # drafted, not sent yet (every token from `sent` on): when their drafting began, its time, their distributions
     unsent_t0: float | None = None
     unsent_s: float = 0.0
-    unsent_timed: int = 0
     unsent_probs: list = field(default_factory=list)
 
     def reset_unsent(self) -> None:
-        self.unsent_t0, self.unsent_s, self.unsent_timed, self.unsent_probs = None, 0.0, 0, []
+        self.unsent_t0, self.unsent_s, self.unsent_probs = None, 0.0, []
+
+    def want(self) -> int:
+        """Tokens to draft next: up to a block, within max_ahead past the committed text and the context."""
+        if not self.drafting:
+            return 0
+        drafted = len(self.drafter.ids)
+        return max(0, min(self.gamma, self.max_ahead - (drafted - self.committed), self.drafter.context_len - drafted))
 
 
 def _valid_ids(arrays: list[np.ndarray], vocab: int) -> list[int] | None:
@@ -75,7 +79,7 @@ class Worker:
                  clock=time.monotonic, max_streams: int = MAX_STREAMS, ready: Ready | None = None):
         """parent_pid None: a remote worker (`hetero-spec draft-worker --connect`): a Shutdown ends the target's
         session only, and each new one gets `ready` again, on the link's handshake, with every old stream closed."""
-        self.ch, self.parent_pid, self.ready = channel, parent_pid, ready
+        self.channel, self.parent_pid, self.ready = channel, parent_pid, ready
         self.model, self.clock = drafter, clock  # the loaded draft; each stream drafts on a state of its own (spawn)
         self.streams: dict[int, _Stream] = {}  # by req_id, least recently heard of first
         self.cur: _Stream | None = None
@@ -87,26 +91,28 @@ class Worker:
 
     def _stream(self, req_id: int) -> _Stream | None:
         """The stream of req_id, made current and moved to the most recently heard of; None if not open."""
-        if (st := self.streams.pop(req_id, None)) is not None:
-            self.streams[req_id] = self.cur = st
-        return st
+        if (stream := self.streams.pop(req_id, None)) is not None:
+            self.streams[req_id] = self.cur = stream
+        return stream
 
-    def _open(self, msg: Begin, prompt: list[int]) -> _Stream:
+    def _open(self, msg: Begin, prompt: list[int]) -> None:
+        """Begin the stream of msg.req_id on prompt (its old draft state is reused, if it had one)."""
         old = self.streams.pop(msg.req_id, None)
         while len(self.streams) >= self.max_streams:  # evict the least recently heard of
             evicted = self.streams.pop(next(iter(self.streams)))
             log.warning("more than %d streams: closing the stream of request %d", self.max_streams, evicted.req_id)
             evicted.drafter.close()
         drafter = old.drafter if old is not None else self.model.spawn()
-        n = len(prompt)
-        st = _Stream(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, drafter, committed=n, base=n, sent=n)
-        self.streams[msg.req_id] = self.cur = st
-        return st
+        size = len(prompt)
+        self.streams[msg.req_id] = self.cur = _Stream(msg.req_id, msg.gamma, msg.max_ahead, msg.drafting, drafter,
+                                                      committed=size, base=size, sent=size)
+        drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
+                                             sampling="coupled" if msg.coupled else "rejection"))
 
     def _close(self, req_id: int) -> None:
-        st = self.streams.pop(req_id)
-        st.drafter.close()
-        if self.cur is st:
+        stream = self.streams.pop(req_id)
+        stream.drafter.close()
+        if self.cur is stream:
             self.cur = next(reversed(self.streams.values()), None)
 
     # -- messages ----------------------------------------------------------------------------------
@@ -114,15 +120,13 @@ class Worker:
         if isinstance(msg, Begin):
             prompt = _valid_ids(arrays, self.model.vocab_width)
             if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
-                self.ch.reject("Begin without a valid prompt, gamma or max_ahead")
+                self.channel.reject("Begin without a valid prompt, gamma or max_ahead")
                 return
-            st = self._open(msg, prompt)
-            st.drafter.begin(prompt, SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed,
-                                                    sampling="coupled" if msg.coupled else "rejection"))
+            self._open(msg, prompt)
         elif isinstance(msg, Sync) and self._stream(msg.req_id) is not None:
             tokens = _valid_ids(arrays, self.model.vocab_width)
             if tokens is None or msg.pos < 0:
-                self.ch.reject("Sync without valid token ids")
+                self.channel.reject("Sync without valid token ids")
                 return
             self._sync(msg.pos, tokens, msg.epoch)
         elif isinstance(msg, Control) and self._stream(msg.req_id) is not None:
@@ -130,106 +134,97 @@ class Worker:
         elif isinstance(msg, End) and msg.req_id in self.streams:
             self._close(msg.req_id)
         elif isinstance(msg, Ping):
-            self.ch.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.ch.dropped))
+            self.channel.send(Pong(seq=msg.seq, sent=msg.sent, pid=os.getpid(), dropped=self.channel.dropped))
         elif isinstance(msg, Shutdown):
             if self.parent_pid is None:
                 self.end_session()
             else:
                 self.running = False
         elif isinstance(msg, (Sync, Control)):  # its stream was evicted (more than max_streams) or has ended
-            self.ch.reject(f"{type(msg).__name__} for request {msg.req_id}, which has no stream here")
+            self.channel.reject(f"{type(msg).__name__} for request {msg.req_id}, which has no stream here")
 
     def _sync(self, pos: int, tokens: list[int], epoch: int = 0) -> None:
         """Merge committed tokens ids[pos:]; rebase the stream where it diverges. `epoch` is the oldest stream the
         target still accepts: a newer one than the worker's means the target dropped the worker's stream, which
         then starts over (re-sent from the committed length) in that epoch."""
-        st = self.cur
-        ids = st.drafter.ids
-        if pos > st.committed:
-            log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, st.committed)
+        stream = self.cur
+        ids = stream.drafter.ids
+        if pos > stream.committed:
+            log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, stream.committed)
             return
         diverged = False
-        for p, tok in enumerate(tokens, start=pos):
-            if p < st.committed or (p < len(ids) and ids[p] == tok):
+        for at, tok in enumerate(tokens, start=pos):
+            if at < stream.committed or (at < len(ids) and ids[at] == tok):
                 continue
             diverged = True
-            if p < len(ids):
-                st.drafter.truncate(p)
+            if at < len(ids):
+                stream.drafter.truncate(at)
             ids.append(tok)
-        st.committed = max(st.committed, pos + len(tokens))
-        if diverged or epoch > st.epoch:
+        stream.committed = max(stream.committed, pos + len(tokens))
+        if diverged or epoch > stream.epoch:
             if not diverged:  # the target dropped our stream: draft it again in the new epoch
-                st.drafter.truncate(st.committed)
-            st.epoch = max(st.epoch + 1, epoch) if diverged else epoch
-            st.base, st.sent, st.rush = st.committed, st.committed, True
-            st.reset_unsent()
+                stream.drafter.truncate(stream.committed)
+            stream.epoch = max(stream.epoch + 1, epoch) if diverged else epoch
+            stream.base, stream.sent, stream.rush = stream.committed, stream.committed, True
+            stream.reset_unsent()
 
     # -- drafting -----------------------------------------------------------------------------------
     def want_to_draft(self) -> int:
-        st = self.cur
-        if st is None or not st.drafting:
-            return 0
-        n = len(st.drafter.ids)
-        return max(0, min(st.gamma, st.max_ahead - (n - st.committed), st.drafter.context_len - n))
+        return 0 if self.cur is None else self.cur.want()
 
-    def draft_once(self, n: int) -> None:
-        """Draft n tokens onto the stream; they are sent by `flush`, in batches (see `should_flush`)."""
-        st = self.cur
-        t0 = self.clock()
-        draft = st.drafter.extend(n)
-        t1 = self.clock()
+    def draft_once(self, n_tokens: int) -> None:
+        """Draft n_tokens onto the stream; they are sent by `flush`, in batches (see `should_flush`)."""
+        stream = self.cur
+        started = self.clock()
+        draft = stream.drafter.extend(n_tokens)
+        ended = self.clock()
         if not draft.ids:
             return
-        t0 += st.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
-        st.unsent_t0 = t0 if st.unsent_t0 is None else st.unsent_t0
-        st.unsent_s += t1 - t0
-        st.unsent_timed += len(draft.ids)
+        started += stream.drafter.last_catchup_s  # report drafting cost, not the prompt/backlog prefill
+        stream.unsent_t0 = started if stream.unsent_t0 is None else stream.unsent_t0
+        stream.unsent_s += ended - started
         if draft.probs is not None:
-            st.unsent_probs.extend(draft.probs.astype(np.float32))
+            stream.unsent_probs.extend(draft.probs.astype(np.float32))
 
     def flush(self) -> None:
-        """Send the stream tokens the target has not been sent yet, in one Proposal."""
-        st = self.cur
-        if st is None or st.sent >= len(st.drafter.ids):
-            return
-        toks = st.drafter.ids[st.sent:]
+        """Send the stream tokens the target has not been sent yet, in one Proposal (when `should_flush` says so)."""
+        stream = self.cur
+        toks = stream.drafter.ids[stream.sent:]
         arrays = [np.asarray(toks, dtype=np.int32)]
-        if not (st.drafter.params.greedy or st.drafter.params.coupled):  # rejection sampling: each token with its q
-            if len(st.unsent_probs) != len(toks):
-                log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks), len(st.unsent_probs))
-                st.drafter.truncate(st.sent)
-                st.reset_unsent()
+        if not (stream.drafter.params.greedy or stream.drafter.params.coupled):  # rejection sampling: q per token
+            if len(stream.unsent_probs) != len(toks):
+                log.warning("%d unsent tokens but %d distributions; redrafting them", len(toks),
+                            len(stream.unsent_probs))
+                stream.drafter.truncate(stream.sent)
+                stream.reset_unsent()
                 return
-            arrays.append(np.stack(st.unsent_probs))
-        start, st.sent, st.rush = st.sent, len(st.drafter.ids), False
+            arrays.append(np.stack(stream.unsent_probs))
+        start, stream.sent, stream.rush = stream.sent, len(stream.drafter.ids), False
         now = self.clock()
-        self.ch.send(Proposal(req_id=st.req_id, epoch=st.epoch, base=st.base, start=start, draft_s=st.unsent_s,
-                              timed=st.unsent_timed, draft_t0=now if st.unsent_t0 is None else st.unsent_t0,
-                              sent=now), *arrays)
-        st.reset_unsent()
+        self.channel.send(Proposal(req_id=stream.req_id, epoch=stream.epoch, base=stream.base, start=start,
+                                   draft_s=stream.unsent_s, timed=len(toks), sent=now,
+                                   draft_t0=now if stream.unsent_t0 is None else stream.unsent_t0), *arrays)
+        stream.reset_unsent()
 
-    def should_flush(self, n: int) -> bool:
-        """Batch the sends: when the target's next block is complete, when drafting stops at max_ahead, otherwise
-        one per FLUSH_S (a slow draft still streams); a message wakes both processes' I/O threads."""
-        st = self.cur
-        if st is None or st.sent >= len(st.drafter.ids):
+    def should_flush(self, wanted: int) -> bool:
+        """Batch the sends: when the target's next block is complete, when drafting stops at max_ahead (`wanted`
+        is 0), otherwise one per FLUSH_S (a slow draft still streams); a message wakes both processes' I/O threads."""
+        stream = self.cur
+        if stream is None or stream.sent >= len(stream.drafter.ids):
             return False
-        if st.rush or st.sent < st.committed + st.gamma <= len(st.drafter.ids) or not n:
+        if stream.rush or stream.sent < stream.committed + stream.gamma <= len(stream.drafter.ids) or not wanted:
             return True
-        return st.unsent_t0 is not None and self.clock() - st.unsent_t0 >= FLUSH_S
+        return stream.unsent_t0 is not None and self.clock() - stream.unsent_t0 >= FLUSH_S
 
     def step(self, idle_wait_s: float = 0.2) -> bool:
         """One unit of work: handle a message, send, or draft one token. Waits up to idle_wait_s for a message
         only when there is nothing else to do; False when it did nothing."""
-        want = {}
-        for rid, st in self.streams.items():
-            self.cur = st
-            want[rid] = self.want_to_draft()
-        if (got := self.ch.recv(0.0 if any(want.values()) else idle_wait_s)) is not None:
+        want = {rid: stream.want() for rid, stream in self.streams.items()}
+        if (got := self.channel.recv(0.0 if any(want.values()) else idle_wait_s)) is not None:
             self.handle(*got)
             return True  # drain everything queued before drafting on a possibly stale stream
-        for rid, st in list(self.streams.items()):
-            self.cur = st
+        for rid, stream in list(self.streams.items()):
+            self.cur = stream
             if self.should_flush(want[rid]):
                 self.flush()
                 return True
@@ -254,23 +249,23 @@ class Worker:
         if event == "connected":
             self._failed_handshakes = 0
             self.end_session()
-            self.ch.send(self.ready)
+            self.channel.send(self.ready)
         elif event == "refused":
             log.error("the target at %s refused this worker's CURVE key (%s): it is not in the target's "
-                      "runtime.worker_keys; exiting", self.ch.endpoint, self.keys_note)
+                      "runtime.worker_keys; exiting", self.channel.endpoint, self.keys_note)
             self.running, self.refused = False, True
         elif event == "handshake_failed":
             self._failed_handshakes += 1
             if self._failed_handshakes >= HANDSHAKE_FAILURES:
                 log.error("the CURVE handshake with the target at %s failed %d times in a row (%s): the keys in "
                           "--keys are not that target's (its server.key differs) or it does not speak CURVE; "
-                          "exiting", self.ch.endpoint, self._failed_handshakes, self.keys_note)
+                          "exiting", self.channel.endpoint, self._failed_handshakes, self.keys_note)
                 self.running, self.refused = False, True
 
     def loop(self) -> None:
         while self.running:
             if self.parent_pid is None:
-                for event in self.ch.link_events():
+                for event in self.channel.link_events():
                     self.on_link(event)
             elif os.getppid() != self.parent_pid:  # checked every iteration: a getppid() call is ~0.1 us
                 log.warning("target process is gone; draft worker exits")
@@ -279,24 +274,21 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetero_spec.runtime.draft_worker",
-                                description="hetero_spec draft worker (started by the target process)")
-    p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint the target bound")
-    p.add_argument("--model", required=True, help="exported ONNX draft directory")
-    p.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
-    p.add_argument("--vocab-width", type=int, default=0, help="target logits width")
-    p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
-    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    p.add_argument("--max-streams", type=int, default=MAX_STREAMS,
-                   help="requests drafted for at once (the target sends serving.max_batch and some)")
-    p.add_argument("--prompt-window", type=int, default=0,
-                   help="draft from at most the last N prompt tokens (draft.prompt_window; 0: all)")
-    p.add_argument("--keys-stdin", action="store_true",
-                   help="read the CURVE keys as one JSON line from stdin (server_public, public, secret)")
-    p.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
-    p.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
-    args = p.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m hetero_spec.runtime.draft_worker",
+                                     description="hetero_spec draft worker (started by the target process)")
+    parser.add_argument("--endpoint", required=True, help="ZeroMQ endpoint the target bound")
+    parser.add_argument("--model", required=True, help="exported ONNX draft directory")
+    parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--vocab-width", type=int, default=0, help="target logits width")
+    parser.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    parser.add_argument("--max-streams", type=int, default=MAX_STREAMS, help="requests drafted for at once")
+    parser.add_argument("--prompt-window", type=int, default=0, help="draft.prompt_window (0: the whole prompt)")
+    parser.add_argument("--keys-stdin", action="store_true", help="read the CURVE keys from stdin (one JSON line)")
+    parser.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
+    parser.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("HETERO_SPEC_WORKER_LOG", "WARNING"),
                         format="%(asctime)s draft-worker %(levelname)s %(message)s")
     remote = bool(args.keys)
@@ -307,27 +299,27 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     keys = json.loads(sys.stdin.readline()) if args.keys_stdin else (worker_keys(args.keys) if remote else None)
     providers = args.providers.split(",")
-    ch = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes, watch=remote)
+    channel = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes, watch=remote)
     try:
         try:
             drafter = OnnxDrafter(args.model, providers=providers, threads=args.threads,
                                   vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None)
         except Exception as exc:  # report why, then exit non-zero
-            ch.send(Failure(error=f"{type(exc).__name__}: {exc}"))
+            channel.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)
             return 3
         ready = Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=providers)
         if not remote:
-            ch.send(ready)
-        worker = Worker(ch, drafter, None if remote else args.parent_pid or os.getppid(),
+            channel.send(ready)
+        worker = Worker(channel, drafter, None if remote else args.parent_pid or os.getppid(),
                         max_streams=args.max_streams, ready=ready)
         if keys:
             worker.keys_note = (f"this worker's key fingerprint {key_fingerprint(keys['public'])}, the server key "
                                 f"it expects {key_fingerprint(keys['server_public'])}")
         worker.loop()
     finally:
-        ch.close()
+        channel.close()
     return 2 if worker.refused else 0
 
 

@@ -28,12 +28,6 @@ class LinkCosts:
     draft_tok_s: Ema = field(default_factory=Ema)
     transfer_s: Ema = field(default_factory=Ema)
 
-    def observe_proposal(self, draft_s: float, n_tokens: int, transfer_s: float | None) -> None:
-        if n_tokens > 0:
-            self.draft_tok_s.add(draft_s / n_tokens)
-        if transfer_s is not None:
-            self.transfer_s.add(max(0.0, transfer_s))
-
 
 @dataclass
 class StreamBuffer:
@@ -50,17 +44,17 @@ class StreamBuffer:
     # drafts it afresh while the target waits (DraftLink.gather then waits only for its first token)
     redrafting: bool = False
 
-    def add(self, p: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
-        fresh = p.epoch > self.epoch
+    def add(self, msg: Proposal, ids: np.ndarray, probs: np.ndarray | None) -> None:
+        fresh = msg.epoch > self.epoch
         # stale: a sampled token without its q, a dropped epoch, or a proposal that does not continue the stream: a
         # new epoch starts at its base, and within one the worker sends each position once, in order (a gap: lost)
         if ((self.sampled and (probs is None or len(probs) != len(ids)))
-                or p.epoch < max(self.epoch, self.min_epoch)
-                or p.start != (p.base if fresh else self.base + len(self.tokens))):
+                or msg.epoch < max(self.epoch, self.min_epoch)
+                or msg.start != (msg.base if fresh else self.base + len(self.tokens))):
             self.stale += 1
             return
         if fresh:
-            self.epoch, self.base, self.tokens, self.probs, self.redrafting = p.epoch, p.base, [], [], True
+            self.epoch, self.base, self.tokens, self.probs, self.redrafting = msg.epoch, msg.base, [], [], True
         self.tokens.extend(int(t) for t in ids)
         if probs is not None:
             self.probs.extend(probs)
@@ -97,7 +91,7 @@ class DraftLink:
     """One request's view of the draft worker: begin, gather proposals, sync, control, end. Every exchange goes
     through `_worker` (which (re)starts the request on a new worker) and `_send` (which treats a failed send as a
     possible death). Whatever state the request is in (speculating, off, mid-Begin, mid-block), a dead worker only
-    sets `self.w` to None: the target decodes alone and picks up the restarted worker at its next look."""
+    sets `self.worker` to None: the target decodes alone and picks up the restarted worker at its next look."""
 
     def __init__(self, sup: DraftSupervisor, req_id: int, params: SamplingParams, gamma: int, max_ahead: int,
                  costs: LinkCosts, routes: dict[int, DraftLink], trace: list | None, vocab_width: int,
@@ -106,7 +100,7 @@ class DraftLink:
         self.costs, self.routes = costs, routes  # routes: req_id -> link, for every request on the worker
         self.trace = trace  # with runtime.trace: each proposal's drafting interval (t0, t1, start position)
         self.vocab_width, self.clock = vocab_width, clock
-        self.w: Worker | None = None
+        self.worker: Worker | None = None
         self.sampled = not (params.greedy or params.coupled)  # q travels with each token
         self.buf = StreamBuffer(sampled=self.sampled)
         self.synced, self.drafting = 0, True
@@ -117,69 +111,73 @@ class DraftLink:
         self._last_idle_check = -IDLE_CHECK_S
         self._dropped_base = 0
 
-    def _leave(self, w: Worker | None) -> None:
-        """Stop using w; count what its channel dropped while this request used it."""
-        if w is not None and w is self.w:
-            self.dropped += w.channel.dropped - self._dropped_base
-            self.w = None
+    def _leave(self, worker: Worker | None) -> None:
+        """Stop using worker; count what its channel dropped while this request used it."""
+        if worker is not None and worker is self.worker:
+            self.dropped += worker.channel.dropped - self._dropped_base
+            self.worker = None
             if self.routes.get(self.req_id) is self:
                 del self.routes[self.req_id]
 
     def _send(self, msg, *arrays) -> bool:
         """Send to the current worker; a failed send on a dead (or reaped) worker drops it."""
-        if (w := self.w) is None:
+        if (worker := self.worker) is None:
             return False
-        if w.channel.send(msg, *arrays):
+        if worker.channel.send(msg, *arrays):
             return True
-        if w.channel.closed or not self.sup.check(w):
-            self._leave(w)
+        if worker.channel.closed or not self.sup.check(worker):
+            self._leave(worker)
         return False
 
     def _worker(self, ids: list[int]) -> Worker | None:
-        w = self.sup.current()
-        if w is None or w.channel.closed:
-            self._leave(self.w)
+        worker = self.sup.current()
+        if worker is None or worker.channel.closed:
+            self._leave(self.worker)
             return None
-        if w is not self.w:  # first use, or a restarted worker: (re)start the request on it
-            self._leave(self.w)
-            self.w, self.buf, self._dropped_base = w, StreamBuffer(sampled=self.sampled), w.channel.dropped
+        if worker is not self.worker:  # first use, or a restarted worker: (re)start the request on it
+            self._leave(self.worker)
+            self.worker, self._dropped_base = worker, worker.channel.dropped
+            self.buf = StreamBuffer(sampled=self.sampled)
             self.routes[self.req_id] = self
             self.synced = len(ids)
-            p = self.params
-            if not self._send(Begin(req_id=self.req_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                    seed=p.seed, gamma=self.gamma, max_ahead=self.max_ahead,
-                                    drafting=self.drafting, coupled=p.coupled), np.asarray(ids, dtype=np.int32)):
-                if self.w is w:  # alive but not reading: treat it as hung
-                    self._leave(w)
-                    self.sup.fail(w, "not accepting messages")
+            params = self.params
+            if not self._send(Begin(req_id=self.req_id, temperature=params.temperature, top_k=params.top_k,
+                                    top_p=params.top_p, seed=params.seed, gamma=self.gamma, max_ahead=self.max_ahead,
+                                    drafting=self.drafting, coupled=params.coupled), np.asarray(ids, dtype=np.int32)):
+                if self.worker is worker:  # alive but not reading: treat it as hung
+                    self._leave(worker)
+                    self.sup.fail(worker, "not accepting messages")
                 return None
-        return self.w
+        return self.worker
 
     def begin(self, ids: list[int]) -> None:
         self._worker(ids)
 
-    def _pump(self, w: Worker, timeout_s: float) -> bool:
+    def _pump(self, worker: Worker, timeout_s: float) -> bool:
         """Receive at most one message (waiting up to timeout_s); False when nothing came. Transfer time is sampled
         only for messages that arrive while we wait: one that sat in the queue while the target was busy verifying
         measures the queueing, not the transfer."""
-        if (got := w.channel.recv(timeout_s)) is None:
+        if (got := worker.channel.recv(timeout_s)) is None:
             return False
         msg, arrays = got
-        self.sup.heard(w, msg)
+        self.sup.heard(worker, msg)
         if isinstance(msg, Proposal):
             # another request drafted on this worker (interleaved in this thread) gets its own proposals
             link = self if msg.req_id == self.req_id else self.routes.get(msg.req_id)
-            if link is not None and link.w is w:
-                link._accept(w, msg, arrays, waited=timeout_s > 0 and link is self)
+            if link is not None and link.worker is worker:
+                link._accept(worker, msg, arrays, waited=timeout_s > 0 and link is self)
         return True
 
-    def _accept(self, w: Worker, msg, arrays: list[np.ndarray], waited: bool) -> None:
+    def _accept(self, worker: Worker, msg, arrays: list[np.ndarray], waited: bool) -> None:
         """A Proposal of this request's stream (transfer time sampled only when we waited for it)."""
         if why := self._check_arrays(arrays):
-            w.channel.reject(f"{type(msg).__name__}: {why}")
+            worker.channel.reject(f"{type(msg).__name__}: {why}")
             self.rejected += 1
             return
-        self.costs.observe_proposal(msg.draft_s, msg.timed, self.clock() - msg.sent if waited else None)
+        if msg.timed > 0:
+            self.costs.draft_tok_s.add(msg.draft_s / msg.timed)
+        if waited:
+            self.costs.transfer_s.add(max(0.0, self.clock() - msg.sent))
         self.buf.add(msg, arrays[0], arrays[1] if len(arrays) > 1 else None)
         if self.trace is not None:
             self.trace.append((msg.draft_t0, msg.draft_t0 + msg.draft_s, msg.start))
@@ -207,9 +205,9 @@ class DraftLink:
         if k <= 0:
             self._idle_check(ids)
             return Draft(ids=[])
-        if (w := self._worker(ids)) is None:
+        if (worker := self._worker(ids)) is None:
             return Draft(ids=[])
-        while self._pump(w, 0.0):  # drain what is queued
+        while self._pump(worker, 0.0):  # drain what is queued
             pass
         toks, probs = self.buf.usable(ids)
         # after a correction the worker drafts the stream afresh while the target waits: verify as soon as its first
@@ -217,10 +215,10 @@ class DraftLink:
         want = 1 if self.buf.redrafting else k
         deadline = self.clock() + budget_s * want / k
         while (now := self.clock()) < deadline and len(toks) < want:
-            if not self.sup.check(w):
-                self._leave(w)
+            if not self.sup.check(worker):
+                self._leave(worker)
                 return Draft(ids=[])
-            self._pump(w, min(deadline - now, 0.05))
+            self._pump(worker, min(deadline - now, 0.05))
             toks, probs = self.buf.usable(ids)
         self.buf.redrafting = False
         if not self.sampled:
@@ -235,19 +233,19 @@ class DraftLink:
         if now - self._last_idle_check < IDLE_CHECK_S:
             return
         self._last_idle_check = now
-        if (w := self._worker(ids)) is None:
+        if (worker := self._worker(ids)) is None:
             return
-        while self._pump(w, 0.0):
+        while self._pump(worker, 0.0):
             pass
         if not self.sampled:  # what a probe drafted, checked against what the target decoded alone
             tested, accepted = self.buf.shadow(ids)
             self.shadow = (self.shadow[0] + tested, self.shadow[1] + accepted)
-        if not self.sup.check(w):
-            self._leave(w)
+        if not self.sup.check(worker):
+            self._leave(worker)
 
     def sync(self, ids: list[int]) -> None:
         """2) announce the committed tokens (the correction, when they differ from the draft's stream)."""
-        if self.w is None or not self.drafting or self.synced >= len(ids):
+        if self.worker is None or not self.drafting or self.synced >= len(ids):
             return
         if self._send(Sync(req_id=self.req_id, pos=self.synced, epoch=self.buf.min_epoch),
                       np.asarray(ids[self.synced:], dtype=np.int32)):
@@ -259,11 +257,11 @@ class DraftLink:
         if drafting == self.drafting and gamma == self.gamma:
             return
         self.drafting, self.gamma = drafting, gamma
-        if self.w is not None:
+        if self.worker is not None:
             if drafting:
                 self.sync(ids)
             self._send(Control(req_id=self.req_id, drafting=drafting, gamma=gamma))
 
     def end(self) -> None:
         self._send(End(req_id=self.req_id))
-        self._leave(self.w)
+        self._leave(self.worker)

@@ -68,14 +68,14 @@ class ProcessLauncher:
     module = "hetero_spec.runtime.draft_worker"  # what `python -m` runs
 
     def launch(self, spec: WorkerSpec, generation: int) -> Worker:
-        r, d = spec.runtime, spec.draft
+        runtime, draft = spec.runtime, spec.draft
         curve = None
-        if r.transport == "tcp" or r.curve:  # CURVE keys: configured (required beyond loopback), or a fresh pair
-            curve = CurveKeys.load(r.curve_keys) if r.curve_keys else CurveKeys.generate()
-        ch = Channel.bind(self.server, r.transport, r.host, r.port, curve, name=f"worker-{generation}",
-                          max_msg_bytes=spec.max_msg_bytes)
-        cmd = [sys.executable, "-m", self.module, "--endpoint", ch.endpoint, "--model", str(d.model),
-               "--providers", ",".join(d.providers), "--threads", str(d.threads),
+        if runtime.transport == "tcp" or runtime.curve:  # CURVE keys: configured (required beyond loopback), or new
+            curve = CurveKeys.load(runtime.curve_keys) if runtime.curve_keys else CurveKeys.generate()
+        channel = Channel.bind(self.server, runtime.transport, runtime.host, runtime.port, curve,
+                               name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
+        cmd = [sys.executable, "-m", self.module, "--endpoint", channel.endpoint, "--model", str(draft.model),
+               "--providers", ",".join(draft.providers), "--threads", str(draft.threads),
                "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
                "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
                "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
@@ -90,9 +90,9 @@ class ProcessLauncher:
                     proc.stdin.write(curve.client_handover())
                     proc.stdin.close()
         except BaseException:
-            ch.close()
+            channel.close()
             raise
-        return Worker(proc=proc, channel=ch, generation=generation, stderr_path=err_path)
+        return Worker(proc=proc, channel=channel, generation=generation, stderr_path=err_path)
 
 
 class RemoteProcess:
@@ -116,13 +116,13 @@ class RemoteLauncher:
     server: ServerContext
 
     def launch(self, spec: WorkerSpec, generation: int) -> Worker:
-        r = spec.runtime
-        curve, clients = admitted_keys(r.curve_keys, r.worker_keys)
-        ch = Channel.bind(self.server, "tcp", r.host, r.port, curve, name=f"worker-{generation}",
-                          max_msg_bytes=spec.max_msg_bytes, watch=True)
+        runtime = spec.runtime
+        curve, clients = admitted_keys(runtime.curve_keys, runtime.worker_keys)
+        channel = Channel.bind(self.server, "tcp", runtime.host, runtime.port, curve, name=f"worker-{generation}",
+                               max_msg_bytes=spec.max_msg_bytes, watch=True)
         for key in clients[1:]:
             self.server.admit(key)
-        return Worker(proc=RemoteProcess(), channel=ch, generation=generation,
+        return Worker(proc=RemoteProcess(), channel=channel, generation=generation,
                       server_fingerprint=key_fingerprint(curve.server_public))
 
 
@@ -132,11 +132,11 @@ class DraftSupervisor:
 
     def __init__(self, spec: WorkerSpec, launcher=None, clock=time.monotonic):
         self.spec, self.clock = spec, clock
-        r = spec.runtime
-        if r.transport == "tcp" and (why := check_bind_host(r.host, r.curve_keys is not None)):
+        runtime = spec.runtime
+        if runtime.transport == "tcp" and (why := check_bind_host(runtime.host, runtime.curve_keys is not None)):
             raise WorkerStartError(why)
         self._server = ServerContext() if launcher is None else None
-        self.remote = r.worker == "remote"
+        self.remote = runtime.worker == "remote"
         self.launcher = launcher or (RemoteLauncher if self.remote else ProcessLauncher)(self._server)
         self._lock, self._closing = threading.Lock(), threading.Event()
         self._worker: Worker | None = None
@@ -156,8 +156,8 @@ class DraftSupervisor:
         """Start the first worker and wait until it is ready; raises WorkerStartError naming the cause."""
         try:
             self._worker = self._spawn_ready()
-        except WorkerStartError as exc:
-            if not self.remote or self._closing.is_set():
+        except BaseException as exc:
+            if not isinstance(exc, WorkerStartError) or not self.remote or self._closing.is_set():
                 self.close()
                 raise
             # a remote worker may come later: decode alone meanwhile, and keep the port open for it
@@ -165,35 +165,32 @@ class DraftSupervisor:
             self.last_failure = str(exc)
             self._restart_thread = threading.Thread(target=self._restart_loop, name="draft-restart", daemon=True)
             self._restart_thread.start()
-        except BaseException:
-            self.close()
-            raise
 
     def _spawn_ready(self) -> Worker:
         with self._lock:
             self.generation += 1
             generation = self.generation
-        w = self.launcher.launch(self.spec, generation)
-        if why := self._await_ready(w):
-            self._reap(w)
+        worker = self.launcher.launch(self.spec, generation)
+        if why := self._await_ready(worker):
+            self._reap(worker)
             raise WorkerStartError(why)
-        w.last_heard = self.clock()
-        return w
+        worker.last_heard = self.clock()
+        return worker
 
-    def _await_ready(self, w: Worker) -> str:
-        """"" once w has said Ready with a vocabulary and context that fit; otherwise why it has not."""
+    def _await_ready(self, worker: Worker) -> str:
+        """"" once worker has said Ready with a vocabulary and context that fit; otherwise why it has not."""
         model, timeout_s = self.spec.draft.model, self.spec.runtime.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._closing.is_set():
-            if self.remote and not w.handshake_logged and "handshake_failed" in w.channel.link_events():
-                w.handshake_logged = True  # once per wait: a worker with the wrong keys retries every 0.1 s
+            if self.remote and not worker.handshake_logged and "handshake_failed" in worker.channel.link_events():
+                worker.handshake_logged = True  # once per wait: a worker with the wrong keys retries every 0.1 s
                 log.warning("a draft worker at %s failed the CURVE handshake: it does not hold this target's server "
-                            "key (runtime.curve_keys server.key, fingerprint %s)", w.channel.endpoint,
-                            w.server_fingerprint)
-            msg = (w.channel.recv(0.1) or (None,))[0]
+                            "key (runtime.curve_keys server.key, fingerprint %s)", worker.channel.endpoint,
+                            worker.server_fingerprint)
+            msg = (worker.channel.recv(0.1) or (None,))[0]
             if isinstance(msg, Ready):
-                if isinstance(w.proc, RemoteProcess):
-                    w.proc.pid = msg.pid
+                if isinstance(worker.proc, RemoteProcess):
+                    worker.proc.pid = msg.pid
                 if msg.vocab_width != self.spec.vocab_width:
                     return (f"draft worker {model}: it reports a vocabulary width of {msg.vocab_width}, the "
                             f"target's is {self.spec.vocab_width}" + (
@@ -203,53 +200,48 @@ class DraftSupervisor:
                 return ""
             if isinstance(msg, Failure):
                 return f"draft worker failed to load {model}: {msg.error}"
-            if w.proc.poll() is not None:
+            if worker.proc.poll() is not None:
                 tail = "(no output)"
                 with contextlib.suppress(OSError):
-                    tail = Path(w.stderr_path).read_text(errors="replace")[-1500:].strip() or tail
-                return f"draft worker exited with code {w.proc.returncode} before it was ready ({model}): {tail}"
+                    tail = Path(worker.stderr_path).read_text(errors="replace")[-1500:].strip() or tail
+                return f"draft worker exited with code {worker.proc.returncode} before it was ready ({model}): {tail}"
         if self._closing.is_set():
             return "the engine is closing"
         if self.remote:
-            return (f"no draft worker connected to {w.channel.endpoint} within {timeout_s:.0f} s "
+            return (f"no draft worker connected to {worker.channel.endpoint} within {timeout_s:.0f} s "
                     "(runtime.ready_timeout_s)")
         return f"draft worker did not become ready within {timeout_s:.0f} s (runtime.ready_timeout_s); model {model}"
 
-    def _reap(self, w: Worker, graceful: bool = False) -> None:
-        if graceful and w.proc.poll() is None:
+    def _reap(self, worker: Worker, graceful: bool = False) -> None:
+        if graceful and worker.proc.poll() is None:
             with contextlib.suppress(Exception):  # escalate below
-                w.channel.send(Shutdown())
-                w.proc.wait(timeout=2.0)
-        if w.proc.poll() is None:
-            w.proc.terminate()
+                worker.channel.send(Shutdown())
+                worker.proc.wait(timeout=2.0)
+        if worker.proc.poll() is None:
+            worker.proc.terminate()
             try:
-                w.proc.wait(timeout=2.0)
+                worker.proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-        w.channel.close()
-        if w.stderr_path:
-            with contextlib.suppress(OSError):
-                os.unlink(w.stderr_path)
+                worker.proc.kill()
+                worker.proc.wait()
+        worker.channel.close()
+        with contextlib.suppress(OSError):  # a remote worker has no log here: its stderr_path is ""
+            os.unlink(worker.stderr_path)
 
     def close(self) -> None:
         """Shut every worker down cleanly (Shutdown, then SIGTERM, then SIGKILL); no orphans. Then end
         the engine's ZeroMQ context and remove its private directory (sockets, logs)."""
         self._closing.set()
-        t = self._restart_thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=self.spec.runtime.ready_timeout_s + 5)
+        thread = self._restart_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.spec.runtime.ready_timeout_s + 5)
         with self._lock:
             workers = [w for w in (self._worker, self._pending) if w is not None]
             self._worker = self._pending = None
-        for w in workers:
-            self._reap(w, graceful=True)
+        for worker in workers:
+            self._reap(worker, graceful=True)
         if self._server is not None:
             self._server.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closing.is_set()
 
     # -- health -------------------------------------------------------------------------------------
     def current(self) -> Worker | None:
@@ -259,37 +251,37 @@ class DraftSupervisor:
                 self._worker, self._pending = self._pending, None
             return self._worker
 
-    def check(self, w: Worker) -> bool:
+    def check(self, worker: Worker) -> bool:
         """Liveness probe of the current worker; on death or hang, start a restart and return False."""
-        if w.channel.closed:  # reaped already (a failure seen elsewhere)
+        if worker.channel.closed:  # reaped already (a failure seen elsewhere)
             return False
         now, heartbeat_s = self.clock(), self.spec.runtime.heartbeat_s
         reason = ""
-        if w.proc.poll() is not None:
-            reason = f"exited with code {w.proc.returncode}"
-        elif w.ping_sent is not None and now - w.ping_sent > heartbeat_s:
+        if worker.proc.poll() is not None:
+            reason = f"exited with code {worker.proc.returncode}"
+        elif worker.ping_sent is not None and now - worker.ping_sent > heartbeat_s:
             reason = f"no answer to a ping within {heartbeat_s:.1f} s (hung)"
-        elif w.ping_sent is None and now - w.last_heard > heartbeat_s:
-            w.ping_sent = now
-            if not w.channel.send(Ping(seq=w.generation, sent=now)):
+        elif worker.ping_sent is None and now - worker.last_heard > heartbeat_s:
+            worker.ping_sent = now
+            if not worker.channel.send(Ping(seq=worker.generation, sent=now)):
                 reason = "not accepting messages"
         if reason:
-            self.fail(w, reason)
+            self.fail(worker, reason)
         return not reason
 
-    def heard(self, w: Worker, msg) -> None:
-        w.last_heard = self.clock()
+    def heard(self, worker: Worker, msg) -> None:
+        worker.last_heard = self.clock()
         self._consecutive = 0
         if isinstance(msg, Pong):
-            w.ping_sent = None
+            worker.ping_sent = None
 
-    def fail(self, w: Worker, reason: str) -> None:
-        """Declare `w` dead: reap it (idempotent) and restart in the background."""
+    def fail(self, worker: Worker, reason: str) -> None:
+        """Declare `worker` dead: reap it (idempotent) and restart in the background."""
         with self._lock:  # check and act at once: two threads that see one death count it, and restart, once
-            if w.failed or (w.channel.closed and self._worker is not w):
+            if worker.failed or (worker.channel.closed and self._worker is not worker):
                 return  # already handled
-            w.failed = True
-            if self._worker is w:
+            worker.failed = True
+            if self._worker is worker:
                 self._worker = None
             self.failures += 1
             self._consecutive += 1
@@ -298,78 +290,75 @@ class DraftSupervisor:
                 self._restart_thread = threading.Thread(target=self._restart_loop, name="draft-restart", daemon=True)
                 self._restart_thread.start()
         log.warning("draft worker (pid %d) %s; the target continues alone and the worker is restarted",
-                    w.proc.pid, reason)
-        self._reap(w)
+                    worker.proc.pid, reason)
+        self._reap(worker)
 
     def _restart_loop(self) -> None:
+        """Spawn workers, with backoff, until one is ready (handed over as _pending) or the engine closes."""
+        spec = self.spec
+        backoff = min(spec.runtime.restart_backoff_s * 2 ** min(max(self._consecutive, 1) - 1, 10), spec.max_backoff_s)
         try:
-            self._restart_until_up()
+            while not self._closing.wait(backoff):
+                try:
+                    worker = self._spawn_ready()
+                except Exception as exc:  # noqa: BLE001 - a WorkerStartError, or e.g. the context closed under us
+                    if self._closing.is_set():
+                        return
+                    log.warning("draft worker restart failed: %s", exc)
+                    if not self.remote:  # a remote worker is not ours to start: keep the port open for it
+                        backoff = min(backoff * 2, spec.max_backoff_s)
+                    continue
+                with self._lock:
+                    if not self._closing.is_set():
+                        self._pending = worker
+                        self.restarts += 1
+                        self._restart_thread = None  # with the hand-over: a failure of it from now on restarts again
+                        log.info("draft worker restarted (pid %d)", worker.proc.pid)
+                        return
+                self._reap(worker, graceful=True)
+                return
         finally:
             with self._lock:  # the next failure starts a new restart thread (fail() reads this under the lock)
                 if self._restart_thread is threading.current_thread():
                     self._restart_thread = None
 
-    def _restart_until_up(self) -> None:
-        spec = self.spec
-        backoff = min(spec.runtime.restart_backoff_s * 2 ** min(max(self._consecutive, 1) - 1, 10), spec.max_backoff_s)
-        while not self._closing.wait(backoff):
-            try:
-                w = self._spawn_ready()
-            except Exception as exc:  # noqa: BLE001 - a WorkerStartError, or e.g. the context closed under us
-                if self._closing.is_set():
-                    return
-                log.warning("draft worker restart failed: %s", exc)
-                if not self.remote:  # a remote worker is not ours to start: keep the port open for it
-                    backoff = min(backoff * 2, spec.max_backoff_s)
-                continue
-            with self._lock:
-                if not self._closing.is_set():
-                    self._pending = w
-                    self.restarts += 1
-                    self._restart_thread = None  # with the hand-over: a failure of w from now on restarts again
-                    log.info("draft worker restarted (pid %d)", w.proc.pid)
-                    return
-            self._reap(w, graceful=True)
-            return
-
-    def _down(self, w: Worker | None) -> dict | None:
+    def _down(self, worker: Worker | None) -> dict | None:
         """The state without a running worker (none, or its process has exited); None while it runs."""
         out = {"restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
-        if w is None:
-            return {"draft": "closed" if self.closed else "restarting", **out}
-        if w.proc.poll() is not None:
-            return {"draft": "dead", "exit_code": w.proc.returncode, **out}
+        if worker is None:
+            return {"draft": "closed" if self._closing.is_set() else "restarting", **out}
+        if worker.proc.poll() is not None:
+            return {"draft": "dead", "exit_code": worker.proc.returncode, **out}
         return None
 
     def status(self) -> dict:
         """What is known without touching the channel (safe while a request uses it)."""
         with self._lock:
-            w = self._pending or self._worker
-        if (down := self._down(w)) is not None:
+            worker = self._pending or self._worker
+        if (down := self._down(worker)) is not None:
             return down
-        age = self.clock() - w.last_heard
-        state = "ok" if age <= self.spec.runtime.heartbeat_s or w.ping_sent is None else "unresponsive"
-        return {"draft": state, "pid": w.proc.pid, "last_heard_s": round(age, 3),
+        age = self.clock() - worker.last_heard
+        state = "ok" if age <= self.spec.runtime.heartbeat_s or worker.ping_sent is None else "unresponsive"
+        return {"draft": state, "pid": worker.proc.pid, "last_heard_s": round(age, 3),
                 "restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
 
     def health(self, timeout_s: float = 2.0) -> dict:
         """A real probe: ping the worker and wait for its answer. Only call it while no request is
         using the channel (the Engine makes sure): it reads and discards whatever else arrives."""
-        w = self.current()
-        if (down := self._down(w)) is not None:
-            if w is not None:
-                self.fail(w, f"exited with code {w.proc.returncode}")
+        worker = self.current()
+        if (down := self._down(worker)) is not None:
+            if worker is not None:
+                self.fail(worker, f"exited with code {worker.proc.returncode}")
             return down
         out = {"restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
-        t = time.monotonic()
-        if not w.channel.send(Ping(seq=-1, sent=t)):
-            self.fail(w, "not accepting messages")
+        sent = time.monotonic()
+        if not worker.channel.send(Ping(seq=-1, sent=sent)):
+            self.fail(worker, "not accepting messages")
             return {"draft": "dead", **out}
-        deadline = t + timeout_s
-        while time.monotonic() < deadline:
-            if (got := w.channel.recv(deadline - time.monotonic())) is not None:
-                self.heard(w, got[0])
+        while (left_s := sent + timeout_s - time.monotonic()) > 0:
+            if (got := worker.channel.recv(left_s)) is not None:
+                self.heard(worker, got[0])
                 if isinstance(got[0], Pong):
-                    return {"draft": "ok", "pid": w.proc.pid, "rtt_ms": round((time.monotonic() - t) * 1e3, 3),
-                            "worker_dropped": got[0].dropped, "target_dropped": w.channel.dropped, **out}
-        return {"draft": "unresponsive", "pid": w.proc.pid, **out}
+                    return {"draft": "ok", "pid": worker.proc.pid, "rtt_ms": round((time.monotonic() - sent) * 1e3, 3),
+                            "worker_dropped": got[0].dropped, "target_dropped": worker.channel.dropped, **out}
+        return {"draft": "unresponsive", "pid": worker.proc.pid, **out}

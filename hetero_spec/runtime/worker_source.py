@@ -3,8 +3,6 @@ sequence's next block while the target verifies the current one (runtime/pipelin
 the supervisor, one DraftLink per sequence, and the routing of the worker's messages to them (requests drafted
 together share one channel). A dead worker only empties the drafts: the target decodes alone meanwhile."""
 
-from __future__ import annotations
-
 import os
 import time
 from typing import Any
@@ -21,12 +19,6 @@ from .supervisor import DraftSupervisor, WorkerSpec
 STREAM_SLACK = 8
 
 
-def max_msg_bytes(vocab_width: int, context_len: int, max_ahead_cap: int) -> int:
-    """Largest frame either side may send: a prompt of context_len ids, or the distributions of up to
-    max_ahead_cap draft tokens (sampled requests); with room for the header."""
-    return max(4 * context_len, 4 * vocab_width * max_ahead_cap) + (1 << 16)
-
-
 class WorkerSource:
     """`launcher` and `clock` are seams for tests (an in-memory worker, a ticking clock)."""
 
@@ -36,17 +28,20 @@ class WorkerSource:
 
     def __init__(self, config: Config, vocab_width: int, context_len: int = 1 << 16, max_streams: int = 8,
                  launcher=None, clock=time.monotonic):
-        r, d = config.runtime, config.draft
-        self.config, self.clock, self.vocab_width, self.trace = config, clock, vocab_width, r.trace
-        self.draft_cpus = draft_cpus(config)
-        self.target_cpus = [c for c in allowed() if c not in self.draft_cpus] if self.draft_cpus else None
-        msg_bytes = max_msg_bytes(vocab_width, context_len, r.max_ahead or 2 * 64 + 1)  # gamma <= 64
-        spec = WorkerSpec(r, d, vocab_width, cpus=self.draft_cpus, max_msg_bytes=msg_bytes,
+        runtime, draft = config.runtime, config.draft
+        self.config, self.clock, self.vocab_width, self.trace = config, clock, vocab_width, runtime.trace
+        worker_cpus = draft_cpus(config)
+        self.target_cpus = [c for c in allowed() if c not in worker_cpus] if worker_cpus else None
+        # the largest frame either side may send: a prompt of context_len ids, or the distributions of up to
+        # max_ahead draft tokens (sampled requests; by default 2 blocks of at most 64 and 1), and the header
+        max_ahead = runtime.max_ahead or 2 * 64 + 1
+        spec = WorkerSpec(runtime, draft, vocab_width, cpus=worker_cpus,
+                          max_msg_bytes=max(4 * context_len, 4 * vocab_width * max_ahead) + (1 << 16),
                           max_streams=max_streams + STREAM_SLACK,
-                          prompt_window=prompt_window(d.prompt_window, d.candidates, "two_process"))
+                          prompt_window=prompt_window(draft.prompt_window, draft.candidates, "two_process"))
         self.sup = DraftSupervisor(spec, launcher=launcher, clock=clock)
-        if self.draft_cpus and hasattr(os, "sched_setaffinity"):
-            pin_threads(self.sup.thread_ids, self.draft_cpus)
+        if worker_cpus and hasattr(os, "sched_setaffinity"):
+            pin_threads(self.sup.thread_ids, worker_cpus)
         self.link_costs = LinkCosts()
         self.links: dict[int, DraftLink] = {}  # by sequence
         self.routes: dict[int, DraftLink] = {}  # by req_id, the links drafted on the current worker
@@ -99,9 +94,9 @@ class WorkerSource:
         return DraftCosts(self.link_costs.draft_tok_s.value, self.link_costs.transfer_s.value)
 
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        d = self.sup.health(timeout_s or self.sup.spec.runtime.heartbeat_s) if probe else self.sup.status()
-        d["draft_restarts"], d["draft_failures"] = d.pop("restarts"), d.pop("failures")
-        return d
+        health = self.sup.health(timeout_s or self.sup.spec.runtime.heartbeat_s) if probe else self.sup.status()
+        health["draft_restarts"], health["draft_failures"] = health.pop("restarts"), health.pop("failures")
+        return health
 
     def close(self) -> None:
         self.sup.close()

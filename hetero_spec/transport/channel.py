@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -25,6 +26,7 @@ from .protocol import COPY_THRESHOLD, MalformedMessage, decode, encode
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MSG_BYTES = 256 << 20  # per frame; the runtime sets a bound from the vocabulary and context
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 @dataclass
@@ -43,12 +45,12 @@ class CurveKeys:
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
         """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificates, as `hetero-spec keys` writes them)."""
-        d = Path(directory)
-        sp, ss = zmq.auth.load_certificate(str(d / "server.key_secret"))
-        cp, cs = zmq.auth.load_certificate(str(d / "client.key_secret"))
-        if not ss or not cs:
-            raise ValueError(f"{d}: server.key_secret and client.key_secret must hold secret keys")
-        return cls(sp, ss, cp, cs)
+        directory = Path(directory)
+        server_public, server_secret = zmq.auth.load_certificate(str(directory / "server.key_secret"))
+        client_public, client_secret = zmq.auth.load_certificate(str(directory / "client.key_secret"))
+        if not server_secret or not client_secret:
+            raise ValueError(f"{directory}: server.key_secret and client.key_secret must hold secret keys")
+        return cls(server_public, server_secret, client_public, client_secret)
 
     def client_handover(self) -> bytes:
         """What the worker needs, as one line for its stdin (a pipe only it can read; never argv/env)."""
@@ -58,36 +60,36 @@ class CurveKeys:
 
 def write_keys(directory: str | Path) -> Path:
     """Create `server.key_secret`/`client.key_secret` (+ public halves) in a new mode-0700 directory."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
-    zmq.auth.create_certificates(str(d), "server")
-    zmq.auth.create_certificates(str(d), "client")
-    for f in d.glob("*.key_secret"):
-        os.chmod(f, 0o600)
-    return d
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    zmq.auth.create_certificates(str(directory), "server")
+    zmq.auth.create_certificates(str(directory), "client")
+    for secret_file in directory.glob("*.key_secret"):
+        os.chmod(secret_file, 0o600)
+    return directory
 
 
 def worker_keys(directory: str | Path) -> dict:
     """A remote worker's keys, from a `hetero-spec keys` directory: its client.key_secret, the target's server.key."""
-    d = Path(directory)
+    directory = Path(directory)
     try:
-        public, secret = zmq.auth.load_certificate(str(d / "client.key_secret"))
-        server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
+        public, secret = zmq.auth.load_certificate(str(directory / "client.key_secret"))
+        server_public, _ = zmq.auth.load_certificate(str(directory / "server.key"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--keys {str(d)!r}: needs client.key_secret and server.key ({exc})") from None
+        raise ValueError(f"--keys {str(directory)!r}: needs client.key_secret and server.key ({exc})") from None
     return {"server_public": server_public.decode(), "public": public.decode(), "secret": secret.decode()}
 
 
 def admitted_keys(curve_keys: Path, worker_keys_dir: Path | None) -> tuple[CurveKeys, list[bytes]]:
     """A target's side of a link to remote workers: its own server key pair (curve_keys/server.key_secret) and
     the client public keys it admits (every *.key in worker_keys_dir; default curve_keys/client.key)."""
-    sp, ss = zmq.auth.load_certificate(str(Path(curve_keys) / "server.key_secret"))
+    server_public, server_secret = zmq.auth.load_certificate(str(Path(curve_keys) / "server.key_secret"))
     files = sorted(Path(worker_keys_dir).glob("*.key")) if worker_keys_dir else [Path(curve_keys) / "client.key"]
     clients = [zmq.auth.load_certificate(str(f))[0] for f in files]
     if not clients:
         raise ValueError(f"{worker_keys_dir}: no *.key files (client public keys) to admit")
-    return CurveKeys(sp, ss, clients[0], b""), clients
+    return CurveKeys(server_public, server_secret, clients[0], b""), clients
 
 
 def check_bind_host(host: str, keys_configured: bool) -> str | None:
@@ -120,8 +122,6 @@ def _pair(ctx: zmq.Context, max_msg_bytes: int) -> zmq.Socket:
 def key_fingerprint(public_key: bytes | str) -> str:
     """A short name for a CURVE public key (z85), for logs on both ends: the first 16 hex digits of its SHA-256.
     `hetero-spec keys` prints it for each key it writes."""
-    import hashlib
-
     z85 = public_key.encode() if isinstance(public_key, str) else public_key
     return hashlib.sha256(zmq.utils.z85.decode(z85)).hexdigest()[:16]
 
@@ -226,11 +226,10 @@ class Channel:
             if curve is not None:
                 server.revoke(curve.client_public)
             raise
-        ch = cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
+        channel = cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
         if watch:
-            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        return ch
+            channel._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        return channel
 
     @classmethod
     def connect(cls, endpoint: str, curve: dict | None = None, max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
@@ -243,13 +242,12 @@ class Channel:
             sock.curve_serverkey = curve["server_public"].encode()
             sock.curve_publickey = curve["public"].encode()
             sock.curve_secretkey = curve["secret"].encode()
-        ch = cls(sock, endpoint, own_ctx=ctx)
+        channel = cls(sock, endpoint, own_ctx=ctx)
         if watch:
-            ch._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
-                                                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            channel._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
+                                                       _HANDSHAKE_FAILED)
         sock.connect(endpoint)
-        return ch
+        return channel
 
     def link_events(self) -> list[str]:
         """What the link did since the last call (watch only): `connected` per handshake, `refused` when the
@@ -267,11 +265,10 @@ class Channel:
         if self.closed:
             return False
         frames = encode(msg, arrays)
-        last = len(frames) - 1
         try:
             for i, frame in enumerate(frames):
                 big = isinstance(frame, np.ndarray) and frame.nbytes >= COPY_THRESHOLD
-                self.sock.send(frame, flags=(zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK, copy=not big)
+                self.sock.send(frame, flags=(zmq.SNDMORE if i < len(frames) - 1 else 0) | zmq.NOBLOCK, copy=not big)
         except zmq.ZMQError as exc:  # Again: the peer is not keeping up; else the socket went away (a reap)
             log.debug("send on %s failed: %s", self.endpoint, exc)
             return False

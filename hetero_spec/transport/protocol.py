@@ -8,8 +8,6 @@ MAXMSGSIZE); anything that does not fit is a `MalformedMessage`, which the recei
 message's fields and arrays, and the rules, are tabled in docs/architecture.md#the-wire.
 """
 
-from __future__ import annotations
-
 import math
 from typing import Union
 
@@ -119,12 +117,11 @@ def ids_within(ids: np.ndarray, vocab: int) -> bool:
 
 def encode(msg: _Msg, arrays: tuple[np.ndarray, ...] = ()) -> list:
     """Message + arrays -> list of frames (header bytes, then array buffers)."""
-    arrs = [np.ascontiguousarray(a) for a in arrays]
-    for a in arrs:
-        if a.dtype.name not in _DTYPES:
-            raise TypeError(f"dtype {a.dtype} cannot go on the wire")
-    msg.arrays = [ArrayMeta(a.dtype.name, list(a.shape)) for a in arrs]
-    return [_ENCODER.encode(msg), *arrs]
+    contiguous = [np.ascontiguousarray(a) for a in arrays]
+    if unsendable := [a.dtype for a in contiguous if a.dtype.name not in _DTYPES]:
+        raise TypeError(f"dtype {unsendable[0]} cannot go on the wire")
+    msg.arrays = [ArrayMeta(a.dtype.name, list(a.shape)) for a in contiguous]
+    return [_ENCODER.encode(msg), *contiguous]
 
 
 def _buffer(frame):
@@ -158,6 +155,5 @@ def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
             raise MalformedMessage(f"array frame of {len(buf)} bytes does not match {meta}")
         arrays.append(np.frombuffer(buf, dtype=_DTYPES[want_dtype]).reshape(meta.shape))
     if isinstance(msg, Proposal) and len(arrays) == 2 and arrays[1].shape[0] != arrays[0].shape[0]:
-        raise MalformedMessage(f"Proposal with {arrays[0].shape[0]} tokens but {arrays[1].shape[0]} "
-                               "distributions")
+        raise MalformedMessage(f"Proposal with {arrays[0].shape[0]} tokens but {arrays[1].shape[0]} distributions")
     return msg, arrays
