@@ -215,18 +215,16 @@ class Channel:
             sock.curve_secretkey, sock.curve_publickey = curve.server_secret, curve.server_public
             sock.curve_server = True
         ipc_path = server.path(f"{name}.sock") if transport == "ipc" else None
-        endpoint = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
+        channel = cls(sock, f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}", ipc_path,
+                      client_key=curve.client_public if curve else None, server=server)
         try:
             if ipc_path or port:
-                sock.bind(endpoint)
+                sock.bind(channel.endpoint)
             else:
-                endpoint = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+                channel.endpoint = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
         except zmq.ZMQError:
-            sock.close(linger=0)
-            if curve is not None:
-                server.revoke(curve.client_public)
+            channel.close()  # the socket, and the client key admitted for it
             raise
-        channel = cls(sock, endpoint, ipc_path, client_key=curve.client_public if curve else None, server=server)
         if watch:
             channel._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         return channel
