@@ -305,20 +305,27 @@ def comparisons(entries: list[dict]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def _prompts(s: BenchSettings, config: Config, given: list[list[int]] | None) -> tuple[list[list[int]], dict]:
-    from . import prompts as P  # -> (the prompts, where they came from)
+def _prompts(settings: BenchSettings, config: Config, given: list[list[int]] | None) -> tuple[list[list[int]], dict]:
+    """(the prompts, where they came from); a BenchError where one is empty or they leave no room in the target's
+    context for max_new tokens."""
+    from . import prompts
     if given is not None:
-        ids, source = given[:s.n_prompts], {"kind": "given", "available": len(given)}
-    elif s.humaneval:
-        ids, source = P.humaneval_prompt_ids(config, s.prompts), {"kind": "humaneval"}
-    elif s.prompts_file is not None:
-        every = P.prompts_from_file(s.prompts_file, config)
-        ids, source = every[:s.prompts or None], {"kind": "file", "path": str(s.prompts_file), "available": len(every)}
+        ids, source = given[:settings.n_prompts], {"kind": "given", "available": len(given)}
+    elif settings.humaneval:
+        ids, source = prompts.humaneval_prompt_ids(config, settings.prompts), {"kind": "humaneval"}
+    elif (path := settings.prompts_file) is not None:
+        every = prompts.prompts_from_file(path, config)
+        ids, source = every[:settings.prompts or None], {"kind": "file", "path": str(path), "available": len(every)}
     else:
-        ids = P.heldout_prompt_ids(config, s.config, s.n_prompts, s.prompt_tokens)
-        source = {"kind": "held-out", "prompt_tokens": s.prompt_tokens}
+        ids = prompts.heldout_prompt_ids(config, settings.config, settings.n_prompts, settings.prompt_tokens)
+        source = {"kind": "held-out", "prompt_tokens": settings.prompt_tokens}
     if not ids or any(not p for p in ids):
         raise BenchError("no prompts to benchmark (or an empty prompt)")
+    raw = json.loads((Path(config.target.model) / "config.json").read_text())  # the target's context:
+    sizes = [x for x in (raw.get("max_position_embeddings") or raw.get("n_positions"), config.target.max_context) if x]
+    if sizes and (longest := max(map(len, ids))) + settings.max_new > (context := min(sizes)):
+        raise BenchError(f"prompts of {longest} tokens + {settings.max_new} new tokens exceed the target's context of "
+                         f"{context}: lower --prompt-tokens or --max-new-tokens")
     return [list(p) for p in ids], source
 
 
@@ -329,23 +336,18 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     from ..gguf_source import resolve as resolve_gguf
     from ..precision import resolve_draft
     from .memory import child_peaks, memory_report
-    s, names = settings, resolve_systems(settings.systems, settings.temperature)
-    base = {**s.overrides, **({"speculation.sampling": s.sampling} if s.sampling else {}), **CPU_FP32}
-    given = load_config(s.config, overrides=base)  # the models as named: a .gguf is also what llama.cpp runs
+    names, sampling = resolve_systems(settings.systems, settings.temperature), settings.sampling
+    base = {**settings.overrides, **({"speculation.sampling": sampling} if sampling else {}), **CPU_FP32}
+    given = load_config(settings.config, overrides=base)  # the models as named: a .gguf is also what llama.cpp runs
     check_paths(given)
-    passes = [{"target.precision": t} for t in s.precision_matrix or ()] or [{}]  # each pass's overrides
-    configs = [resolve_draft(resolve_gguf(load_config(s.config, overrides={**base, **p}))) for p in passes]
-    prompts, source = _prompts(s, configs[0], prompt_ids)
-    raw = json.loads((Path(configs[0].target.model) / "config.json").read_text())  # the target's context:
-    sizes = [x for x in (raw.get("max_position_embeddings") or raw.get("n_positions"), configs[0].target.max_context)
-             if x]
-    if sizes and (longest := max(map(len, prompts))) + s.max_new > (context := min(sizes)):
-        raise BenchError(f"prompts of {longest} tokens + {s.max_new} new tokens exceed the target's context of "
-                         f"{context}: lower --prompt-tokens or --max-new-tokens")
-    hf = given.draft.model if given.draft.kind == "onnx" and given.draft.model else None
-    found = replace(s, draft_hf=s.draft_hf or (hf if hf and (Path(hf) / "config.json").is_file() else None),
-                    llama_cpp_target=s.llama_cpp_target or gguf_of(given.target.model),
-                    llama_cpp_draft=s.llama_cpp_draft or gguf_of(given.draft.model))
+    passes = [{"target.precision": t} for t in settings.precision_matrix or ()] or [{}]  # each pass's overrides
+    configs = [resolve_draft(resolve_gguf(load_config(settings.config, overrides={**base, **p}))) for p in passes]
+    prompts, source = _prompts(settings, configs[0], prompt_ids)
+    draft_dir = given.draft.model if given.draft.kind == "onnx" and given.draft.model else None
+    found = replace(settings, draft_hf=settings.draft_hf or (
+                        draft_dir if draft_dir and (Path(draft_dir) / "config.json").is_file() else None),
+                    llama_cpp_target=settings.llama_cpp_target or gguf_of(given.target.model),
+                    llama_cpp_draft=settings.llama_cpp_draft or gguf_of(given.draft.model))
     verbosity, done = hf_logging.get_verbosity(), []
     hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
     try:
@@ -353,23 +355,24 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
             for over, config in zip(passes, configs):
                 if over:
                     say("pass: " + ", ".join(f"{k} {v}" for k, v in over.items()))
-                entries = run_pass(BenchContext(found, config, prompts), names, s.repeats, say)
-                with_references(entries, s.temperature > 0)
+                entries = run_pass(BenchContext(found, config, prompts), names, settings.repeats, say)
+                with_references(entries, settings.temperature > 0)
                 done.append({"precision": over, "systems": entries, "comparisons": comparisons(entries)})
     finally:
         hf_logging.set_verbosity(verbosity)
     ran_ref = any(e["name"] == REFERENCE and e["status"] == "ok" for p in done for e in p["systems"])
     report: dict[str, Any] = {
         "machine": machine(), "config": {"source": given.source, **given.model_dump(mode="json")},
-        "settings": {"command": command_line(s), "prompts": len(prompts), "prompts_source": source,
-                     "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": s.max_new, "repeats": s.repeats,
-                     "gamma": given.speculation.gamma, "gammas": list(s.gammas) if s.gammas else None,
-                     "temperature": s.temperature, "sampling": given.speculation.sampling, "seed": SEED,
-                     "ignore_eos": given.generation.ignore_eos, "overrides": s.overrides,
+        "settings": {"command": command_line(settings), "prompts": len(prompts), "prompts_source": source,
+                     "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": settings.max_new,
+                     "repeats": settings.repeats, "gamma": given.speculation.gamma,
+                     "gammas": list(settings.gammas) if settings.gammas else None,
+                     "temperature": settings.temperature, "sampling": given.speculation.sampling, "seed": SEED,
+                     "ignore_eos": given.generation.ignore_eos, "overrides": settings.overrides,
                      "reference": REFERENCE if ran_ref else None},
         "memory": memory_report(peaks)}
-    report.update({"passes": done} if s.precision_matrix else {k: done[0][k] for k in ("systems", "comparisons")})
-    write_report(Path(s.out), "bench", report, render_markdown(report))
+    report |= {"passes": done} if settings.precision_matrix else {k: done[0][k] for k in ("systems", "comparisons")}
+    write_report(Path(settings.out), "bench", report, render_markdown(report))
     return report
 
 
@@ -377,17 +380,20 @@ def say(text: str) -> None:
     print(f"bench: {text}", file=sys.stderr, flush=True)
 
 
-def command_line(s: BenchSettings) -> str:
+def command_line(settings: BenchSettings) -> str:
     """The `hetero-spec bench` command that repeats this run."""
-    parts = ["hetero-spec", "bench", "--config", str(s.config), "--out", str(s.out), "--prompts",
-             ("humaneval" + (f":{s.prompts}" if s.prompts else "")) if s.humaneval else str(s.n_prompts),
-             "--max-new-tokens", str(s.max_new), "--gammas", ",".join(map(str, s.gammas)) if s.gammas else "config"]
+    count, gammas = settings.prompts, settings.gammas
+    prompts = ("humaneval" + (f":{count}" if count else "")) if settings.humaneval else str(settings.n_prompts)
+    parts = ["hetero-spec", "bench", "--config", str(settings.config), "--out", str(settings.out), "--prompts", prompts,
+             "--max-new-tokens", str(settings.max_new), "--gammas", ",".join(map(str, gammas)) if gammas else "config"]
     skip = {"config", "out", "prompts", "max_new_tokens", "gammas", "humaneval", "quick", "overrides"}
-    for f in fields(s):
-        if f.name not in skip and (v := getattr(s, f.name)) not in (None, f.default, [], ()):
-            parts += ["--" + f.name.replace("_", "-"), ",".join(v) if isinstance(v, (list, tuple)) else str(v)]
-    parts += [a for k, v in s.overrides.items() for a in ("--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
-    return shlex.join(parts + ["--quick"] * s.quick)
+    for field in fields(settings):
+        if field.name not in skip and (value := getattr(settings, field.name)) not in (None, field.default, [], ()):
+            parts += ["--" + field.name.replace("_", "-"),
+                      ",".join(value) if isinstance(value, (list, tuple)) else str(value)]
+    parts += [a for k, v in settings.overrides.items()
+              for a in ("--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
+    return shlex.join(parts + ["--quick"] * settings.quick)
 
 
 def machine() -> dict[str, Any]:  # the platform, the CPU and the versions that matter
@@ -410,59 +416,64 @@ def write_report(out: Path, stem: str, report: dict[str, Any], markdown: str) ->
     (out / f"{stem}.md").write_text(markdown)
 
 
-def fmt(x: Any, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
+def fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
-def _pass_markdown(p: dict[str, Any]) -> list[str]:
-    """One pass: the systems (against target_only; other references in the notes), skipped ones, comparisons."""
-    rows, skipped = [], {}
-    for e in p["systems"]:
-        if e["status"] == "skipped":
-            skipped.setdefault(e["reason"], []).append(e["name"])
-            continue
-        x, n = e["extra"], len(e["per_prompt"])
-        notes = [f"{e['status']}: {e['reason']}"] * (e["status"] != "ok") + [
-            f"{fmt(e[f'speedup_vs_{k[13:]}'], '.2f')}x {k[13:]}, identical on {v} of {n} prompts"
-            for k, v in e.items() if k.startswith("identical_to_") and k[13:] != REFERENCE and v is not None]
-        if x.get("changed_between_repeats"):
-            notes.append(f"output changed between repeats on {x['changed_between_repeats']} prompt(s) (int8/int4)")
-        threads = fmt(x.get("target_threads"), "") + (f" + {x['draft_threads']}" if x.get("draft_threads") else "")
-        ident = e.get("identical_to_target_only")
-        rows.append([e["name"], x.get("backend", "-"), x.get("layout", "-"), threads, fmt(x.get("gamma"), ""),
-                     fmt(e["tokens_per_s"], ".1f"), fmt(e.get("speedup_vs_target_only"), ".2f") + "x",
-                     fmt(e["acceptance_rate"]), "-" if ident is None else f"{ident}/{n}", "; ".join(notes)])
+def _system_row(entry: dict[str, Any]) -> list[str]:
+    """A system's row of a pass's table (against target_only; other references in its notes)."""
+    extra, n_prompts = entry["extra"], len(entry["per_prompt"])
+    notes = [f"{entry['status']}: {entry['reason']}"] * (entry["status"] != "ok") + [
+        f"{fmt(entry[f'speedup_vs_{k[13:]}'], '.2f')}x {k[13:]}, identical on {v} of {n_prompts} prompts"
+        for k, v in entry.items() if k.startswith("identical_to_") and k[13:] != REFERENCE and v is not None]
+    if changed := extra.get("changed_between_repeats"):
+        notes.append(f"output changed between repeats on {changed} prompt(s) (int8/int4)")
+    draft_threads = extra.get("draft_threads")
+    threads = fmt(extra.get("target_threads"), "") + (f" + {draft_threads}" if draft_threads else "")
+    identical = entry.get("identical_to_target_only")
+    return [entry["name"], extra.get("backend", "-"), extra.get("layout", "-"), threads, fmt(extra.get("gamma"), ""),
+            fmt(entry["tokens_per_s"], ".1f"), fmt(entry.get("speedup_vs_target_only"), ".2f") + "x",
+            fmt(entry["acceptance_rate"]), "-" if identical is None else f"{identical}/{n_prompts}", "; ".join(notes)]
+
+
+def _pass_markdown(bench_pass: dict[str, Any]) -> list[str]:
+    """One pass: the systems, skipped ones, comparisons."""
+    skipped: dict[str, list[str]] = {}
+    for entry in bench_pass["systems"]:
+        if entry["status"] == "skipped":
+            skipped.setdefault(entry["reason"], []).append(entry["name"])
     lines = table(["system", "backend", "layout", "threads", "gamma", "tok/s", "speedup vs target_only",
-                   "acceptance", "identical to target_only", "notes"], rows)
-    if not any(e["name"] == REFERENCE and e["status"] == "ok" for e in p["systems"]):
+                   "acceptance", "identical to target_only", "notes"],
+                  [_system_row(e) for e in bench_pass["systems"] if e["status"] != "skipped"])
+    if not any(e["name"] == REFERENCE and e["status"] == "ok" for e in bench_pass["systems"]):
         lines += ["", "No reference: target_only did not run, so there are no speedups; add it to --systems."]
     lines += [""] * bool(skipped) + [f"- skipped {', '.join(n)}: {r}" for r, n in skipped.items()]
-    if p["comparisons"]:
+    if bench_pass["comparisons"]:
         lines += ["", "Paired per prompt (the peer's time / ours, median over prompts):", "", *table(
             ["ours", "peer", "median", "range", "faster on", "identical outputs"],
             [[c["system"], c["peer"] + (f" ({c['note']})" if c["note"] else ""), f"{c['median']:.2f}x",
               f"{c['min']:.2f}-{c['max']:.2f}", f"{c['won']}/{c['prompts']}", f"{c['identical']}/{c['prompts']}"]
-             for c in p["comparisons"]])]
+             for c in bench_pass["comparisons"]])]
     return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    s, m, src = report["settings"], report["machine"], report["settings"]["prompts_source"]
-    n, of = s["prompts"], f", the first {s['prompts']} of {src['available']}" if src.get("available") not in (
-        None, s["prompts"]) else ""
-    where = f" ({src['kind']}{' ' + src['path'] if 'path' in src else ''}{of})"
-    decoding = "greedy" if not s["temperature"] else \
-        f"our systems sampled at temperature {s['temperature']} ({s['sampling']}, seed {s['seed']}), peers greedy"
-    gamma = f"gamma calibrated per system over {s['gammas']}" if s["gammas"] else f"gamma {s['gamma']}"
-    lines = ["# hetero-spec bench", "", f"`{s['command']}`", "",
-             f"{n} prompt{'s' * (n != 1)}{where} x {s['max_new_tokens']} new tokens"
-             f"{' (EOS ignored)' * bool(s.get('ignore_eos'))}, {decoding}, {gamma}, "
-             f"{m['cpu_count']} CPUs ({m['cpu_model']}); interleaved per prompt, the order rotating, after one "
-             f"untimed warm-up per system; a prompt's time is the median of {s['repeats']} run(s).", ""]
-    for p in report.get("passes") or [report]:
-        if p.get("precision"):
-            lines += ["", "## " + ", ".join(f"{k} {v}" for k, v in p["precision"].items()), ""]
-        lines += _pass_markdown(p)
+    settings, cpu, source = report["settings"], report["machine"], report["settings"]["prompts_source"]
+    count = settings["prompts"]
+    first = f", the first {count} of {source['available']}" if source.get("available") not in (None, count) else ""
+    where = f" ({source['kind']}{' ' + source['path'] if 'path' in source else ''}{first})"
+    decoding = "greedy" if not settings["temperature"] else \
+        "our systems sampled at temperature {temperature} ({sampling}, seed {seed}), peers greedy".format_map(settings)
+    gamma = "gamma calibrated per system over {gammas}" if settings["gammas"] else "gamma {gamma}"
+    lines = ["# hetero-spec bench", "", f"`{settings['command']}`", "",
+             f"{count} prompt{'s' * (count != 1)}{where} x {settings['max_new_tokens']} new tokens"
+             f"{' (EOS ignored)' * bool(settings.get('ignore_eos'))}, {decoding}, {gamma.format_map(settings)}, "
+             f"{cpu['cpu_count']} CPUs ({cpu['cpu_model']}); interleaved per prompt, the order rotating, after one "
+             f"untimed warm-up per system; a prompt's time is the median of {settings['repeats']} run(s).", ""]
+    for bench_pass in report.get("passes") or [report]:
+        if bench_pass.get("precision"):
+            lines += ["", "## " + ", ".join(f"{k} {v}" for k, v in bench_pass["precision"].items()), ""]
+        lines += _pass_markdown(bench_pass)
     kids = ", ".join(f"{k} {v:,.0f} MB" for k, v in report["memory"]["children"].items()) or "none"
     return "\n".join(lines + ["", f"Peak memory (RSS high-water mark): bench process "
                                   f"{report['memory']['peak_rss_mb']:,.0f} MB (every system in it, loaded together); "

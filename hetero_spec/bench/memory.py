@@ -44,8 +44,8 @@ def child_peaks(interval: float = 0.25):
         while not stop.wait(interval):
             for pid in descendants(os.getpid()):
                 name = Path(_read(PROC / str(pid) / "cmdline").split("\0")[0]).name
-                if name and (mb := status_mb(pid)) is not None:
-                    peaks[name] = max(peaks.get(name, 0.0), mb)
+                if name and (peak := status_mb(pid)) is not None:
+                    peaks[name] = max(peaks.get(name, 0.0), peak)
 
     thread = threading.Thread(target=loop, name="bench-child-memory", daemon=True)
     thread.start()

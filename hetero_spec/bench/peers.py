@@ -58,8 +58,8 @@ class HfAssisted(Peer):
 
     @classmethod
     def unavailable(cls, ctx: BenchContext) -> str | None:
-        ok = ctx.draft_hf is not None and (Path(ctx.draft_hf) / "config.json").is_file()
-        return None if ok else f"no Hugging Face draft checkpoint at {ctx.draft_hf} (pass --draft-hf DIR)"
+        found = ctx.draft_hf is not None and (Path(ctx.draft_hf) / "config.json").is_file()
+        return None if found else f"no Hugging Face draft checkpoint at {ctx.draft_hf} (pass --draft-hf DIR)"
 
     def load(self, ctx: BenchContext) -> None:
         import torch
@@ -214,9 +214,9 @@ def generated_text(stdout: str, prompt_text: str | None) -> tuple[str, bool]:
     text]\\n` on EOS, then `\\n\\n`; llama-speculative-simple prints `\\n\\n`, the prompt's pieces, the new text,
     then `\\n\\n\\n\\n` (prompt_text: where the prompt's echo ends; its EOS shows in the counts instead)."""
     if prompt_text is not None:
-        if (at := stdout.find(prompt_text)) < 0:
+        if (echo_at := stdout.find(prompt_text)) < 0:
             raise ValueError("the prompt's echo is not in llama-speculative-simple's output")
-        return stdout[at + len(prompt_text):].removesuffix("\n\n\n\n"), False
+        return stdout[echo_at + len(prompt_text):].removesuffix("\n\n\n\n"), False
     text = stdout.removesuffix("\n\n")
     return text.removesuffix(" [end of text]\n"), text.endswith(" [end of text]\n")
 

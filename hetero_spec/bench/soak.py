@@ -257,13 +257,13 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    growth, mb = report.get("rss_growth"), lambda v: "n/a" if v is None else f"{v:.1f}"
+    growth, megabytes = report.get("rss_growth"), lambda v: "n/a" if v is None else f"{v:.1f}"
     rows = [("requests ok", report["requests_ok"]), ("requests lost", report["requests_lost"]),
             ("token mismatches", report["token_mismatches"]), ("tokens", report["tokens"]),
             ("tokens/s", f"{report['tokens_per_s']:.1f}"), ("wall (s)", f"{report['wall_s']:.1f}"),
-            (f"RSS after warm-up ({report['warmup_s']:g} s) (MB)", mb(report["rss_after_warmup_mb"])),
-            ("RSS max after warm-up (MB)", mb(report["rss_max_after_warmup_mb"])),
-            ("RSS at the end (MB)", mb(report["rss_end_mb"])),
+            (f"RSS after warm-up ({report['warmup_s']:g} s) (MB)", megabytes(report["rss_after_warmup_mb"])),
+            ("RSS max after warm-up (MB)", megabytes(report["rss_max_after_warmup_mb"])),
+            ("RSS at the end (MB)", megabytes(report["rss_end_mb"])),
             ("RSS growth", "n/a" if growth is None else f"{growth * 100:.1f} %"),
             (f"RSS flat (<= {report['rss_growth_limit'] * 100:.0f} %)", "yes" if report["flat"] else "no"),
             ("requests cut by their client", report.get("requests_cut", 0)),
