@@ -14,7 +14,8 @@ from typing import Any
 from .config import load_config
 from .engine import Engine
 from .tuning.cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
-from .tuning.profile import median_s, batch_points, decoder_token_s, recommended_batch, transfer_points, verify_points
+from .tuning.profile import (batch_points, decoder_token_s, median_s, prefilled, recommended_batch, transfer_points,
+                             verify_points)
 
 IN_PROCESS = {"runtime.mode": "in_process", "runtime.cpus": None}  # every cost on its own; layouts come after
 
@@ -35,16 +36,17 @@ def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) 
                                   "gamma": gamma}
 
 
-def _decode_goodput(stats: list[dict]) -> float:
-    """Committed tokens per second of decoding (prefill excluded, as in the cost model)."""
+def _decode_goodput(engine, prompts: list[list[int]], max_new: int, **options) -> float:
+    """Committed tokens per second of decoding the prompts (prefill excluded, as in the cost model)."""
+    stats = [engine.generate(p, max_new_tokens=max_new, **options).stats for p in prompts]
     return sum(s["new_tokens"] for s in stats) / max(1e-9, sum(s["time_total_s"] - s["time_prefill_s"] for s in stats))
 
 
 def _cost_model(vpoints: list[tuple[int, float]], draft_token_s: float, transfer_s: float = 0.0) -> CostModel:
     """The verify line fitted to (tokens, seconds) points, clipped at 0, and the points themselves (measured)."""
-    c0, c1 = fit_line([(float(x), y) for x, y in vpoints])
-    return CostModel(verify_fixed_s=max(c0, 0.0), verify_per_token_s=max(c1, 0.0), draft_token_s=draft_token_s,
-                     transfer_s=transfer_s, measured={x - 1: y for x, y in vpoints})
+    fixed_s, per_token_s = fit_line([(float(x), y) for x, y in vpoints])
+    return CostModel(verify_fixed_s=max(fixed_s, 0.0), verify_per_token_s=max(per_token_s, 0.0),
+                     draft_token_s=draft_token_s, transfer_s=transfer_s, measured={x - 1: y for x, y in vpoints})
 
 
 def _by_k(vpoints: list[tuple[int, float]]) -> dict[str, float]:
@@ -58,19 +60,18 @@ def _profile_drafts(config, model: CostModel, drafts: list[Path], calib: list[li
     names it): time per token, acceptance on the calibration prompts, best gamma and predicted goodput per
     layout with the target's measured verify line."""
     out: dict[str, Any] = {}
-    kinds = [("onnx", d) for d in drafts] + ([("ngram", None)] if "ngram" in config.draft.candidates else [])
-    for kind, d in kinds:
-        name = str(d) if d is not None else "ngram"
+    runs = [(str(draft), {"draft.kind": "onnx", "draft.model": str(draft)}) for draft in drafts]
+    if "ngram" in config.draft.candidates:
+        runs.append(("ngram", {"draft.kind": "ngram"}))
+    for name, over in runs:
         say(f"draft {name}: time per token and acceptance")
-        over = {"draft.kind": kind, "draft.candidates": [], "speculation.gamma": 8,
-                **({"draft.model": str(d)} if d is not None else {})}
-        with Engine.from_config(config, overrides=over) as eng:
-            d_tok = _draft_token_s(eng, calib[0], reps)  # 0.0: the n-gram lookup costs microseconds
-            a, info = _acceptance(eng, calib, max_new)
-        m = replace(model, draft_token_s=d_tok)
-        best = {lay: m.best_gamma(a, lay) for lay in LAYOUTS}
-        out[name] = {"kind": kind, "draft_token_s": round(d_tok, 7), "acceptance": round(a, 4),
-                     "tested_tokens": info["accepted"] + info["rejections"],
+        with Engine.from_config(config, overrides={**over, "draft.candidates": [], "speculation.gamma": 8}) as eng:
+            draft_token_s = _draft_token_s(eng, calib[0], reps)  # 0.0: the n-gram lookup costs microseconds
+            acceptance, info = _acceptance(eng, calib, max_new)
+        drafted = replace(model, draft_token_s=draft_token_s)
+        best = {lay: drafted.best_gamma(acceptance, lay) for lay in LAYOUTS}
+        out[name] = {"kind": over["draft.kind"], "draft_token_s": round(draft_token_s, 7),
+                     "acceptance": round(acceptance, 4), "tested_tokens": info["accepted"] + info["rejections"],
                      "best": {lay: {"gamma": g, "predicted_tok_s": round(r, 2)} for lay, (g, r) in best.items()}}
     return out
 
@@ -89,17 +90,18 @@ def _profile_precisions(config, prompt: list[int], calib: list[list[int]], max_n
     against it (quantization moves both), the best gamma and predicted goodput in process, and target-only's
     rate. recommended: the best predicted goodput (taken by target.precision auto only with allow_lossy)."""
     rows: dict[str, Any] = {}
-    for p in precisions_here(config):
-        say(f"target precision {p}: verify line, draft cost and acceptance (exported once if needed)")
-        with Engine.from_config(config, overrides={"target.precision": p, **IN_PROCESS}) as eng:
+    for precision in precisions_here(config):
+        say(f"target precision {precision}: verify line, draft cost and acceptance (exported once if needed)")
+        with Engine.from_config(config, overrides={"target.precision": precision, **IN_PROCESS}) as eng:
             vpoints = verify_points(eng.target, prompt, [0, 8], reps)
-            a, _ = _acceptance(eng, calib, max_new)
-            d_tok = _draft_token_s(eng, prompt, reps)
-        model = _cost_model(vpoints, d_tok)
-        g, rate = model.best_gamma(a, "in_process")
-        rows[p] = {"verify_s": _by_k(vpoints), "draft_token_s": round(d_tok, 6), "acceptance": round(a, 4),
-                   "best_gamma": g, "predicted_tok_s": round(rate, 1),
-                   "target_only_tok_s": round(1.0 / model.verify(0), 1), "lossless_vs_checkpoint": p == "fp32"}
+            acceptance = _acceptance(eng, calib, max_new)[0]
+            draft_token_s = _draft_token_s(eng, prompt, reps)
+        model = _cost_model(vpoints, draft_token_s)
+        gamma, rate = model.best_gamma(acceptance, "in_process")
+        rows[precision] = {"verify_s": _by_k(vpoints), "draft_token_s": round(draft_token_s, 6),
+                           "acceptance": round(acceptance, 4), "best_gamma": gamma, "predicted_tok_s": round(rate, 1),
+                           "target_only_tok_s": round(1.0 / model.verify(0), 1),
+                           "lossless_vs_checkpoint": precision == "fp32"}
     return {"candidates": rows, "recommended": max(rows, key=lambda p: rows[p]["predicted_tok_s"], default=None),
             "note": "used by target.precision: auto only with target.allow_lossy: true (quantizing changes "
                     "the model's output)"}
@@ -120,8 +122,7 @@ def _profile_placement(config, acceptance: float, calib: list[list[int]], max_ne
                 "runtime.pin_cpus": True, "draft.candidates": []}
         with Engine.from_config(config, overrides=over) as eng:
             eng.generate(calib[0], max_new_tokens=16)  # warm (the worker's first request)
-            row["measured_tok_s"] = round(_decode_goodput(
-                [eng.generate(p, max_new_tokens=max_new).stats for p in calib]), 2)
+            row["measured_tok_s"] = round(_decode_goodput(eng, calib, max_new), 2)
     measured_best = max(rows, key=lambda r: r["measured_tok_s"])
     keys = ("mode", "target_threads", "draft_threads")
     return {"costs": costs.to_dict(), "candidates": rows,
@@ -149,19 +150,18 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         prompts = (prompts_from_file(prompts_file, config)[:n_prompts] if prompts_file is not None
                    else heldout_prompt_ids(config, Path(config_path), n_prompts + 1, 128))
         ctx_prompt, calib = prompts[0], prompts[1:] or prompts
-        ks = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
-        say(f"target verification, k = {ks[0]}..{ks[-1]} draft tokens after {len(ctx_prompt)} cached")
-        vpoints = verify_points(eng.target, ctx_prompt, ks, reps)
+        drafts_k = [1, 2, 4, 8, 12, 16] if quick else list(range(0, 17))
+        say(f"target verification, k = {drafts_k[0]}..{drafts_k[-1]} draft tokens after {len(ctx_prompt)} cached")
+        vpoints = verify_points(eng.target, ctx_prompt, drafts_k, reps)
         say("draft time per token")
-        d_tok = _draft_token_s(eng, ctx_prompt, reps)
+        draft_token_s = _draft_token_s(eng, ctx_prompt, reps)
         say("transfer time against payload")
         tpoints = transfer_points([64, 4096, 65536, 1 << 20], reps)
         say("prefill time against prompt length")
 
-        def prefill(n: int) -> None:
-            state = eng.target.new_state()
-            eng.target.prefill(state, ctx_prompt[:n])
-            eng.target.release_state(state)
+        def prefill(length: int) -> None:
+            with prefilled(eng.target, ctx_prompt[:length]):  # one state, prefilled and released
+                pass
 
         ppoints = [(n, median_s(lambda n=n: prefill(n), max(2, reps // 4))) for n in (16, 64, len(ctx_prompt))]
         limit = eng.config.serving.max_batch
@@ -169,35 +169,34 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         say(f"shared target pass against batch size {sizes} (serving.max_batch {limit})")
         bpoints = batch_points(eng.target, ctx_prompt, sizes, reps)
         say(f"acceptance on {len(calib)} calibration prompts x {max_new} tokens")
-        a, acc_info = _acceptance(eng, calib, max_new)
-        model = _cost_model(vpoints, d_tok, transfer_s=tpoints[0][1])
-        measured_g = [2, 4, 8, 12] if quick else [1, 2, 4, 6, 8, 10, 12, 16]
-        say(f"measured goodput at gamma {measured_g} (in process, decoding time: prefill excluded, as in the model)")
-        measured = {g: _decode_goodput([eng.generate(p, max_new_tokens=max_new, gamma=g).stats for p in calib])
-                    for g in measured_g}
+        acceptance, acc_info = _acceptance(eng, calib, max_new)
+        model = _cost_model(vpoints, draft_token_s, transfer_s=tpoints[0][1])
+        gammas = [2, 4, 8, 12] if quick else [1, 2, 4, 6, 8, 10, 12, 16]
+        say(f"measured goodput at gamma {gammas} (in process, decoding time: prefill excluded, as in the model)")
+        measured = {g: _decode_goodput(eng, calib, max_new, gamma=g) for g in gammas}
     draft_rows = _profile_drafts(base_config, model, [config.draft.model, *(drafts or [])], calib, max_new, reps, say)
-    place = _profile_placement(base_config, a, calib, max_new, say) if placement else None
-    recommended = {lay: model.best_gamma(a, lay)[0] for lay in LAYOUTS}
+    place = _profile_placement(base_config, acceptance, calib, max_new, say) if placement else None
+    recommended = {lay: model.best_gamma(acceptance, lay)[0] for lay in LAYOUTS}
     profile = {
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None},
         "config": str(config_path), "target_backend": config.target.backend, "target_threads": config.target.threads,
         "draft": str(config.draft.model), "draft_threads": config.draft.threads, "quick": quick,
-        "measured": {"verify_s": _by_k(vpoints), "draft_token_s": round(d_tok, 6),
+        "measured": {"verify_s": _by_k(vpoints), "draft_token_s": round(draft_token_s, 6),
                      "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
                      "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
                      "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
         "cost_model": {k: ({g: round(x, 7) for g, x in v.items()} if isinstance(v, dict) else round(v, 7))
                        for k, v in model.to_dict().items()},
-        "acceptance": {"per_token": round(a, 4), **acc_info}, "recommended_gamma": recommended, "drafts": draft_rows,
-        "recommended_draft": max(draft_rows, key=lambda n: max(r["predicted_tok_s"]
-                                                               for r in draft_rows[n]["best"].values())),
+        "acceptance": {"per_token": round(acceptance, 4), **acc_info}, "recommended_gamma": recommended,
+        "drafts": draft_rows, "recommended_draft": max(draft_rows, key=lambda name: max(
+            row["predicted_tok_s"] for row in draft_rows[name]["best"].values())),
         "placement": place,
         "precision": _profile_precisions(base_config, ctx_prompt, calib, max_new, reps, say) if precisions else None,
         "batch": {"shared_pass_s": {str(b): round(y, 6) for b, y in bpoints},
                   "tokens_per_s": {str(b): round(b / y, 1) for b, y in bpoints},
                   "recommended_max_batch": recommended_batch(bpoints)},
-        "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, a, lay), 2) for g in range(17)}
+        "predicted_goodput_tok_s": {lay: {str(g): round(model.goodput(g, acceptance, lay), 2) for g in range(17)}
                                     for lay in LAYOUTS},
         "formula": "E = (1 - a^(g+1)) / (1 - a); in_process R = g*d + V(g); two_process R = V(g) + transfer + "
                    "(1 - a^g) * g * d; V(g) = measured[g], else verify_fixed_s + verify_per_token_s * (g + 1)",
@@ -207,7 +206,7 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
     _plot(profile, out.with_suffix(".png"))
     say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
-        f"{recommended} at acceptance {a:.3f} (E at gamma 8: {expected_tokens(a, 8):.2f})")
+        f"{recommended} at acceptance {acceptance:.3f} (E at gamma 8: {expected_tokens(acceptance, 8):.2f})")
     for r in (place or {}).get("candidates", []):
         say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
             f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
@@ -217,10 +216,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 
 
 def _plot(profile: dict, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # saved without pyplot: no GUI backend, no global figure state
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for lay, pts in profile["predicted_goodput_tok_s"].items():
         ax.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")

@@ -24,11 +24,11 @@ def _problem(err: dict[str, Any]) -> str:
     return template.format(**{k: _bound(v) for k, v in err.get("ctx", {}).items()})
 
 
-def _bound(v: Any) -> Any:
+def _bound(value: Any) -> Any:
     """2**64 rather than 18446744073709551616."""
-    if isinstance(v, int) and v > 1 << 32 and v & (v - 1) == 0:
-        return f"2**{v.bit_length() - 1}"
-    return v
+    if isinstance(value, int) and value > 1 << 32 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return value
 
 
 def check_field(section: BaseModel, name: str, value: Any, label: str | None = None) -> Any:
@@ -77,13 +77,13 @@ def check_prompt_text(text: str, source: str = "prompt") -> str:
         text.encode("utf-8")
         return text
     except UnicodeEncodeError as exc:
-        i = exc.start
-    offset = len(text[:i].encode("utf-8"))  # everything before the first bad character encodes
-    code = ord(text[i])
+        bad_at = exc.start
+    offset = len(text[:bad_at].encode("utf-8"))  # everything before the first bad character encodes
+    code = ord(text[bad_at])
     if 0xDC80 <= code <= 0xDCFF:
         raise RequestError(f"{source}: not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte offset {offset}; "
                            "the prompt must be UTF-8 text")
-    raise RequestError(f"{source}: lone surrogate U+{code:04X} at character {i} (byte offset {offset}) "
+    raise RequestError(f"{source}: lone surrogate U+{code:04X} at character {bad_at} (byte offset {offset}) "
                        "is not valid Unicode text")
 
 

@@ -79,8 +79,8 @@ def invalid_request(error: dict[str, Any], content_type: str = "application/json
         return ApiError(400, "the request body is empty: send a JSON object")
     if error.get("type") == "json_invalid":
         why = (error.get("ctx") or {}).get("error", "invalid JSON")
-        at = f" at character {loc[0]}" if loc else ""
-        return ApiError(400, f"the request body is not valid JSON: {why}{at}")
+        where = f" at character {loc[0]}" if loc else ""
+        return ApiError(400, f"the request body is not valid JSON: {why}{where}")
     if error.get("type") == "model_attributes_type" and not loc:
         return ApiError(400, "the request body must be a JSON object")
     param = ".".join(loc) or None
@@ -140,19 +140,16 @@ class CountResponses:
             await send(message)
 
         state = scope.setdefault("state", {})
-        code = 500
+        unanswered = 500  # the status of a request that raised before answering
         try:
             await self.app(scope, receive, send_counted)
-            code = started[0] if started else 499  # nothing answered: the client left first
+            unanswered = 499  # nothing answered: the client left first
         except asyncio.CancelledError:
-            code = started[0] if started else 499
-            raise
-        except Exception:
-            code = started[0] if started else 500
+            unanswered = 499
             raise
         finally:
             if not state.get("counted_by_stream"):
-                endpoint = ENDPOINTS.get(scope.get("path", ""), "other")
+                endpoint, code = ENDPOINTS.get(scope.get("path", ""), "other"), started[0] if started else unanswered
                 self.metrics.requests.labels(endpoint=endpoint, status=str(code)).inc()
 
 
@@ -160,8 +157,8 @@ class ClosingStream(StreamingResponse):
     """A StreamingResponse that calls on_close when it is over, also when its body never started (the client went
     away first): the body generator's own `finally` runs only once it has started."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kw):
-        super().__init__(content, **kw)
+    def __init__(self, content, on_close: Callable[[], None], **options):
+        super().__init__(content, **options)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -249,9 +246,9 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         except HeteroSpecError as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
 
-    async def pieces(job: Job, stops: list[str]) -> AsyncIterator[str]:
+    async def pieces(job: Job, req) -> AsyncIterator[str]:
         """Text pieces, cut at the first stop string (which then ends the request)."""
-        matcher = StopMatcher(stops)
+        matcher = StopMatcher(req.stop_strings())
         async for text in Detokenizer(engine.decode_text).apieces(job.chunks):
             if piece := matcher.feed(text):
                 yield piece
@@ -266,7 +263,6 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                       chat: bool):
         job = await start(prompt, req, max_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        stops = req.stop_strings()
         ended: list[str] = []  # done() ran (once)
         flying: list[bool] = []  # counted in requests_in_flight
 
@@ -305,7 +301,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         else:
             fly()
             try:
-                text = "".join([p async for p in pieces(job, stops)])
+                text = "".join([p async for p in pieces(job, req)])
             except BaseException:
                 job.cancel.set()
                 done("error")
@@ -325,7 +321,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             try:
                 if chat:
                     yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-                async for piece in pieces(job, stops):
+                async for piece in pieces(job, req):
                     if await request.is_disconnected():
                         return
                     yield event([choice(piece, None, delta=True)])
@@ -377,13 +373,13 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         """Probes the target (a one-token forward) and the draft worker (a ping) when idle; while a request
         runs, the request loop's last round and the worker's last message. 503 when either is not ok."""
         try:
-            h = await asyncio.wait_for(asyncio.to_thread(engine.health, health_timeout_s), health_timeout_s + 1.0)
+            report = await asyncio.wait_for(asyncio.to_thread(engine.health, health_timeout_s), health_timeout_s + 1.0)
         except (TimeoutError, HeteroSpecError) as exc:
             why = f"no answer within {health_timeout_s} s" if isinstance(exc, TimeoutError) else str(exc)
             return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
-        metrics.draft_restarts.set(h.get("draft_restarts", 0))
-        ok = h.get("target") == "ok" and h.get("draft") in ("ok", "in_process", "none")
-        return JSONResponse({"status": "ok" if ok else "unhealthy", **h}, status_code=200 if ok else 503)
+        metrics.draft_restarts.set(report.get("draft_restarts", 0))
+        healthy = report.get("target") == "ok" and report.get("draft") in ("ok", "in_process", "none")
+        return JSONResponse({"status": "ok" if healthy else "unhealthy", **report}, status_code=200 if healthy else 503)
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus():

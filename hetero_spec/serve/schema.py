@@ -170,10 +170,10 @@ def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:
     if not tpl.strip():
         return None
 
-    def tok(v: Any) -> str:
-        return v.get("content", "") if isinstance(v, dict) else (v or "")
+    def token_text(token: Any) -> str:  # a string, or an added token's {"content": ...}
+        return token.get("content", "") if isinstance(token, dict) else (token or "")
 
-    return tpl, {"bos_token": tok(cfg.get("bos_token")), "eos_token": tok(cfg.get("eos_token"))}
+    return tpl, {name: token_text(cfg.get(name)) for name in ("bos_token", "eos_token")}
 
 
 def render_chat(template: tuple[str, dict[str, str]], messages: list[ChatMessage]) -> str:
