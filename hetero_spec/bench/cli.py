@@ -84,17 +84,22 @@ def add_bench_parser(sub) -> None:
         help="the draft's GGUF for llama_cpp_spec (default: draft.model, if it is a GGUF)")
 
 
+def _check_minimums(*checks: tuple[str, float | None, float]) -> None:
+    """A BenchError naming the first (flag, value, minimum) whose value is given and below its minimum."""
+    for flag, value, minimum in checks:
+        if value is not None and value < minimum:
+            raise BenchError(f"{flag} must be >= {minimum}, got {value}")
+
+
 def settings_from_args(args) -> BenchSettings:
     from ..config import parse_override
     humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
     count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:
         raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
-    for flag, val, low in (("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                           ("--repeats", args.repeats, 1), ("--prompt-tokens", args.prompt_tokens, 1),
-                           ("--temperature", args.temperature, 0)):
-        if val is not None and val < low:
-            raise BenchError(f"{flag} must be >= {low}, got {val}")
+    _check_minimums(("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                    ("--repeats", args.repeats, 1), ("--prompt-tokens", args.prompt_tokens, 1),
+                    ("--temperature", args.temperature, 0))
     gammas, text = None, args.gammas or ",".join(map(str, DEFAULT_GAMMAS))
     if not args.quick and text.strip() != "config":
         try:
@@ -134,9 +139,7 @@ def _prefill_stall(args) -> int:
         chunks = []
     if not chunks or min(chunks) < 0:
         raise BenchError(f"--chunks must be comma-separated integers >= 0, got {args.chunks!r}")
-    for flag, val in (("--long-prompt-tokens", args.long_prompt_tokens), ("--repeats", args.repeats)):
-        if val < 1:
-            raise BenchError(f"{flag} must be >= 1, got {val}")
+    _check_minimums(("--long-prompt-tokens", args.long_prompt_tokens, 1), ("--repeats", args.repeats, 1))
     report = run_stall(args.config, dict(parse_override(o) for o in args.overrides), args.out, chunks,
                        args.long_prompt_tokens, args.max_new_tokens or 96, args.repeats,
                        say=lambda line: print(line, file=sys.stderr, flush=True))

@@ -348,18 +348,17 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
                         draft_dir if draft_dir and (Path(draft_dir) / "config.json").is_file() else None),
                     llama_cpp_target=settings.llama_cpp_target or gguf_of(given.target.model),
                     llama_cpp_draft=settings.llama_cpp_draft or gguf_of(given.draft.model))
-    verbosity, done = hf_logging.get_verbosity(), []
-    hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
-    try:
-        with child_peaks() as peaks:  # the draft worker's and llama.cpp's peak memory, while they run
-            for over, config in zip(passes, configs):
-                if over:
-                    say("pass: " + ", ".join(f"{k} {v}" for k, v in over.items()))
-                entries = run_pass(BenchContext(found, config, prompts), names, settings.repeats, say)
-                with_references(entries, settings.temperature > 0)
-                done.append({"precision": over, "systems": entries, "comparisons": comparisons(entries)})
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    done = []
+    # peaks: the draft worker's and llama.cpp's peak memory, while they run
+    with contextlib.ExitStack() as restore, child_peaks() as peaks:
+        restore.callback(hf_logging.set_verbosity, hf_logging.get_verbosity())
+        hf_logging.set_verbosity_error()  # generate() warns per call about generation_config defaults
+        for over, config in zip(passes, configs):
+            if over:
+                say("pass: " + ", ".join(f"{k} {v}" for k, v in over.items()))
+            entries = run_pass(BenchContext(found, config, prompts), names, settings.repeats, say)
+            with_references(entries, settings.temperature > 0)
+            done.append({"precision": over, "systems": entries, "comparisons": comparisons(entries)})
     ran_ref = any(e["name"] == REFERENCE and e["status"] == "ok" for p in done for e in p["systems"])
     report: dict[str, Any] = {
         "machine": machine(), "config": {"source": given.source, **given.model_dump(mode="json")},

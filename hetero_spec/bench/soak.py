@@ -120,14 +120,10 @@ def server_counts(port: int) -> tuple[dict[tuple[str, str], float], float]:
     with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=60.0)) as conn:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
-    counts, in_flight = {}, 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "hetero_spec_requests_total":
-                counts[(sample.labels["endpoint"], sample.labels["status"])] = sample.value
-            elif sample.name == "hetero_spec_requests_in_flight":
-                in_flight = sample.value
-    return counts, in_flight
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in samples
+              if s.name == "hetero_spec_requests_total"}
+    return counts, next((s.value for s in samples if s.name == "hetero_spec_requests_in_flight"), 0.0)
 
 
 def settle(port: int, timeout_s: float = 60.0) -> tuple[dict[tuple[str, str], float], float]:
@@ -139,9 +135,8 @@ def settle(port: int, timeout_s: float = 60.0) -> tuple[dict[tuple[str, str], fl
 
 
 def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max_tokens: int = 64,
-             warmup_s: float = 10.0, out: Path = Path("bench-out/soak"),
-             overrides: list[str] | None = None, port: int = 0,
-             say: Callable[[str], None] | None = None, cut_share: float = 1 / 3,
+             warmup_s: float = 10.0, out: Path = Path("bench-out/soak"), overrides: list[str] | None = None,
+             port: int = 0, say: Callable[[str], None] | None = None, cut_share: float = 1 / 3,
              malformed_share: float = 0.1) -> dict[str, Any]:
     """Start the server, take the references, run the streams for `duration_s` (each request cut by its client with
     probability cut_share, malformed with malformed_share; seeded per stream), check /metrics against what was sent,
@@ -223,13 +218,12 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
                    if n and s.startswith("4") and s != "499" and e in PATHS}  # 499: the cut streams, below
     finally:
         halt.set()  # on an error or Ctrl-C the clients stop after their current request
-        if proc.poll() is None:  # SIGTERM, then SIGKILL
-            proc.terminate()
-            try:
-                proc.wait(60.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        proc.terminate()  # SIGTERM (nothing if it has exited), then SIGKILL
+        try:
+            proc.wait(60.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         for thread in threads:
             thread.join(5.0)
     samples = [s for s in samples if s[1] is not None]
