@@ -153,12 +153,12 @@ class Worker:
             log.warning("Sync at %d but only %d committed tokens are known; ignored", pos, stream.committed)
             return
         diverged = False
-        for at, tok in enumerate(tokens, start=pos):
-            if at < stream.committed or (at < len(ids) and ids[at] == tok):
+        for position, tok in enumerate(tokens, start=pos):
+            if position < stream.committed or (position < len(ids) and ids[position] == tok):
                 continue
             diverged = True
-            if at < len(ids):
-                stream.drafter.truncate(at)
+            if position < len(ids):
+                stream.drafter.truncate(position)
             ids.append(tok)
         stream.committed = max(stream.committed, pos + len(tokens))
         if diverged or epoch > stream.epoch:

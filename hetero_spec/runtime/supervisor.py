@@ -65,7 +65,6 @@ class ProcessLauncher:
     CURVE keys (ephemeral per worker unless configured) go to the worker through its stdin pipe."""
 
     server: ServerContext
-    module = "hetero_spec.runtime.draft_worker"  # what `python -m` runs
 
     def launch(self, spec: WorkerSpec, generation: int) -> Worker:
         runtime, draft = spec.runtime, spec.draft
@@ -74,8 +73,8 @@ class ProcessLauncher:
             curve = CurveKeys.load(runtime.curve_keys) if runtime.curve_keys else CurveKeys.generate()
         channel = Channel.bind(self.server, runtime.transport, runtime.host, runtime.port, curve,
                                name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
-        cmd = [sys.executable, "-m", self.module, "--endpoint", channel.endpoint, "--model", str(draft.model),
-               "--providers", ",".join(draft.providers), "--threads", str(draft.threads),
+        cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", channel.endpoint,
+               "--model", str(draft.model), "--providers", ",".join(draft.providers), "--threads", str(draft.threads),
                "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
                "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
                "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),

@@ -237,9 +237,8 @@ class Channel:
         ctx = zmq.Context()
         sock = _pair(ctx, max_msg_bytes)
         if curve:
-            sock.curve_serverkey = curve["server_public"].encode()
-            sock.curve_publickey = curve["public"].encode()
-            sock.curve_secretkey = curve["secret"].encode()
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                curve["server_public"].encode(), curve["public"].encode(), curve["secret"].encode())
         channel = cls(sock, endpoint, own_ctx=ctx)
         if watch:
             channel._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
