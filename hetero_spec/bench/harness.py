@@ -21,7 +21,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..preflight import check_paths
 from ..errors import BenchError
-from ..tuning.placement import allowed_cpus
+from ..tuning.placement import _cpu_model, allowed_cpus
 
 REFERENCE, SAMPLED_REFERENCE = "target_only", "hetero_spec_target_only"
 DEFAULT_PROMPTS, DEFAULT_MAX_NEW, QUICK_PROMPTS, QUICK_MAX_NEW = 12, 128, 4, 64
@@ -397,10 +397,8 @@ def command_line(settings: BenchSettings) -> str:
 
 def machine() -> dict[str, Any]:  # the platform, the CPU and the versions that matter
     from importlib.metadata import distributions
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
     have = {(d.metadata["Name"] or "").lower(): d.version for d in distributions()}
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": next(
-        (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.processor() or None),
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": _cpu_model() or None,
             "versions": {"python": platform.python_version(), **{p: have.get(p) for p in (
                 "torch", "transformers", "onnxruntime", "onnxruntime-genai", "hetero-spec")}}}
 
