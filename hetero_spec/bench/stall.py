@@ -38,8 +38,7 @@ def one_run(engine, long_prompt: list[int] | None, new_tokens: int) -> dict[str,
         tokens = engine.stream_tokens(long_prompt, max_new_tokens=4, temperature=0.0)
         next(tokens)
         ttft = time.perf_counter() - arrived
-        for _ in tokens:
-            pass
+        list(tokens)  # the rest of its stream
     for thread in threads:
         thread.join()
     waits = [later - earlier for times in arrivals for earlier, later in zip(times, times[1:])]
