@@ -59,16 +59,13 @@ class StreamBuffer:
         if probs is not None:
             self.probs.extend(probs)
 
-    def invalidate(self) -> None:
-        self.min_epoch, self.tokens, self.probs, self.redrafting = self.epoch + 1, [], [], True
-
     def _match(self, ids: list[int]) -> tuple[int, bool]:
         """Compare the stream's tokens with the committed ones they cover: (how many agree, whether all do). A
         mismatch drops the stream; otherwise the covered part (verified, or compared) is dropped."""
         cut = max(0, min(len(ids), self.base + len(self.tokens)) - self.base)
         for j in range(cut):
             if self.tokens[j] != ids[self.base + j]:
-                self.invalidate()
+                self.min_epoch, self.tokens, self.probs, self.redrafting = self.epoch + 1, [], [], True
                 return j, False
         self.tokens, self.probs, self.base = self.tokens[cut:], self.probs[cut:], self.base + cut
         return cut, True
