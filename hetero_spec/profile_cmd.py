@@ -207,10 +207,10 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
     _plot(profile, out.with_suffix(".png"))
     say(f"wrote {out} and {out.with_suffix('.png')} in {profile['elapsed_s']} s; recommended gamma "
         f"{recommended} at acceptance {acceptance:.3f} (E at gamma 8: {expected_tokens(acceptance, 8):.2f})")
-    for r in (place or {}).get("candidates", []):
-        say(f"  {r['mode']:<11} target {r['target_threads']} / draft {r['draft_threads']} thread(s), gamma "
-            f"{r['gamma']}: predicted {r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f}")
     if place is not None:
+        for row in place["candidates"]:
+            say("  {mode:<11} target {target_threads} / draft {draft_threads} thread(s), gamma {gamma}: predicted "
+                "{predicted_tok_s:.1f} tok/s, measured {measured_tok_s:.1f}".format_map(row))
         say(f"  recommended layout {place['recommended']} (measured best {place['measured_best']})")
     return profile
 
@@ -218,16 +218,16 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
 def _plot(profile: dict, path: Path) -> None:
     from matplotlib.figure import Figure  # saved without pyplot: no GUI backend, no global figure state
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
-    ax = fig.add_subplot()
+    axes = fig.add_subplot()
     for lay, pts in profile["predicted_goodput_tok_s"].items():
-        ax.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")
+        axes.plot([int(g) for g in pts], list(pts.values()), label=f"predicted, {lay}")
     meas = profile["measured"]["goodput_tok_s_in_process"]
-    ax.plot([int(g) for g in meas], list(meas.values()), "o", label="measured, in_process")
-    for r in (profile.get("placement") or {}).get("candidates", []):
-        ax.plot([r["gamma"]], [r["measured_tok_s"]], "x", markersize=9,
-                label=f"measured, {r['mode']} {r['target_threads']}+{r['draft_threads']} threads")
-    ax.set_xlabel("gamma (draft tokens per round)")
-    ax.set_ylabel("goodput (committed tokens/s)")
-    ax.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
-    ax.legend()
+    axes.plot([int(g) for g in meas], list(meas.values()), "o", label="measured, in_process")
+    for row in (profile.get("placement") or {}).get("candidates", []):
+        axes.plot([row["gamma"]], [row["measured_tok_s"]], "x", markersize=9,
+                  label="measured, {mode} {target_threads}+{draft_threads} threads".format_map(row))
+    axes.set_xlabel("gamma (draft tokens per round)")
+    axes.set_ylabel("goodput (committed tokens/s)")
+    axes.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
+    axes.legend()
     fig.savefig(path, dpi=110)

@@ -13,19 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_STOP = 4  # OpenAI's limit on stop strings
 
 
-#: every request model: unknown fields refused, no coercion ("5" is not 5), no NaN or infinity
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class _Strict(BaseModel):
+    """Every request model: unknown fields refused, no coercion ("5" is not 5), no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
-
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = STRICT
-
+class _Common(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -82,9 +80,7 @@ class CompletionRequest(_Common):
         return self.prompt[0] if self._texts() else self.prompt
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
-
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # accepted and not acted on: chat templates do not read it
