@@ -296,9 +296,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 metrics.cancelled.inc()
             metrics.observe(job.stats.to_dict())
 
-        if req.stream:
-            request.state.counted_by_stream = True
-        else:
+        if not req.stream:
             fly()
             try:
                 text = "".join([p async for p in pieces(job, req)])
@@ -309,7 +307,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             done("ok")
             return JSONResponse(body("chat.completion" if chat else "text_completion",
                                      [choice(text, finish_reason(), delta=False)], usage=_usage(job.stats)))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        request.state.counted_by_stream = True
 
         def event(choices: list, **more) -> str:
             return "data: " + json.dumps(body("chat.completion.chunk" if chat else "text_completion", choices,
@@ -326,7 +324,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                         return
                     yield event([choice(piece, None, delta=True)])
                 yield event([choice(None if chat else "", finish_reason(), delta=True)])
-                if include_usage:
+                if req.stream_options and req.stream_options.include_usage:
                     yield event([], usage=_usage(job.stats))
                 yield "data: [DONE]\n\n"
                 status = "ok"
