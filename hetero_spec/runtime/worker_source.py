@@ -33,10 +33,9 @@ class WorkerSource:
         worker_cpus = draft_cpus(config)
         self.target_cpus = [c for c in allowed() if c not in worker_cpus] if worker_cpus else None
         # the largest frame either side may send: a prompt of context_len ids, or the distributions of up to
-        # max_ahead draft tokens (sampled requests; by default 2 blocks of at most 64 and 1), and the header
-        max_ahead = runtime.max_ahead or 2 * 64 + 1
+        # max_ahead draft tokens (sampled requests; by default 129: two blocks of at most 64, and one), and the header
         spec = WorkerSpec(runtime, draft, vocab_width, cpus=worker_cpus,
-                          max_msg_bytes=max(4 * context_len, 4 * vocab_width * max_ahead) + (1 << 16),
+                          max_msg_bytes=max(4 * context_len, 4 * vocab_width * (runtime.max_ahead or 129)) + (1 << 16),
                           max_streams=max_streams + STREAM_SLACK,
                           prompt_window=prompt_window(draft.prompt_window, draft.candidates, "two_process"))
         self.sup = DraftSupervisor(spec, launcher=launcher, clock=clock)
