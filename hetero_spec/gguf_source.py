@@ -61,8 +61,8 @@ def is_gguf(path: Path | str | None) -> bool:
 def read_info(path: Path) -> GGUFInfo:
     """The metadata, read with gguf's GGUFReader (seconds for a large vocabulary: the checks, the conversion and the
     config's preflight share one read of each version of a file). ValueError when the file is not a GGUF."""
-    st = Path(path).stat()
-    return _read_info(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    stat = Path(path).stat()
+    return _read_info(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,12 +85,11 @@ def _eog_ids(get, tokens: list[str]) -> tuple[int, ...]:
     """llama.cpp's end-of-generation ids (see _EOG_TEXT), with its two exceptions: `<|end|>` is not one next to
     `<|return|>`/`<|call|>` (o200k harmony) or `<|calls|>`/`<|flush|>`; `</s>` is not one next to `<|tool_response>`."""
     first = {text: i for i, text in reversed(list(enumerate(tokens)))}  # each text's first id
-    ids = {int(get(k)) for k in _EOG_KEYS if get(k) is not None}
-    for key, names in _FIM_EOG.items():  # declared, else found by text
-        found = get(key, min((first[n] for n in names if n in first), default=None))
-        if found is not None:
-            ids.add(int(found))
-    ids |= {first[t] for t in _EOG_TEXT if t in first}
+    declared = [get(key) for key in _EOG_KEYS]
+    # FIM pad/repo/file-separator: declared, else found by text
+    declared += [get(key, min((first[n] for n in names if n in first), default=None))
+                 for key, names in _FIM_EOG.items()]
+    ids = {int(i) for i in declared if i is not None} | {first[t] for t in _EOG_TEXT if t in first}
     texts = {tokens[i] for i in ids if i < len(tokens)}
     if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
         ids.discard(first["<|end|>"])
@@ -159,8 +158,8 @@ def source_stamp(path: Path) -> dict:
     """What identifies a GGUF and its conversion, cheaply: the file's path, size and mtime, and the converter."""
     from importlib.metadata import version
     path = Path(path).resolve()
-    st = path.stat()
-    return {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+    stat = path.stat()
+    return {"gguf": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
             "transformers": version("transformers"), "converter": CONVERTER}
 
 
@@ -203,7 +202,10 @@ def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], 
                              "pip install 'hetero-spec[gguf]' (gguf, accelerate)") from None
     except Exception as exc:  # transformers' loader: a corrupt or unusual file
         raise ModelLoadError(f"{where}: transformers could not load this GGUF: {type(exc).__name__}: {exc}") from exc
-    _unquantize(model)
+    # the weights are plain fp32 tensors already, but a GGUF quantizer left on the model makes save_pretrained
+    # raise "quantized with gguf and is not serializable"
+    model.hf_quantizer = None
+    vars(model.config).pop("quantization_config", None)
     if info.eos_ids:
         model.generation_config.eos_token_id = list(info.eos_ids)
     say(f"writing safetensors ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), the tokenizer "
@@ -230,23 +232,16 @@ def _dequantized() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def _unquantize(model) -> None:
-    """Make a loaded GGUF model serializable: its weights are plain fp32 tensors already, but a GGUF quantizer left
-    on it makes save_pretrained raise "quantized with gguf and is not serializable"."""
-    model.hf_quantizer = None
-    vars(model.config).pop("quantization_config", None)
-
 
 def resolve(cfg: Config) -> Config:
     """cfg with each GGUF target.model (and draft.model of an onnx draft) replaced by its Hugging Face conversion,
     made now or found in the cache. Every GGUF is checked before the first converts. A GGUF draft without
     draft.precision is exported at DRAFT_PRECISION. cfg itself when it names no GGUF."""
-    t, d = cfg.target, cfg.draft
-    ggufs = {k: m for k, m in (("target.model", t.model), ("draft.model", d.model if d.kind == "onnx" else None))
-             if is_gguf(m)}
+    draft_model = cfg.draft.model if cfg.draft.kind == "onnx" else None
+    ggufs = {k: m for k, m in (("target.model", cfg.target.model), ("draft.model", draft_model)) if is_gguf(m)}
     if not ggufs:
         return cfg
-    onnx = {"target.model": t.backend == "onnx", "draft.model": True}
+    onnx = {"target.model": cfg.target.backend == "onnx", "draft.model": True}
     for key, model in ggufs.items():
         check(model, cfg.blame(key), key, onnx[key])
     out = cfg.model_copy(deep=True)

@@ -274,8 +274,8 @@ class OnnxDecoder:
                           position_ids=np.asarray(past, dtype=np.int64)[:, None], logits_from=self._zero)
         logits = self._bind_logits(binding, stop - start, 1)
         self.session.run_with_iobinding(binding)
-        for s in states:
-            s.n_past += 1
+        for state in states:
+            state.n_past += 1
         return self.fit_width(logits[rows, 0])
 
     def rewind(self, state: DecoderState, n_keep: int) -> None:

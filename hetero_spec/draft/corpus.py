@@ -18,14 +18,14 @@ ORDERS = (6, 5, 4, 3)  # context lengths looked up, the longest first
 MIN_COUNT = 2  # a context seen once says nothing about what follows it
 MIN_SHARE = 0.5  # a continuation that follows its context less than half the time is not proposed
 CHAIN = 8  # tokens proposed at most per round (each one a lookup)
-_P, _MASK = 1000003, (1 << 64) - 1  # the context hash: a polynomial in the token ids, mod 2^64
+_PRIME, _MASK = 1000003, (1 << 64) - 1  # the context hash: a polynomial in the token ids, mod 2^64
 
 
 def _hash(ctx: list[int]) -> int:
-    h = 0
-    for t in ctx:
-        h = (h * _P + int(t) + 1) & _MASK
-    return h
+    value = 0
+    for token in ctx:
+        value = (value * _PRIME + int(token) + 1) & _MASK
+    return value
 
 
 class CorpusTable:
@@ -36,14 +36,14 @@ class CorpusTable:
 
     def next(self, ids: list[int]) -> tuple[int, int] | None:
         """(the next token, the context length it was found at) for the text ids, or None."""
-        for n in ORDERS:
-            if len(ids) < n:
+        for length in ORDERS:
+            if len(ids) < length:
                 continue
-            keys, nexts = self.tables[n]
-            h = _hash(ids[-n:])
-            i = int(np.searchsorted(keys, np.uint64(h)))
-            if i < len(keys) and int(keys[i]) == h:
-                return int(nexts[i]), n
+            keys, nexts = self.tables[length]
+            key = _hash(ids[-length:])
+            i = int(np.searchsorted(keys, np.uint64(key)))
+            if i < len(keys) and int(keys[i]) == key:
+                return int(nexts[i]), length
         return None
 
     @classmethod
@@ -51,44 +51,37 @@ class CorpusTable:
         """The table of token arrays (one per file: no context crosses two)."""
         ids = np.concatenate([np.append(np.asarray(f, dtype=np.int64), -1) for f in files] or [np.array([-1])])
         tables = {}
-        for n in ORDERS:
-            m = max(len(ids) - n, 0)  # contexts of n tokens (each followed by one)
-            h, bad = np.zeros(m, dtype=np.uint64), np.zeros(m, dtype=bool)
-            for j in range(n):
-                col = ids[j:j + m]
-                h = h * np.uint64(_P) + (col + 1).astype(np.uint64)
+        for length in ORDERS:
+            n_ctx = max(len(ids) - length, 0)  # contexts of `length` tokens (each followed by one)
+            hashes, bad = np.zeros(n_ctx, dtype=np.uint64), np.zeros(n_ctx, dtype=bool)
+            for j in range(length):
+                col = ids[j:j + n_ctx]
+                hashes = hashes * np.uint64(_PRIME) + (col + 1).astype(np.uint64)
                 bad |= col < 0
-            nxt = ids[n:]
+            nxt = ids[length:]
             keep = ~bad & (nxt >= 0)
-            h, nxt = h[keep], nxt[keep]
-            order = np.lexsort((nxt, h))
-            h, nxt = h[order], nxt[order]
-            # distinct (context, next) pairs and their counts; then, per context, its total and its best pair
-            first = np.flatnonzero(np.r_[True, (h[1:] != h[:-1]) | (nxt[1:] != nxt[:-1])]) if len(h) else \
-                np.zeros(0, dtype=np.int64)
-            count = np.diff(np.r_[first, len(h)])
-            ph, pn = h[first], nxt[first]
-            starts = np.flatnonzero(np.r_[True, ph[1:] != ph[:-1]]) if len(ph) else np.zeros(0, dtype=np.int64)
-            if not len(starts):
-                tables[n] = (ph, pn.astype(np.int32))
-                continue
-            group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(ph)]))
-            total, top = np.add.reduceat(count, starts), np.maximum.reduceat(count, starts)
-            # each context's best pair: the largest count, the smallest token among equals (pairs are sorted)
-            at = np.flatnonzero(count == top[group])
-            best = at[np.r_[True, group[at][1:] != group[at][:-1]]]
-            ok = (total >= MIN_COUNT) & (top >= MIN_SHARE * total)
-            tables[n] = (ph[starts][ok], pn[best][ok].astype(np.int32))
+            order = np.lexsort((nxt[keep], hashes[keep]))
+            ctx, nxt = hashes[keep][order], nxt[keep][order]
+            # distinct (context, next) pairs and their counts ([:len]: none when there is no context)
+            first = np.flatnonzero(np.r_[True, (ctx[1:] != ctx[:-1]) | (nxt[1:] != nxt[:-1])][:len(ctx)])
+            ctx, nxt, count = ctx[first], nxt[first], np.diff(np.r_[first, len(ctx)])
+            # per context, its most frequent next token first (the smallest among equals)
+            order = np.lexsort((nxt, -count, ctx))
+            ctx, nxt, count = ctx[order], nxt[order], count[order]
+            starts = np.flatnonzero(np.r_[True, ctx[1:] != ctx[:-1]][:len(ctx)])
+            total = np.add.reduceat(count, starts) if len(starts) else count
+            kept = (total >= MIN_COUNT) & (count[starts] >= MIN_SHARE * total)
+            tables[length] = (ctx[starts][kept], nxt[starts][kept].astype(np.int32))
         return cls(tables)
 
     def save(self, path: Path) -> None:
-        np.savez(path, **{f"{k}{n}": a for n, (keys, nexts) in self.tables.items()
-                          for k, a in (("keys", keys), ("next", nexts))})
+        np.savez(path, **{f"{name}{n}": a for n, (keys, nexts) in self.tables.items()
+                          for name, a in (("keys", keys), ("next", nexts))})
 
     @classmethod
     def load(cls, path: Path) -> CorpusTable:
-        with np.load(path) as z:
-            return cls({n: (z[f"keys{n}"], z[f"next{n}"]) for n in ORDERS})
+        with np.load(path) as archive:
+            return cls({n: (archive[f"keys{n}"], archive[f"next{n}"]) for n in ORDERS})
 
 
 TABLE = "corpus.npz"

@@ -68,10 +68,11 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
         extra += quant_options(precision, hf_config, block_size)
         if extra:
             cmd += ["--extra_options", *extra]
-        rc = _run_builder(cmd, log_path, say)
-    if rc != 0 or _mtime(out_dir / "model.onnx") in (None, before):
+        status = _run_builder(cmd, log_path, say)
+    if status != 0 or _mtime(out_dir / "model.onnx") in (None, before):
         raise ExportError(f"onnxruntime-genai builder failed for {str(model_dir)!r} (architecture {arch[0]}, "
-                          f"precision {precision}, exit code {rc}); full log: {log_path}; its end:\n{_tail(log_path)}")
+                          f"precision {precision}, exit code {status}); full log: {log_path}; its end:\n"
+                          f"{_tail(log_path)}")
     # the drafter checks the vocabulary with the tokenizer; the server renders chats with the template
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
@@ -145,9 +146,9 @@ def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[s
         return model_dir, ["windowed_kv_cache=false"]
     src = scratch / "source"
     src.mkdir()
-    for f in model_dir.iterdir():  # links: the weights are not copied
-        if f.name != "config.json":
-            (src / f.name).symlink_to(f.resolve())
+    for path in model_dir.iterdir():  # links: the weights are not copied
+        if path.name != "config.json":
+            (src / path.name).symlink_to(path.resolve())
     cfg["layer_types"] = ["sliding_attention"] * int(cfg["num_hidden_layers"])
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
     return src, ["windowed_kv_cache=false"]
@@ -174,14 +175,13 @@ def _run_builder(cmd: list[str], log_path: Path, say: Callable[[str], None]) -> 
         log.write(f"$ {shlex.join(cmd)}\n")
         for line in proc.stdout:  # tqdm's \r updates arrive as lines too (universal newlines)
             log.write(line)
-            for i in range(shown, len(_STAGES)):
-                if _STAGES[i][0] in line:
-                    shown = i + 1
-                    say(_STAGES[i][1])
-                    break
-        rc = proc.wait()
-    say("done" if rc == 0 else f"the builder failed (exit code {rc})")
-    return rc
+            stage = next((i for i in range(shown, len(_STAGES)) if _STAGES[i][0] in line), None)
+            if stage is not None:
+                shown = stage + 1
+                say(_STAGES[stage][1])
+        status = proc.wait()
+    say("done" if status == 0 else f"the builder failed (exit code {status})")
+    return status
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -33,9 +33,9 @@ def corpus_token_ids(tokenizer_json: Path, files: list[Path] | None = None) -> l
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tokenizer_json))
     texts = []
-    for p in files if files is not None else corpus_files():
+    for path in files if files is not None else corpus_files():
         try:
-            texts.append(p.read_text(encoding="utf-8"))
+            texts.append(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
     return [np.asarray(enc.ids, dtype=np.int64) for i in range(0, len(texts), 256)
@@ -50,12 +50,12 @@ def token_counts(tokenizer_json: Path, files: list[Path] | None = None) -> np.nd
     return np.bincount(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64), minlength=vocab)[:vocab]
 
 
-def head_tokens(export_dir: Path, n: int, vocab: int) -> np.ndarray:
-    """The n most frequent token ids below `vocab` (the head's rows), the special tokens among them, sorted."""
+def head_tokens(export_dir: Path, n_tokens: int, vocab: int) -> np.ndarray:
+    """The n_tokens most frequent token ids below `vocab` (the head's rows), the special tokens among them, sorted."""
     counts = token_counts(export_dir / "tokenizer.json")[:vocab]
     special = _special_ids(export_dir, vocab)
     order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in special]
-    return np.asarray(sorted(special | set(order[:max(0, n - len(special))])), dtype=np.int64)
+    return np.asarray(sorted(special | set(order[:max(0, n_tokens - len(special))])), dtype=np.int64)
 
 
 def _special_ids(export_dir: Path, vocab: int) -> set[int]:
@@ -67,7 +67,7 @@ def _special_ids(export_dir: Path, vocab: int) -> set[int]:
     return {t for t in ids if 0 <= t < vocab}
 
 
-def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
+def prune_head(export_dir: Path, out_dir: Path, n_tokens: int) -> Path:
     """Write to out_dir a copy of the export whose LM head (a MatMulNBits, or a MatMul with a weight) keeps the
     rows of `head_tokens`; the weights file is linked, not copied, and the head's rows go inline in model.onnx."""
     import onnx
@@ -84,7 +84,7 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
     nbits = head.op_type == "MatMulNBits"
     attrs = {a.name: a for a in head.attribute}
     vocab = int(attrs["N"].i) if nbits else int(inits[head.input[1]].dims[1])
-    keep = head_tokens(export_dir, n, vocab)
+    keep = head_tokens(export_dir, n_tokens, vocab)
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(head.input[1:], 1):
         if name not in inits:  # optional inputs left empty
@@ -104,12 +104,12 @@ def prune_head(export_dir: Path, out_dir: Path, n: int) -> Path:
         attrs["N"].i = len(keep)
     next(o for o in graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value = len(keep)
     onnx.save(model, str(out_dir / "model.onnx"))
-    for f in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
-        if f.is_file() and f.name not in ("model.onnx", LOGITS_FROM_MODEL) and not (out_dir / f.name).exists():
+    for path in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
+        if path.is_file() and path.name not in ("model.onnx", LOGITS_FROM_MODEL) and not (out_dir / path.name).exists():
             try:
-                os.link(f, out_dir / f.name)
+                os.link(path, out_dir / path.name)
             except OSError:
-                shutil.copy2(f, out_dir / f.name)
+                shutil.copy2(path, out_dir / path.name)
     np.save(out_dir / HEAD_TOKENS, keep)
     (out_dir / HEAD_SOURCE).write_text(str(export_dir.resolve()))
     return out_dir
@@ -127,20 +127,19 @@ def _array(init, base: Path) -> np.ndarray:
     if not init.external_data:
         return numpy_helper.to_array(init)
     info = {e.key: e.value for e in init.external_data}
-    with open(base / info["location"], "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        raw = f.read(int(info["length"]))
+    with open(base / info["location"], "rb") as weights:
+        weights.seek(int(info.get("offset", 0)))
+        raw = weights.read(int(info["length"]))
     return np.frombuffer(raw, dtype=helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
 
 
-def cached_pruned(export_dir: Path, n: int, progress=None) -> Path:
-    """The pruned copy of export_dir for `draft.head: n`, made once next to it in the cache."""
+def cached_pruned(export_dir: Path, size: int) -> Path:
+    """The pruned copy of export_dir for `draft.head: size`, made once next to it in the cache."""
     export_dir = Path(export_dir).resolve()
-    key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": n})
-    entry = cache_root() / "onnx" / f"{export_dir.name}-head{n}-{key}"
+    key = stamp_key({"export": str(export_dir), "mtime": (export_dir / "model.onnx").stat().st_mtime_ns, "n": size})
+    entry = cache_root() / "onnx" / f"{export_dir.name}-head{size}-{key}"
 
     def build(scratch: Path, say) -> None:
-        say(f"pruning the draft's LM head to the {n} most frequent tokens (draft.head), once, into {entry}")
-        prune_head(export_dir, scratch, n)
-    return build_once(entry, lambda e: (e / HEAD_TOKENS).is_file(), build,
-                      f"draft: using the pruned head {entry}", progress)
+        say(f"pruning the draft's LM head to the {size} most frequent tokens (draft.head), once, into {entry}")
+        prune_head(export_dir, scratch, size)
+    return build_once(entry, lambda e: (e / HEAD_TOKENS).is_file(), build, f"draft: using the pruned head {entry}")

@@ -33,11 +33,11 @@ class NgramProposer:
         for tok in tokens:
             ids.append(int(tok))
             end = len(ids)
-            for n, table in index.items():
-                if end >= n:
-                    key = tuple(ids[end - n:end])
+            for size, table in index.items():
+                if end >= size:
+                    key = tuple(ids[end - size:end])
                     prev = table.get(key)
-                    table[key] = (end - n, prev[0] if prev is not None else -1)
+                    table[key] = (end - size, prev[0] if prev is not None else -1)
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self._reset(list(prompt_ids))
@@ -47,20 +47,20 @@ class NgramProposer:
 
     def propose(self, k: int) -> Draft:
         ids, self._last, match = self.ids, [], 0
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            hit = self._index[n].get(tuple(ids[-n:]))
+        for size in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            hit = self._index[size].get(tuple(ids[-size:]))
             start = hit[1] if hit is not None else -1  # hit[0] is the suffix itself
-            if start >= 0 and (cont := ids[start + n:start + n + k]):
-                self._last, match = cont, n
+            if start >= 0 and (cont := ids[start + size:start + size + k]):
+                self._last, match = cont, size
                 break
         return Draft(ids=list(self._last), match=match)
 
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): append what is new, or
         rebuild when the text is not an extension of what this proposer has."""
-        n = len(self.ids)
-        if len(ids) >= n and ids[:n] == self.ids:
-            self._extend(ids[n:])
+        have = len(self.ids)
+        if len(ids) >= have and ids[:have] == self.ids:
+            self._extend(ids[have:])
         else:
             self._reset(list(ids))
         self._last = []

@@ -41,16 +41,16 @@ class OnnxDrafter:
             self._pool = self.decoder.new_pool(slots)
 
     @staticmethod
-    def propose_batch(drafters: list[OnnxDrafter], ks: list[int]) -> list[Draft]:
-        """Draft ks[i] tokens for each drafter, stepping them together: what each `propose(k)` would return.
+    def propose_batch(drafters: list[OnnxDrafter], lengths: list[int]) -> list[Draft]:
+        """Draft lengths[i] tokens for each drafter, stepping them together: what each `propose(k)` would return.
         A backlog of committed tokens is fed alone; then every drafter still drafting takes one step in ONE run
         (`OnnxDecoder.append_batch`: rows equal to one run each, bit for bit). Not slots of one pool: one by one."""
         pool = drafters[0]._pool
         if pool is None or len(drafters) < 2 or any(d.state.pool is not pool for d in drafters):
-            return [d.propose(k) for d, k in zip(drafters, ks)]
-        ks = [min(k, d.context_len - len(d.ids)) for d, k in zip(drafters, ks)]
+            return [d.propose(k) for d, k in zip(drafters, lengths)]
+        lengths = [min(k, d.context_len - len(d.ids)) for d, k in zip(drafters, lengths)]
         pending = [-1] * len(drafters)  # each drafter's next token to feed
-        for j, (drafter, k) in enumerate(zip(drafters, ks)):
+        for j, (drafter, k) in enumerate(zip(drafters, lengths)):
             drafter.last_catchup_s, drafter._proposed = 0.0, []
             if k > 0:
                 start, todo = drafter._backlog()
@@ -60,8 +60,8 @@ class OnnxDrafter:
                     drafter.last_catchup_s = time.perf_counter() - started
                 pending[j] = todo[-1]
         probs: list[list[np.ndarray]] = [[] for _ in drafters]
-        for i in range(max(ks, default=0)):
-            live = [j for j, k in enumerate(ks) if i < k]
+        for i in range(max(lengths, default=0)):
+            live = [j for j, k in enumerate(lengths) if i < k]
             logits = pool.decoder.append_batch([drafters[j].state for j in live], [pending[j] for j in live])
             for row, j in enumerate(live):
                 drafter = drafters[j]

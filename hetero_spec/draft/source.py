@@ -67,13 +67,12 @@ class LocalSource:
         return None  # one kind: nothing to choose among
 
     def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float = 0.0) -> list[Draft]:
-        drafts = [Draft(ids=[]) for _ in seqs]
         for seq, row in zip(seqs, rows):
             self._proposed[seq.id] = row.k > 0 and seq.id in self._props
         live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]
                 and self._guarded(seq, "catch-up", self._ready, seq, rows[i].probing) is not None]
         if not live:
-            return drafts
+            return [Draft(ids=[]) for _ in seqs]
         props, live_ks = [self._props[seqs[i].id] for i in live], [rows[i].k for i in live]
         started = time.perf_counter()
         try:
@@ -85,9 +84,8 @@ class LocalSource:
         fresh = [seqs[i].id in self._fresh for i in live]
         self._fresh.difference_update(seqs[i].id for i in live)
         self._observe(time.perf_counter() - started, props, made, fresh)
-        for i, draft in zip(live, made):
-            drafts[i] = draft
-        return drafts
+        drafts = dict(zip(live, made))
+        return [drafts.get(i) or Draft(ids=[]) for i in range(len(seqs))]
 
     def _guarded(self, seq: Seq, what: str, call, *args):
         """call(*args), or None when it raises (counted and logged by _failed)."""
@@ -179,9 +177,8 @@ class SelectingSource:
                                  max(0.0, deadline - time.monotonic()))[0]
                     for n, c in self.cands.items() if n not in self.lookups}
             found = self._found.pop(seq.id, {})
-            draft = Draft(ids=found[name].ids[:max(1, row.k)]) if name in self.lookups else made.get(name, Draft([]))
             self._chosen[seq.id] = name
-            out.append(draft)
+            out.append(Draft(found[name].ids[:max(1, row.k)]) if name in self.lookups else made.get(name, Draft([])))
         return out
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:

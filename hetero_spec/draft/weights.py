@@ -23,14 +23,10 @@ class WeightReport:
     gathered: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def line(self) -> str:
-        gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
-        left = ", ".join(f"{n} {gb(b)} {d.lower()}" for n, b, d in self.float_tensors[:4]) or "none"
-        return (f"weights {gb(self.total_bytes)}; a generated token reads about {gb(self.per_token_bytes)} "
+        size = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
+        left = ", ".join(f"{n} {size(b)} {d.lower()}" for n, b, d in self.float_tensors[:4]) or "none"
+        return (f"weights {size(self.total_bytes)}; a generated token reads about {size(self.per_token_bytes)} "
                 f"(embedding tables: one row); float tensors over 1 MB: {left}")
-
-
-def _nbytes(init) -> int:
-    return next((int(e.value) for e in init.external_data if e.key == "length"), len(init.raw_data))
 
 
 def weight_report(export_dir: Path) -> WeightReport:
@@ -41,17 +37,17 @@ def weight_report(export_dir: Path) -> WeightReport:
     for node in model.graph.node:
         for name in node.input:
             consumers[name].add(node.op_type)
-    rep = WeightReport()
+    report = WeightReport()
     for init in model.graph.initializer:
-        n, dtype = _nbytes(init), onnx.TensorProto.DataType.Name(init.data_type)
-        rep.total_bytes += n
-        if consumers[init.name] and consumers[init.name] <= _GATHERS and init.dims:
-            rows = int(init.dims[0])
-            rep.gathered[init.name] = (n, rows)
-            rep.per_token_bytes += n // max(1, rows)
-        else:
-            rep.per_token_bytes += n
-        if dtype in _FLOATS and n >= 1_000_000:
-            rep.float_tensors.append((init.name, n, dtype))
-    rep.float_tensors.sort(key=lambda t: -t[1])
-    return rep
+        # external data: its recorded length (nothing is loaded)
+        size = next((int(e.value) for e in init.external_data if e.key == "length"), len(init.raw_data))
+        dtype = onnx.TensorProto.DataType.Name(init.data_type)
+        report.total_bytes += size
+        table = consumers[init.name] and consumers[init.name] <= _GATHERS and init.dims  # only gathered from
+        if table:
+            report.gathered[init.name] = (size, int(init.dims[0]))
+        report.per_token_bytes += size // max(1, int(init.dims[0])) if table else size
+        if dtype in _FLOATS and size >= 1_000_000:
+            report.float_tensors.append((init.name, size, dtype))
+    report.float_tensors.sort(key=lambda t: -t[1])
+    return report

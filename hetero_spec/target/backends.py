@@ -28,29 +28,29 @@ def _device_is_cuda(device: str) -> bool:
     return bool(torch.cuda.is_available())
 
 
-def choose_backend(t, source: str = "<config>") -> BackendChoice:
-    """Resolve `target.backend` (t: the TargetConfig)."""
-    is_export = (Path(t.model) / "model.onnx").is_file()
-    if t.backend != "auto":
-        return BackendChoice(t.backend, "set by target.backend")
-    if _device_is_cuda(t.device):
+def choose_backend(cfg, source: str = "<config>") -> BackendChoice:
+    """Resolve `target.backend` (cfg: the TargetConfig)."""
+    is_export = (Path(cfg.model) / "model.onnx").is_file()
+    if cfg.backend != "auto":
+        return BackendChoice(cfg.backend, "set by target.backend")
+    if _device_is_cuda(cfg.device):
         if is_export:
-            raise ConfigError(source, "target.model", str(t.model),
+            raise ConfigError(source, "target.model", str(cfg.model),
                               "target.backend auto picks torch for a CUDA device, which needs a Hugging Face "
                               "directory, but this is an ONNX export; set target.backend: onnx with "
                               "target.providers: [CUDAExecutionProvider], or point target.model at the checkpoint")
-        return BackendChoice("torch", f"the target's device is CUDA ({t.device})")
+        return BackendChoice("torch", f"the target's device is CUDA ({cfg.device})")
     if is_export:
         return BackendChoice("onnx", "CPU target and target.model is an ONNX export")
-    ok, why = exportable(Path(t.model))
-    if ok:
+    can_export, why = exportable(Path(cfg.model))
+    if can_export:
         return BackendChoice("onnx", "CPU target: ONNX Runtime's kernels beat eager PyTorch there")
     return BackendChoice("torch", f"CPU target, but {why}")
 
 
-def precision_of(t) -> str:
+def precision_of(cfg) -> str:
     """target.precision, else its alias target.dtype (auto: fp32 here; the Engine resolves auto per device)."""
-    return t.precision if t.precision is not None else {"float16": "fp16", "bfloat16": "bf16"}.get(t.dtype, "fp32")
+    return cfg.precision or {"float16": "fp16", "bfloat16": "bf16"}.get(cfg.dtype, "fp32")
 
 
 #: the model builder's `-e` for the first of target.providers (the graph it writes differs per provider)
@@ -63,27 +63,27 @@ def builder_ep(providers: list[str] | None) -> str:
     return BUILDER_EP.get((providers or ["CPUExecutionProvider"])[0], "cpu")
 
 
-def onnx_model_dir(t, source: str = "<config>") -> Path:
+def onnx_model_dir(cfg, source: str = "<config>") -> Path:
     """The ONNX directory the onnx backend loads: target.model itself, or its cached export at the precision,
     for the builder's provider matching target.providers (checked first: an export takes minutes)."""
-    model = Path(t.model)
+    model = Path(cfg.model)
     if (model / "model.onnx").is_file():
         return model
-    if t.providers:
+    if cfg.providers:
         from ..onnx_decoder import check_providers
-        check_providers(t.providers, source, key="target.providers")
-    return cached_export(model, precision_of(t), execution_provider=builder_ep(t.providers))
+        check_providers(cfg.providers, source, key="target.providers")
+    return cached_export(model, precision_of(cfg), execution_provider=builder_ep(cfg.providers))
 
 
-def load_target(t, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None):
-    """The verifier for a resolved backend (t.backend is torch or onnx). spin: target.spin (OnnxDecoder). prefill_threads: onnx backend,
-    the prompt's prefill on that many threads (a second session; None or <= threads: none)."""
-    if t.backend == "onnx":
+def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None):
+    """The verifier for a resolved backend (cfg: the TargetConfig; its backend is torch or onnx). spin: target.spin
+    (OnnxDecoder). prefill_threads: onnx backend, the prompt's prefill on that many threads (a second session; None or
+    <= threads: none)."""
+    if cfg.backend == "onnx":
         from .onnx_backend import OnnxTarget
-        return OnnxTarget(onnx_model_dir(t), providers=t.providers, threads=threads, max_context=t.max_context,
+        return OnnxTarget(onnx_model_dir(cfg), providers=cfg.providers, threads=threads, max_context=cfg.max_context,
                           spin=spin, prefill_threads=prefill_threads)
     from .verifier import TargetModel
-    p = precision_of(t) if t.precision is not None else None
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(p, t.dtype)
-    return TargetModel(t.model, device=t.device, dtype=dtype, threads=threads, max_context=t.max_context,
-                       quantize="int8" if p == "int8" else None, kv_cache_dtype=t.kv_cache_dtype)
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(cfg.precision, cfg.dtype)
+    return TargetModel(cfg.model, device=cfg.device, dtype=dtype, threads=threads, max_context=cfg.max_context,
+                       quantize="int8" if cfg.precision == "int8" else None, kv_cache_dtype=cfg.kv_cache_dtype)

@@ -85,8 +85,8 @@ def stamp_key(stamp: dict) -> str:
 def entry_dir(model_dir: Path, precision: str = "fp32", root: Path | None = None,
               execution_provider: str = "cpu") -> Path:
     key = stamp_key(source_stamp(model_dir, precision, execution_provider))
-    ep = "" if execution_provider == "cpu" else f"-{execution_provider}"
-    return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}{ep}-{key}"
+    suffix = "" if execution_provider == "cpu" else f"-{execution_provider}"
+    return (root or cache_root()) / "onnx" / f"{Path(model_dir).resolve().name}-{precision}{suffix}-{key}"
 
 
 def _complete(entry: Path) -> bool:

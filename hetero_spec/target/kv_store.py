@@ -19,13 +19,13 @@ class StoredKVLayer(DynamicLayer):
         self.kind = kind
         self.parts: list[torch.Tensor] = []  # keys, key scales, values, value scales (or keys, values)
 
-    def _pack(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _pack(self, states: torch.Tensor) -> list[torch.Tensor]:
         if self.kind not in _QMAX:
-            return [x.to(_STORE[self.kind])]
-        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / _QMAX[self.kind]
-        q = x.float() / scale
-        q = q.round().clamp(-127, 127) if self.kind == "int8" else q
-        return [q.to(_STORE[self.kind]), scale]
+            return [states.to(_STORE[self.kind])]
+        scale = states.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / _QMAX[self.kind]
+        scaled = states.float() / scale
+        scaled = scaled.round().clamp(-127, 127) if self.kind == "int8" else scaled
+        return [scaled.to(_STORE[self.kind]), scale]
 
     def _unpack(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return parts[0].to(dtype) if len(parts) == 1 else (parts[0].float() * parts[1]).to(dtype)
@@ -34,8 +34,8 @@ class StoredKVLayer(DynamicLayer):
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
         new = self._pack(key_states) + self._pack(value_states)
         self.parts = [torch.cat([old, x], dim=-2) for old, x in zip(self.parts, new)] if self.parts else new
-        n = len(self.parts) // 2
-        return self._unpack(self.parts[:n], self.dtype), self._unpack(self.parts[n:], self.dtype)
+        half = len(self.parts) // 2  # the keys' parts, then the values'
+        return self._unpack(self.parts[:half], self.dtype), self._unpack(self.parts[half:], self.dtype)
 
     def get_seq_length(self) -> int:
         return self.parts[0].shape[-2] if self.parts else 0

@@ -36,19 +36,19 @@ class Staging:
     def tokens(self, ids: list[int]) -> torch.Tensor:
         """ids -> a [1, len] long tensor on the device (async on CUDA; the compute stream waits). On CUDA the
         result is a view of the reused device buffer: valid until the next call."""
-        n = len(ids)
         if not self.cuda:
             return torch.tensor([ids], dtype=torch.long)
+        count = len(ids)
         compute = torch.cuda.current_stream(self.device)
         self._copied.synchronize()  # the previous copy may still be reading the pinned buffer
-        if n > self._tok_host.numel():
-            self._tok_host = torch.empty(2 * n, dtype=torch.long, pin_memory=True)
-            self._tok_dev = torch.empty(2 * n, dtype=torch.long, device=self.device)
-        self._tok_host[:n].copy_(torch.as_tensor(ids, dtype=torch.long))
+        if count > self._tok_host.numel():
+            self._tok_host = torch.empty(2 * count, dtype=torch.long, pin_memory=True)
+            self._tok_dev = torch.empty(2 * count, dtype=torch.long, device=self.device)
+        self._tok_host[:count].copy_(torch.as_tensor(ids, dtype=torch.long))
         self.stream.wait_stream(compute)  # earlier forward passes may still read the device buffer
         with torch.cuda.stream(self.stream):
-            self._tok_dev[:n].copy_(self._tok_host[:n], non_blocking=True)
+            self._tok_dev[:count].copy_(self._tok_host[:count], non_blocking=True)
             self._copied.record(self.stream)
         compute.wait_event(self._copied)
         self.copies += 1
-        return self._tok_dev[:n].view(1, n)
+        return self._tok_dev[:count].view(1, count)

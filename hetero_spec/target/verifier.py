@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers import cache_utils
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, cache_utils
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.utils import logging as hf_logging
 
@@ -176,9 +175,7 @@ class TargetModel:
         states = [rows[i][0] for i in order]
         blocks = [[rows[i][1], *rows[i][2]] for i in order]
         big_k = max(len(block) for block in blocks)
-        ids = torch.zeros((len(rows), big_k), dtype=torch.long)
-        for i, block in enumerate(blocks):
-            ids[i, :len(block)] = torch.tensor(block)
+        ids = torch.tensor([block + [0] * (big_k - len(block)) for block in blocks])  # [B, K]
         past = torch.tensor([state.n_cached for state in states])
         pos = past[:, None] + torch.arange(big_k)[None]  # [B, K]
         seen = torch.arange(int(past.max()) + big_k)[None, None] <= pos[:, :, None]  # [B, K, L]
@@ -262,8 +259,9 @@ def _check_rollback(config, model_dir: Path) -> bool:
     Full-attention and sliding-window (or chunked) KV layers crop exactly once past recording is on. Linear-attention,
     conv and hybrid layers (Mamba-style or gated-delta-net models) keep a recurrent state that crop does not restore,
     and any other layer type is unknown to this verifier."""
-    # DummyLayer (a layer that keeps no cache) is new in transformers 5.2x; 5.17 has none
-    exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, *_optional(cache_utils, "DummyLayer"))
+    # DummyLayer (a layer that keeps no cache) is new in transformers 5.2x; 5.17 has none (DynamicLayer stands in)
+    exact = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer,
+             getattr(cache_utils, "DummyLayer", DynamicLayer))
     try:
         layers = DynamicCache(config=config).layers
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
@@ -281,7 +279,3 @@ def _eos_ids(model, config) -> set[int]:
     found = [getattr(src, "eos_token_id", None) for src in (getattr(model, "generation_config", None), config)]
     return {int(e) for eos in found for e in ([eos] if isinstance(eos, int) else eos or ())}
 
-
-def _optional(module, *names: str) -> tuple:
-    """Those of module's attributes that this version of it has."""
-    return tuple(getattr(module, name) for name in names if hasattr(module, name))
