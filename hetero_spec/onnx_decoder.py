@@ -195,19 +195,16 @@ class OnnxDecoder:
             state.step = None  # input_ids and logits are bound to this run's arrays now
         else:  # the prefill session: a binding of its own over the state's buffers, for this run only
             binding = self._kv_binding(session, state.cache)
-        self._bind_inputs(binding, **feeds)
-        logits = self._bind_logits(binding, 1, rows)
+        logits = self._bind_io(binding, feeds, 1, rows)
         session.run_with_iobinding(binding)
         return logits
 
-    def _bind_inputs(self, binding, **feeds: np.ndarray) -> None:
-        """Bind those of the feeds that the graph takes (position_ids and logits_from are optional)."""
+    def _bind_io(self, binding, feeds: dict[str, np.ndarray], rows: int, positions: int) -> np.ndarray:
+        """Bind those of the feeds that the graph takes (position_ids and logits_from are optional), and the logits
+        output [rows, positions, head_width] to a numpy array of ours, returned (no OrtValue, no copy out)."""
         for name, value in feeds.items():
             if name in self.input_names:
                 binding.bind_cpu_input(name, value)
-
-    def _bind_logits(self, binding, rows: int, positions: int) -> np.ndarray:
-        """Bind the logits output [rows, positions, head_width] to a numpy array of ours (no OrtValue, no copy)."""
         logits = np.empty((rows, positions, self.head_width), dtype=self.logits_dtype)
         binding.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         return logits
@@ -221,8 +218,8 @@ class OnnxDecoder:
         if state.step is None:
             ids, positions = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
             # backed by the arrays' memory: what a later run reads is their value then
-            self._bind_inputs(binding, input_ids=ids, position_ids=positions, logits_from=self._zero)
-            state.step = (ids, positions, self._bind_logits(binding, 1, 1))
+            feeds = {"input_ids": ids, "position_ids": positions, "logits_from": self._zero}
+            state.step = (ids, positions, self._bind_io(binding, feeds, 1, 1))
         ids, positions, logits = state.step
         ids[0, 0], positions[0, 0] = token, state.n_past
         binding.bind_cpu_input("attention_mask", self._ones[:, :state.n_past + 1])
@@ -270,9 +267,9 @@ class OnnxDecoder:
         ids[rows, 0] = tokens
         mask = (np.arange(max(past) + 1)[None] <= np.asarray(past)[:, None]).astype(np.int64)
         binding = pool.binding(start, stop)
-        self._bind_inputs(binding, input_ids=ids, attention_mask=mask,
-                          position_ids=np.asarray(past, dtype=np.int64)[:, None], logits_from=self._zero)
-        logits = self._bind_logits(binding, stop - start, 1)
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.asarray(past, dtype=np.int64)[:, None],
+                 "logits_from": self._zero}
+        logits = self._bind_io(binding, feeds, stop - start, 1)
         self.session.run_with_iobinding(binding)
         for state in states:
             state.n_past += 1
@@ -302,8 +299,6 @@ class KvPool:
     tokens). The capacity doubles for all slots when one needs more, up to the context."""
 
     def __init__(self, decoder: OnnxDecoder, slots: int):
-        if slots < 1:
-            raise ValueError(f"a KV pool needs at least one slot, got {slots}")
         self.decoder, self.slots = decoder, slots
         self.cache: list[np.ndarray] = []
         # weak: a state dropped without release() (a probe, a crashed request) frees its slot when collected

@@ -13,6 +13,7 @@ import numpy as np
 from ..sampling import SamplingParams
 from ..target.export_cache import build_once, cache_root, stamp_key
 from .base import Draft
+from .ngram import Lookup
 
 ORDERS = (6, 5, 4, 3)  # context lengths looked up, the longest first
 MIN_COUNT = 2  # a context seen once says nothing about what follows it
@@ -105,11 +106,10 @@ def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
     return CorpusTable.load(entry / TABLE)
 
 
-class CorpusProposer:
+class CorpusProposer(Lookup):
     """The proposer interface of draft/base.py over one CorpusTable (shared by every request's proposer)."""
 
     name = "corpus"
-    last_catchup_s = 0.0  # a lookup has nothing to feed
 
     def __init__(self, table: CorpusTable):
         self.table, self.ids, self._last = table, [], []
@@ -119,9 +119,6 @@ class CorpusProposer:
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.ids, self._last = list(prompt_ids), []
-
-    def limit_catchup(self, window: int) -> None:
-        pass
 
     def propose(self, k: int) -> Draft:
         ctx, out, match = self.ids[-ORDERS[0]:], [], 0
@@ -135,9 +132,5 @@ class CorpusProposer:
     def sync(self, ids: list[int]) -> None:
         self.ids, self._last = list(ids), []
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
-        self.ids += [*self._last[:n_accepted], next_token]
-        self._last = []
-
-    def close(self) -> None:
-        pass
+    def _extend(self, tokens: list[int]) -> None:
+        self.ids += tokens

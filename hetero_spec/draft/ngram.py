@@ -8,9 +8,26 @@ from ..sampling import SamplingParams
 from .base import Draft
 
 
-class NgramProposer:
-    name = "ngram"
+class Lookup:
+    """What the lookups (the n-gram one, draft/corpus.py's) share: nothing to feed, limit or close, and a commit
+    that appends the last proposal's accepted tokens and the next one to the text (the subclass's `_extend`)."""
+
     last_catchup_s = 0.0  # a lookup has nothing to feed
+    _last: list[int]  # the last proposal
+
+    def limit_catchup(self, window: int) -> None:
+        pass  # a lookup's catch-up is an index update at most: nothing to limit
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        self._extend([*self._last[:n_accepted], next_token])
+        self._last = []
+
+    def close(self) -> None:
+        pass
+
+
+class NgramProposer(Lookup):
+    name = "ngram"
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n  # min_n <= max_n: checked with the config (Engine)
@@ -42,9 +59,6 @@ class NgramProposer:
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self._reset(list(prompt_ids))
 
-    def limit_catchup(self, window: int) -> None:
-        pass  # a lookup's catch-up is an index update: nothing to limit
-
     def propose(self, k: int) -> Draft:
         ids, self._last, match = self.ids, [], 0
         for size in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
@@ -64,10 +78,3 @@ class NgramProposer:
         else:
             self._reset(list(ids))
         self._last = []
-
-    def commit(self, n_accepted: int, next_token: int) -> None:
-        self._extend([*self._last[:n_accepted], next_token])
-        self._last = []
-
-    def close(self) -> None:
-        pass

@@ -80,8 +80,7 @@ class OnnxDrafter:
         self.params, self.ids, self._proposed, self.last_catchup_s = SamplingParams(), [], [], 0.0
         # cached position p holds ids[_at[p]] (increasing): ids[0:n_past] unless a catch-up window dropped the far
         # past (the cache then starts at `offset`) or a catch-up skip left a gap; _base: where an empty cache starts
-        self._at: list[int] = []
-        self._base = 0
+        self._at, self._base = [], 0
         # Both limits trade a little acceptance for speed (proposals never change the output): RoPE attention sees
         # relative positions, so a cache with a gap, or restarted late, is the same model on less context.
         #: draft selection next to a lookup (draft.catchup_skip): only the last catchup_skip of the tokens another

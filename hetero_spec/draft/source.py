@@ -143,8 +143,6 @@ class SelectingSource:
     def __init__(self, candidates: dict[str, DraftSource], names: list[str] | None = None):
         """names: the strategies chosen among (default: every candidate); one left out (the worker, next to
         candidates [ngram]) still runs and hears every commit."""
-        if not candidates:
-            raise ValueError("draft selection needs at least one candidate")
         self.cands, self.names = candidates, list(candidates) if names is None else names
         self.drafts_ahead = any(c.drafts_ahead for c in candidates.values())
         self.lookups = [n for n in candidates if n in LOOKUPS]
@@ -161,9 +159,8 @@ class SelectingSource:
         tokens (a long match is right far more often: acceptance is kept per length)."""
         out = []
         for seq, cap in zip(seqs, caps):
-            row = [RowPlan(k=cap)]
-            found = self._found[seq.id] = {n: self.cands[n].propose([seq], row)[0] if cap > 0 else Draft(ids=[])
-                                           for n in self.lookups}
+            found = self._found[seq.id] = {n: self.cands[n].propose([seq], [RowPlan(k=cap)])[0] if cap > 0
+                                           else Draft(ids=[]) for n in self.lookups}
             out.append([f"{n}@{found[n].match}" if n in self.lookups else n for n in self.names
                         if n not in self.lookups or found[n].ids])
         return out

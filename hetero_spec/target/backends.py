@@ -43,9 +43,8 @@ def choose_backend(cfg, source: str = "<config>") -> BackendChoice:
     if is_export:
         return BackendChoice("onnx", "CPU target and target.model is an ONNX export")
     can_export, why = exportable(Path(cfg.model))
-    if can_export:
-        return BackendChoice("onnx", "CPU target: ONNX Runtime's kernels beat eager PyTorch there")
-    return BackendChoice("torch", f"CPU target, but {why}")
+    return (BackendChoice("onnx", "CPU target: ONNX Runtime's kernels beat eager PyTorch there") if can_export
+            else BackendChoice("torch", f"CPU target, but {why}"))
 
 
 def precision_of(cfg) -> str:

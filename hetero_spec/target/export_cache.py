@@ -38,16 +38,12 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hetero_spec"
 
 
-def architecture(model_dir: Path) -> str | None:
-    try:
-        return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
-    except (OSError, ValueError):
-        return None
-
-
 def exportable(model_dir: Path) -> tuple[bool, str]:
     """(can the builder export this Hugging Face directory, why not)."""
-    arch = architecture(model_dir)
+    try:
+        arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        arch = None
     if arch is None:
         return False, f"{model_dir}/config.json names no architecture"
     if arch not in EXPORTABLE:

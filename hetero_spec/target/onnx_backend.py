@@ -68,8 +68,6 @@ class OnnxTarget:
                 wide: bool = False) -> np.ndarray:
         """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only).
         wide: on the prefill session's threads (target.prefill_threads), when there is one."""
-        if not tokens:
-            raise ValueError("forward needs at least one token")
         return self.decoder.append(state, tokens, wide=wide, last_only=last_only)
 
     def rollback(self, state: DecoderState, n_keep: int) -> None:
@@ -89,8 +87,6 @@ class OnnxTarget:
     def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
         """What `verify` returns for each row (state, last_token, draft_ids; a greedy flag per row). Rows without a
         draft whose states share the pool run as ONE pass; rows with a draft block one per pass (batch_blocks)."""
-        if len(greedy) != len(rows):
-            raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         results: list = [None] * len(rows)
         singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.pool is not None]
         if len(singles) > 1:

@@ -128,8 +128,6 @@ class TargetModel:
     def forward(self, state: TargetState, tokens: list[int], last_only: bool = False) -> torch.Tensor:
         """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device
         (only the last position's, [1, vocab], with last_only: the prefill needs none of the others)."""
-        if not tokens:
-            raise ValueError("forward needs at least one token")
         ids = self.staging.tokens(tokens)  # [1, n]; pinned + async on CUDA
         extra = {"logits_to_keep": 1} if last_only else {}
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: state.cache}, **extra)
@@ -167,8 +165,6 @@ class TargetModel:
         are their slots of the kept cache, read in place (KeptKV); each block is left-aligned in [B, K] and written
         after its own past, and a 4D mask lets query j of a row see its past and its block up to j (the pad after
         a short block is seen by nothing real). Rows without a slot verify one per pass."""
-        if len(greedy) != len(rows):
-            raise ValueError(f"verify_batch: {len(rows)} rows but {len(greedy)} greedy flags")
         if len(rows) == 1 or any(state.slot is None for state, _, _ in rows):
             return [self.verify(state, last, draft, g) for (state, last, draft), g in zip(rows, greedy)]
         order = sorted(range(len(rows)), key=lambda i: rows[i][0].slot)  # ascending slots: a view when contiguous
