@@ -42,7 +42,8 @@ class DecoderState:
     cache: list[np.ndarray] = field(default_factory=list)
     n_past: int = 0
     binding: Any = None
-    pool: KvPool | None = None  # a slot of a batched buffer (KvPool), or None: buffers of its own
+    # shared layout: the KvPool whose slot it is (a batched buffer's, or a pool of one slot of its own); copy: None
+    pool: KvPool | None = None
     slot: int = -1
     # shared layout, one-token steps: input_ids, position_ids and logits buffers bound to `binding` once and
     # rewritten each step; None until the first step, and after a several-token run or a new binding
@@ -146,7 +147,8 @@ class OnnxDecoder:
         self.context_len = int(self.genai_config.get("context_length") or 1 << 30)
 
     def new_state(self) -> DecoderState:
-        return DecoderState()
+        """A fresh state (shared layout: the slot of a pool of its own, which grows as any pool does)."""
+        return KvPool(self, 1).acquire() if self.shared else DecoderState()
 
     def append(self, state: DecoderState, tokens: list[int], wide: bool = False, last_only: bool = False) -> np.ndarray:
         """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width], or [1, vocab_width]
@@ -174,22 +176,9 @@ class OnnxDecoder:
         state.cache = outs[1:]
         return outs[0]
 
-    def _make_room(self, state: DecoderState, n_new: int) -> None:
-        """Shared layout: buffers with room for n_new more positions (the state's own, or its KV pool's). A state's
-        own grow into new buffers holding the cached positions, bound anew as past and present."""
-        needed = state.n_past + n_new
-        if needed <= state.capacity:
-            return
-        if state.pool is not None:
-            return state.pool.ensure(needed)
-        buffers = self._alloc(1, needed, state.capacity)
-        for new, old in zip(buffers, state.cache):
-            new[:, :, :state.n_past] = old[:, :, :state.n_past]
-        self._bind(state, buffers)
-
     def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session) -> np.ndarray:
         """rows: the positions the logits come out for (all fed, or the last one)."""
-        self._make_room(state, feeds["input_ids"].shape[1])
+        state.pool.ensure(state.n_past + feeds["input_ids"].shape[1])
         if session is self.session:
             binding = state.binding
             state.step = None  # input_ids and logits are bound to this run's arrays now
@@ -213,7 +202,7 @@ class OnnxDecoder:
         """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the
         attention mask, whose length grows, is bound anew (binding every input and the logits cost 0.1-0.2 ms of
         Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
-        self._make_room(state, 1)
+        state.pool.ensure(state.n_past + 1)
         binding = state.binding
         if state.step is None:
             ids, positions = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
@@ -296,7 +285,8 @@ class KvPool:
     """Shared-layout KV buffers for several sequences, [slots, kv_heads, capacity, head_dim] per past tensor, so
     that one-token steps of many sequences run as one batch (`OnnxDecoder.append_batch`) with no copy. A slot's
     state binds the views buf[slot:slot + 1] and runs alone like any shared-layout state (blocks of several
-    tokens). The capacity doubles for all slots when one needs more, up to the context."""
+    tokens). The capacity doubles for all slots when one needs more, up to the context. A state's own buffers are
+    a pool of one slot (OnnxDecoder.new_state)."""
 
     def __init__(self, decoder: OnnxDecoder, slots: int):
         self.decoder, self.slots = decoder, slots
@@ -319,10 +309,8 @@ class KvPool:
         if free is None:
             return None
         state = self._states[free] = DecoderState(pool=self, slot=free)
-        if self.cache:
+        if self.cache:  # else the first run's ensure() allocates the buffers and binds every slot
             self._bind(state)
-        else:
-            self.ensure(1)
         return state
 
     def release(self, state: DecoderState) -> None:

@@ -62,7 +62,7 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     before = _mtime(out_dir / "model.onnx")  # a model left by an earlier export must not pass for this one
     say = progress or ((lambda text: None) if quiet else stderr_progress())
     with tempfile.TemporaryDirectory(prefix="hetero-spec-export-") as cache:
-        src, extra = _sliding_window_source(model_dir, Path(cache))
+        src, extra = _sliding_window_source(model_dir, hf_config, Path(cache))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src),
                "-o", str(out_dir), "-p", precision, "-e", execution_provider, "-c", cache]
         extra += quant_options(precision, hf_config, block_size)
@@ -134,12 +134,12 @@ def quant_options(precision: str, config: dict | None = None, block_size: int | 
     return opts
 
 
-def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[str]]:
+def _sliding_window_source(model_dir: Path, cfg: dict, scratch: Path) -> tuple[Path, list[str]]:
     """(directory to export, builder extra options) keeping a sliding window exactly as transformers does.
     The builder reads the window from `layer_types`, which some configs (Mistral) leave out (the export would
     attend to the whole context): a scratch copy spells it out. `windowed_kv_cache=false`: a full-length cache
-    with the window applied in attention (the drafter's sliced cache cannot drive the default ring buffer)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
+    with the window applied in attention (the drafter's sliced cache cannot drive the default ring buffer). cfg:
+    model_dir's config.json."""
     if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
         return model_dir, []
     if cfg.get("layer_types"):
@@ -149,8 +149,8 @@ def _sliding_window_source(model_dir: Path, scratch: Path) -> tuple[Path, list[s
     for path in model_dir.iterdir():  # links: the weights are not copied
         if path.name != "config.json":
             (src / path.name).symlink_to(path.resolve())
-    cfg["layer_types"] = ["sliding_attention"] * int(cfg["num_hidden_layers"])
-    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    layer_types = ["sliding_attention"] * int(cfg["num_hidden_layers"])
+    (src / "config.json").write_text(json.dumps({**cfg, "layer_types": layer_types}, indent=2))
     return src, ["windowed_kv_cache=false"]
 
 

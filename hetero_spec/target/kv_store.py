@@ -41,8 +41,7 @@ class StoredKVLayer(DynamicLayer):
         return self.parts[0].shape[-2] if self.parts else 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count (tokens to remove)")
+        """tokens_to_remove: negative, as TargetModel.rollback calls it."""
         if tokens_to_remove and self.parts:
             self.parts = [p[..., :tokens_to_remove, :] for p in self.parts]
 

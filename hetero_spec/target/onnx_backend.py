@@ -88,7 +88,8 @@ class OnnxTarget:
         """What `verify` returns for each row (state, last_token, draft_ids; a greedy flag per row). Rows without a
         draft whose states share the pool run as ONE pass; rows with a draft block one per pass (batch_blocks)."""
         results: list = [None] * len(rows)
-        singles = [i for i, (state, _, draft) in enumerate(rows) if not draft and state.pool is not None]
+        singles = [i for i, (state, _, draft) in enumerate(rows)
+                   if not draft and self._pool is not None and state.pool is self._pool]
         if len(singles) > 1:
             logits = self.decoder.append_batch([rows[i][0] for i in singles], [rows[i][1] for i in singles])
             for j, i in enumerate(singles):
