@@ -125,7 +125,7 @@ class CorpusProposer(Lookup):
         while len(out) < min(k, CHAIN) and (hit := self.table.next(ctx)) is not None:
             out.append(hit[0])
             match = match or hit[1]
-            ctx = [*ctx[1:], hit[0]] if len(ctx) == ORDERS[0] else [*ctx, hit[0]]
+            ctx = [*ctx, hit[0]][-ORDERS[0]:]
         self._last = out
         return Draft(ids=list(out), match=match)
 

@@ -90,16 +90,13 @@ def prune_head(export_dir: Path, out_dir: Path, n_tokens: int) -> Path:
         if name not in inits:  # optional inputs left empty
             continue
         arr = _array(inits[name], export_dir)
-        # MatMulNBits: B [N, blocks, blob], scales and zero points [N, ...] or flat; MatMul: B [K, N]
-        if nbits:
-            rows = arr.reshape(vocab, -1)[keep]
-            rows = rows.reshape(-1) if arr.ndim == 1 else rows.reshape(len(keep), *arr.shape[1:])
-        else:
+        if nbits:  # B [N, blocks, blob], scales and zero points [N, ...] or flat
+            rows = arr.reshape(vocab, -1)[keep].reshape(-1 if arr.ndim == 1 else (len(keep), *arr.shape[1:]))
+        else:  # MatMul: B [K, N]
             rows = arr[:, keep]
-        new = numpy_helper.from_array(np.ascontiguousarray(rows), f"{name}.head{len(keep)}")
-        graph.initializer.remove(inits[name])
-        graph.initializer.append(new)
-        head.input[i] = new.name
+        # the initializer replaced in place, under a new name
+        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(rows), f"{name}.head{len(keep)}"))
+        head.input[i] = inits[name].name
     if nbits:
         attrs["N"].i = len(keep)
     next(o for o in graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value = len(keep)

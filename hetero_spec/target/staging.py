@@ -14,9 +14,8 @@ class Staging:
     """Reusable staging buffers for the candidate ids of one device."""
 
     def __init__(self, device: torch.device, max_tokens: int = 128):
-        self.device = device
+        self.device, self.copies = device, 0
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.copies = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
             self._tok_host = torch.empty(max_tokens, dtype=torch.long, pin_memory=True)
