@@ -1,8 +1,6 @@
 """hetero_spec: heterogeneous, hardware-aware speculative decoding. A draft proposes tokens, the target verifies
 them; greedy output is identical to the target alone and sampled output keeps the target's distribution."""
 
-from __future__ import annotations
-
 __version__ = "0.1.0"
 __all__ = ["Engine", "GenerationOutput", "__version__"]
 

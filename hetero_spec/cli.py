@@ -1,7 +1,5 @@
 """`hetero-spec` command line. A face of the engine: it parses arguments and calls the API, nothing more."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import logging

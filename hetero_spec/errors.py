@@ -1,7 +1,5 @@
 """Errors users see. Each one says what was wrong, where, and with which value."""
 
-from __future__ import annotations
-
 from typing import Any
 
 

@@ -1,7 +1,5 @@
 """Per-request statistics, collected by the decode loop from the first round on."""
 
-from __future__ import annotations
-
 from dataclasses import asdict, dataclass, field
 
 

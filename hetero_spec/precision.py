@@ -2,8 +2,6 @@
 `draft.precision`, checked against what the backend can run here. What each value does, per backend, and why
 quantized output is identical to that target alone rather than to the checkpoint: docs/features-precision.md."""
 
-from __future__ import annotations
-
 import logging
 from pathlib import Path
 

@@ -2,8 +2,6 @@
 the worker's TCP bind address and keys, the draft's execution providers and vocabulary. Each failure is an
 error naming the source, the key and the value."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from .config import Config

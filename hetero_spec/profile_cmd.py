@@ -1,8 +1,6 @@
 """`hetero-spec profile`: measure this machine's costs for a config, fit the cost model, recommend gamma.
 See tuning/profile.py for what each measurement is; this driver runs them on Engines and writes the profile."""
 
-from __future__ import annotations
-
 import os
 import platform
 import sys

@@ -16,8 +16,6 @@ Randomness is passed in, keyed by (seed, absolute position, stream). The two sam
 docs/features-sampling.md.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -2,8 +2,6 @@
 latter by the config's own pydantic fields, so `--temperature`, `Engine.generate(temperature=...)` and
 `generation.temperature` accept exactly the same values (a bound is written once, in config.py)."""
 
-from __future__ import annotations
-
 import operator
 from typing import Any
 

@@ -1,7 +1,5 @@
 """`hetero-spec bench`: its arguments, their checks (a BenchError naming the bad value), and the run."""
 
-from __future__ import annotations
-
 import argparse
 import sys
 import textwrap

@@ -1,8 +1,6 @@
 """`hetero-spec load` (docs/benchmarks.md): at level C, C client threads send the held-out prompts to one Engine;
 the (system, level) runs rotate over the repeats (`interleave`), each paired per repeat with the first level's."""
 
-from __future__ import annotations
-
 import statistics
 import sys
 import time

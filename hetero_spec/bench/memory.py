@@ -2,8 +2,6 @@
 process's own (VmHWM, sampled while it runs: the draft worker, llama.cpp's tools). RUSAGE_CHILDREN is not used:
 a forked child keeps the parent's size at fork as its ru_maxrss. MB = 10^6 bytes."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import resource

@@ -4,8 +4,6 @@ speculative tool decodes past -n, so its decode time is scaled to the tokens com
 reads and writes text, through the target's tokenizer (counts may differ by a token); a GGUF is another
 quantization, so llama_cpp_spec is also compared with llama_cpp_target_only."""
 
-from __future__ import annotations
-
 import importlib.util
 import json
 import os

@@ -1,8 +1,6 @@
 """The prompts, as the target tokenizer's ids: held-out ones (the checkout's models/corpus.py split, else
 held-out standard-library files), the user's (--prompts-file), or HumanEval's (--prompts humaneval[:N])."""
 
-from __future__ import annotations
-
 import argparse
 import gzip
 import hashlib

@@ -5,8 +5,6 @@ are cut by their client after the first event, and a share are malformed (MALFOR
 get); at the end the server's /metrics must count exactly the errors sent, and nothing may stay in flight. Flat:
 the server's VmRSS after the warm-up at most GROWTH_LIMIT above its first."""
 
-from __future__ import annotations
-
 import contextlib
 import http.client
 import itertools

@@ -4,8 +4,6 @@ tokens, a long prompt arrives (or, in the "none" arm, nothing does). Per arm (on
 rotating per repeat): a running stream's longest wait for its next tokens, the median of its waits, and the long
 request's time to first token; medians over the repeats. Writes OUT/prefill_stall.json and .md."""
 
-from __future__ import annotations
-
 import statistics
 import threading
 import time

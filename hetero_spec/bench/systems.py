@@ -1,7 +1,5 @@
 """Ours: the target alone (the reference), the config as given, in-process and two-process where they differ."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from ..config import build_config

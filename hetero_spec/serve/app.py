@@ -3,8 +3,6 @@ behaviour: docs/serving.md). Each round's tokens reach the event loop through an
 (Engine.astream_tokens), so the loop never blocks on decoding; a client that disconnects, or a stop string,
 sets the request's cancel event and it leaves the batch before its next round."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 import logging

@@ -2,8 +2,6 @@
 a request's headers (uvicorn has none: a protocol subclass adds it), a deadline and a size limit for its body (an
 ASGI middleware), and uvicorn's own connection limit and keep-alive timeout."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 from typing import Any

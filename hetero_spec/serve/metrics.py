@@ -1,7 +1,5 @@
 """Prometheus metrics of `hetero-spec serve` (prometheus-client, one registry per app)."""
 
-from __future__ import annotations
-
 from functools import partial
 from typing import Any
 

@@ -1,8 +1,6 @@
 """`hetero-spec serve --ray`: the OpenAI-compatible app as a Ray Serve deployment, one Engine per replica (its
 resources, core slice, ingress, health check and metrics: docs/serving.md, "Replicas on Ray Serve")."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import importlib.util

@@ -2,8 +2,6 @@
 OpenAI's API is: an unknown field, a number sent as a string, NaN or an unsupported option is a 400 naming it,
 never silently ignored or coerced (docs/serving.md lists what is accepted)."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Any, Literal

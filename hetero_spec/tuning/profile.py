@@ -3,8 +3,6 @@ below measure one cost each. The `hetero-spec profile` driver that runs them, an
 PROFILE.png, is hetero_spec/profile_cmd.py; what it measures: docs/features-tuning.md.
 """
 
-from __future__ import annotations
-
 import os
 import statistics
 import threading
