@@ -72,7 +72,8 @@ class OnnxDecoder:
         # draft/export.add_logits_from's graph, else the export's own
         path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
         if path is None:
-            raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx")
+            raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx (an export: "
+                                 "`hetero-spec export --model HF_DIR --out DIR`)")
         providers = providers or ["CPUExecutionProvider"]
         check_providers(providers, key=f"{role}.providers")
         self.session = self._load(path, providers, threads, spin, role)
@@ -221,9 +222,6 @@ class OnnxDecoder:
         cap = max(needed, min(max(2 * capacity, self.initial_capacity), self.context_len))
         return [np.zeros((rows, self.kv_shape[1], cap, self.kv_shape[3]), dtype=self.kv_dtype) for _ in self.past_names]
 
-    def _bind(self, state: DecoderState, buffers: list[np.ndarray]) -> None:
-        state.cache, state.binding, state.step = buffers, self._kv_binding(self.session, buffers), None
-
     def _kv_binding(self, session, buffers: list[np.ndarray]):
         """A new IO binding of session with each buffer bound as both a past input and its present output (the
         kernel writes into it)."""
@@ -339,4 +337,5 @@ class KvPool:
         return self._bindings[(start, stop)]
 
     def _bind(self, state: DecoderState) -> None:
-        self.decoder._bind(state, [buf[state.slot:state.slot + 1] for buf in self.cache])
+        views = [buf[state.slot:state.slot + 1] for buf in self.cache]
+        state.cache, state.binding, state.step = views, self.decoder._kv_binding(self.decoder.session, views), None

@@ -46,7 +46,6 @@ class LocalSource:
                         "unchanged): %s: %s", self.name, what, seq.id, type(exc).__name__, exc, exc_info=exc)
 
     def begin(self, seq: Seq, ahead: int = 0, most: int = 0) -> None:
-        self._proposed[seq.id] = False
         self._fresh.add(seq.id)
         try:
             proposer = self._props[seq.id] = self.proposer.spawn()
@@ -152,7 +151,6 @@ class SelectingSource:
     def begin(self, seq: Seq, ahead: int = 0, most: int = 0) -> None:
         for candidate in self.cands.values():
             candidate.begin(seq, ahead, most)
-        self._chosen[seq.id] = None
 
     def offers(self, seqs: list[Seq], caps: list[int]) -> list[list[str]]:
         """Each row's strategies: the model candidates, and a lookup as "name@n" where it matched a suffix of n

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelLoadError
 from ..onnx_decoder import DecoderState, OnnxDecoder
 
 
@@ -37,9 +36,6 @@ class OnnxTarget:
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
                  max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None):
         model_dir = Path(model_dir)
-        if not (model_dir / "model.onnx").is_file():
-            raise ModelLoadError(f"target model directory {str(model_dir)!r} has no model.onnx; the onnx backend "
-                                 "needs an exported target (`hetero-spec export --model HF_DIR --out DIR`)")
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
                                    prefill_threads=prefill_threads)
         self.model_dir, self.vocab_width = model_dir, self.decoder.vocab_width
@@ -60,7 +56,7 @@ class OnnxTarget:
         return (self._pool and self._pool.acquire()) or self.decoder.new_state()
 
     def release_state(self, state: DecoderState) -> None:
-        """Free the state's pool slot (a request ended); a no-op for a state with buffers of its own."""
+        """Free the state's buffers (its pool slot) now (a request ended); a no-op in the copy layout."""
         if state.pool is not None:
             state.pool.release(state)
 
