@@ -87,8 +87,7 @@ def _eog_ids(get, tokens: list[str]) -> tuple[int, ...]:
     first = {text: i for i, text in reversed(list(enumerate(tokens)))}  # each text's first id
     declared = [get(key) for key in _EOG_KEYS]
     # FIM pad/repo/file-separator: declared, else found by text
-    declared += [get(key, min((first[n] for n in names if n in first), default=None))
-                 for key, names in _FIM_EOG.items()]
+    declared += [get(k, min((first[n] for n in names if n in first), default=None)) for k, names in _FIM_EOG.items()]
     ids = {int(i) for i in declared if i is not None} | {first[t] for t in _EOG_TEXT if t in first}
     texts = {tokens[i] for i in ids if i < len(tokens)}
     if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):

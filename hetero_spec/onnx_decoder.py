@@ -136,13 +136,12 @@ class OnnxDecoder:
         self.kv_dtype = _ORT_DTYPES.get(first.type, np.float32) if first is not None else np.float32
         logits_out = next(o for o in self.session.get_outputs() if o.name == "logits")
         width = logits_out.shape[-1]
-        self.model_vocab = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
+        self.head_width = int(width) if isinstance(width, int) else int(self.genai_config.get("vocab_size", 0))
         # a pruned LM head (draft/head.py): logit i is token head_tokens[i]; the model's vocabulary is the
         # tokenizer's, the logits are spread into it (-inf for the tokens the head does not propose)
         self.head_tokens = np.load(model_dir / HEAD_TOKENS) if (model_dir / HEAD_TOKENS).is_file() else None
-        self.head_width = self.model_vocab
-        if self.head_tokens is not None:
-            self.model_vocab = int(self.genai_config.get("vocab_size") or self.head_tokens.max() + 1)
+        self.model_vocab = (self.head_width if self.head_tokens is None
+                            else int(self.genai_config.get("vocab_size") or self.head_tokens.max() + 1))
         self.logits_dtype = _ORT_DTYPES.get(logits_out.type, np.float32)
         self._ones = np.ones((1, 256), dtype=np.int64)
         self.context_len = int(self.genai_config.get("context_length") or 1 << 30)

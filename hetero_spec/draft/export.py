@@ -167,11 +167,11 @@ def stderr_progress(prefix: str = "export") -> Callable[[str], None]:
 def _run_builder(cmd: list[str], log_path: Path, say: Callable[[str], None]) -> int:
     """Run the builder with all its output into log_path; say() one line per stage. Returns the exit code."""
     say("starting the model builder (it imports torch and transformers first)")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # stages arrive as they happen, not at exit
     shown = 0
+    # unbuffered: stages arrive as they happen, not at exit
     with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8",
-            errors="replace", env=env) as proc:
+            errors="replace", env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         log.write(f"$ {shlex.join(cmd)}\n")
         for line in proc.stdout:  # tqdm's \r updates arrive as lines too (universal newlines)
             log.write(line)

@@ -38,8 +38,7 @@ class NgramProposer(Lookup):
         return NgramProposer(max_n=self.max_n, min_n=self.min_n)
 
     def _reset(self, ids: list[int]) -> None:
-        self.ids: list[int] = []
-        self._last: list[int] = []  # the last proposal
+        self.ids, self._last = [], []
         #: n -> n-gram -> (latest start, the start before it; -1 when none)
         self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
             n: {} for n in range(self.min_n, self.max_n + 1)}

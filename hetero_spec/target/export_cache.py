@@ -57,15 +57,14 @@ def source_stamp(model_dir: Path, precision: str, execution_provider: str = "cpu
     """What identifies a checkpoint and its export: path, config, weight files (name, size, mtime), and the
     builder's execution provider when it is not the CPU (the CPU exports' keys predate it)."""
     model_dir = Path(model_dir).resolve()
-    files = sorted(p for p in model_dir.iterdir()
-                   if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model"))
     try:
         builder = version("onnxruntime-genai")
     except Exception:  # metadata missing: still a stable key
         builder = "?"
     stamp = {"dir": str(model_dir), "precision": precision, "builder": builder,
              "config": json.loads((model_dir / "config.json").read_text()),
-             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(model_dir.iterdir())
+                       if p.is_file() and p.suffix in (".safetensors", ".bin", ".json", ".model")]}
     if execution_provider != "cpu":
         stamp["execution_provider"] = execution_provider
     if options := quant_options(precision, stamp["config"]):  # a recipe change re-exports (other keys predate it)
@@ -101,19 +100,17 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         say(f"exporting the {role} {model_dir} to ONNX ({precision}, {execution_provider}) once, into the cache "
             f"{entry} (set HETERO_SPEC_CACHE to move it)")
         export_draft(model_dir, scratch, precision, execution_provider, progress=say)
-        (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider),
-                                                      indent=2))
+        (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider), indent=2))
 
     entry = build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
-    if (entry / LOGITS_FROM_MODEL).is_file():
-        return entry
-    try:
-        with open(entry.parent / f"{entry.name}.lock", "w") as lock:  # an entry exported before logits_from existed
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if add_logits_from(entry):
-                log.info("%s: gave the cached export an input logits_from (prefill: one row of logits)", role)
-    except OSError as exc:  # a read-only cache: the export runs as it is (full logits in a prefill)
-        log.warning("%s: cannot upgrade the cached export %s: %s", role, entry, exc)
+    if not (entry / LOGITS_FROM_MODEL).is_file():  # an entry exported before logits_from existed
+        try:
+            with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if add_logits_from(entry):
+                    log.info("%s: gave the cached export an input logits_from (prefill: one row of logits)", role)
+        except OSError as exc:  # a read-only cache: the export runs as it is (full logits in a prefill)
+            log.warning("%s: cannot upgrade the cached export %s: %s", role, entry, exc)
     return entry
 
 
