@@ -68,10 +68,9 @@ class TargetModel:
         self.dtype = auto if dtype == "auto" else _DTYPES[dtype]
         try:
             config = AutoConfig.from_pretrained(model_dir)
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load target model from {str(model_dir)!r}: {exc}") from exc
-        self.model.eval()
         try:
             self.cache_kw = cache_keyword(type(self.model))
         except TypeError as exc:
@@ -129,8 +128,8 @@ class TargetModel:
         """Append tokens to the cache; return their logits, [len(tokens), vocab] on the model device
         (only the last position's, [1, vocab], with last_only: the prefill needs none of the others)."""
         ids = self.staging.tokens(tokens)  # [1, n]; pinned + async on CUDA
-        extra = {"logits_to_keep": 1} if last_only else {}
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: state.cache}, **extra)
+        # logits_to_keep: 1, the last position's; 0, every position's
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=int(last_only), **{self.cache_kw: state.cache})
         state.n_cached += len(tokens)
         return out.logits[0]
 
