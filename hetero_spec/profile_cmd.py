@@ -12,16 +12,31 @@ from typing import Any
 from .config import load_config
 from .engine import Engine
 from .tuning.cost_model import LAYOUTS, CostModel, expected_tokens, fit_line
-from .tuning.profile import (batch_points, decoder_token_s, median_s, prefilled, recommended_batch, transfer_points,
-                             verify_points)
+from .tuning.profile import (batch_points, decoder_token_s, median_s, prefilled, recommended_batch,
+                             step_overhead_s, transfer_points, verify_points)
 
 IN_PROCESS = {"runtime.mode": "in_process", "runtime.cpus": None}  # every cost on its own; layouts come after
 
 
+def _draft_decoder(eng: Engine):
+    """The OnnxDecoder of the Engine's in-process onnx draft (None for a lookup or none)."""
+    return getattr(getattr(eng.source, "proposer", None), "decoder", None)
+
+
 def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of the Engine's onnx draft in this process (0.0 for a lookup or none)."""
-    decoder = getattr(getattr(eng.source, "proposer", None), "decoder", None)
+    decoder = _draft_decoder(eng)
     return 0.0 if decoder is None else decoder_token_s(decoder, prompt, reps)
+
+
+def _step_overhead(decoder, prompt: list[int], reps: int) -> dict[str, float] | None:
+    """A decoder's one-token step against ONNX Runtime's own run of it (tuning/profile.step_overhead_s), in ms."""
+    timed = None if decoder is None else step_overhead_s(decoder, prompt, reps)
+    if timed is None:
+        return None
+    step_s, run_s = timed
+    return {"step_ms": round(step_s * 1e3, 4), "run_ms": round(run_s * 1e3, 4),
+            "overhead_ms": round((step_s - run_s) * 1e3, 4)}
 
 
 def _acceptance(engine, prompts: list[list[int]], max_new: int, gamma: int = 8) -> tuple[float, dict]:
@@ -153,6 +168,11 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         vpoints = verify_points(eng.target, ctx_prompt, drafts_k, reps)
         say("draft time per token")
         draft_token_s = _draft_token_s(eng, ctx_prompt, reps)
+        say("per-step overhead: one step of the target and of the draft against their sessions' own runs")
+        overhead = {"target": _step_overhead(getattr(eng.target, "decoder", None), ctx_prompt, reps),
+                    "draft": _step_overhead(_draft_decoder(eng), ctx_prompt, reps)}
+        if overhead["target"] is not None:  # the verifier interface's one-token pass, V(0), against the same run
+            overhead["target"]["verify_0_ms"] = round(vpoints[0][1] * 1e3, 4) if drafts_k[0] == 0 else None
         say("transfer time against payload")
         tpoints = transfer_points([64, 4096, 65536, 1 << 20], reps)
         say("prefill time against prompt length")
@@ -183,7 +203,8 @@ def run_profile(config_path: Path, out: Path, quick: bool = False, prompts_file:
         "measured": {"verify_s": _by_k(vpoints), "draft_token_s": round(draft_token_s, 6),
                      "transfer_s": {str(size): round(y, 7) for size, y in tpoints},
                      "prefill_s": {str(n): round(y, 6) for n, y in ppoints},
-                     "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()}},
+                     "goodput_tok_s_in_process": {str(g): round(v, 2) for g, v in measured.items()},
+                     "step_overhead": overhead},
         "cost_model": {k: ({g: round(x, 7) for g, x in v.items()} if isinstance(v, dict) else round(v, 7))
                        for k, v in model.to_dict().items()},
         "acceptance": {"per_token": round(acceptance, 4), **acc_info}, "recommended_gamma": recommended,

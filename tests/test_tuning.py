@@ -10,7 +10,7 @@ import pytest
 from hetero_spec import Engine
 from hetero_spec.errors import ConfigError
 from hetero_spec.profile_cmd import run_profile
-from hetero_spec.tuning import placement
+from hetero_spec.tuning import placement, profile
 from hetero_spec.tuning.controller import Tuning
 from hetero_spec.tuning.cost_model import Acceptance, CostModel, expected_tokens, fit_line
 from hetero_spec.tuning.profile import load_tuning
@@ -201,6 +201,9 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(monkeypatch, tmp_pat
     assert all(r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0 for r in rows)
     assert placement.profile_costs(tmp_path / "p" / "prof.yaml").verify.keys() == {1, 2}
     assert set(prof["measured"]["verify_s"]) == {"1", "2", "4", "8", "12", "16"}
+    overhead = prof["measured"]["step_overhead"]  # the torch target has no ONNX session; the onnx draft has
+    assert overhead["target"] is None and set(overhead["draft"]) == {"step_ms", "run_ms", "overhead_ms"}
+    assert overhead["draft"]["run_ms"] > 0
     assert prof["acceptance"]["per_token"] >= 0.95  # the copy draft is the target itself
     assert set(prof["recommended_gamma"]) == {"in_process", "two_process"}
     t = load_tuning(tmp_path / "p" / "prof.yaml")
@@ -233,6 +236,39 @@ def test_profile_quick_writes_a_model_that_gamma_auto_loads(monkeypatch, tmp_pat
     bad.write_text("cost_model: {verify_fixed_s: 1}\n")
     with pytest.raises(ConfigError, match=r"speculation.profile.*not a profile"):
         Engine.from_config(cfg, overrides={"speculation.profile": str(bad)})
+
+
+def test_step_overhead_is_a_step_less_its_sessions_run(monkeypatch):
+    """profile.step_overhead_s on a fake clock: a decoder whose step takes 5 ticks, 3 of them the session's run,
+    reports (5, 3); a decoder without the shared layout reports nothing."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: now[0])
+
+    class Session:
+        def run_with_iobinding(self, binding):
+            assert binding == "bound"
+            now[0] += 3.0
+
+    class Decoder:
+        shared, session = True, Session()
+
+        def new_state(self):
+            return SimpleNamespace(n_past=0, binding="bound")
+
+        def append(self, state, tokens):
+            now[0] += 2.0
+            self.session.run_with_iobinding(state.binding)
+            state.n_past += len(tokens)
+
+        def rewind(self, state, n_keep):
+            state.n_past = n_keep
+
+    assert profile.step_overhead_s(Decoder(), [1, 2, 3], reps=4) == (5.0, 3.0)
+    copy_layout = Decoder()
+    copy_layout.shared = False
+    assert profile.step_overhead_s(copy_layout, [1, 2, 3], reps=4) is None
 
 
 def test_onnx_drafter_times_its_catch_up(llama_copy_onnx):

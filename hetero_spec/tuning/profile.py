@@ -134,6 +134,23 @@ def decoder_token_s(dec, prompt: list[int], reps: int) -> float:
     return median_s(once, reps) / 8
 
 
+def step_overhead_s(dec, prompt: list[int], reps: int) -> tuple[float, float] | None:
+    """(one greedy step through OnnxDecoder.append, the session's own run of it): median seconds of each. The run is
+    timed on the binding the step leaves bound (the same token, position and cache), so the difference is what our
+    Python adds to a step. None for a decoder without the shared-buffer layout (its steps bind nothing)."""
+    if not dec.shared:
+        return None
+    state = dec.new_state()
+    dec.append(state, prompt)
+    base = state.n_past
+
+    def step():
+        dec.append(state, [prompt[-1]])
+        dec.rewind(state, base)
+    step_s = median_s(step, reps)
+    return step_s, median_s(lambda: dec.session.run_with_iobinding(state.binding), reps)
+
+
 def beside(background, measure_fn):
     """measure_fn() while background() runs in a loop in another thread (ONNX Runtime, torch and ZeroMQ release
     the GIL while they work, so the two run on separate cores, as the worker and the target do)."""
