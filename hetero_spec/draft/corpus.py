@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..sampling import SamplingParams
 from ..target.export_cache import build_once, cache_root, stamp_key
 from .base import Draft
 from .ngram import Lookup
@@ -92,7 +91,6 @@ def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
     """The table of the standard library tokenized with this tokenizer, made once into the cache (~1 minute)."""
     from . import head
     files = head.corpus_files()
-    tokenizer_json = Path(tokenizer_json)
     key = stamp_key({"tokenizer": tokenizer_json.read_text(), "files": [str(f) for f in files],
                      "orders": ORDERS, "min_count": MIN_COUNT, "min_share": MIN_SHARE})
     entry = cache_root() / "corpus" / key
@@ -116,9 +114,6 @@ class CorpusProposer(Lookup):
 
     def spawn(self) -> CorpusProposer:
         return CorpusProposer(self.table)
-
-    def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.ids, self._last = list(prompt_ids), []
 
     def propose(self, k: int) -> Draft:
         ctx, out, match = self.ids[-ORDERS[0]:], [], 0

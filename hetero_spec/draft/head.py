@@ -72,7 +72,6 @@ def prune_head(export_dir: Path, out_dir: Path, n_tokens: int) -> Path:
     rows of `head_tokens`; the weights file is linked, not copied, and the head's rows go inline in model.onnx."""
     import onnx
     from onnx import numpy_helper
-    export_dir, out_dir = Path(export_dir), Path(out_dir)
     graph_file = LOGITS_FROM_MODEL if (export_dir / LOGITS_FROM_MODEL).is_file() else "model.onnx"
     model = onnx.load(str(export_dir / graph_file), load_external_data=False)  # the copy's only graph
     graph = model.graph
@@ -124,10 +123,9 @@ def _array(init, base: Path) -> np.ndarray:
     if not init.external_data:
         return numpy_helper.to_array(init)
     info = {e.key: e.value for e in init.external_data}
-    with open(base / info["location"], "rb") as weights:
-        weights.seek(int(info.get("offset", 0)))
-        raw = weights.read(int(info["length"]))
-    return np.frombuffer(raw, dtype=helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
+    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+    return np.fromfile(base / info["location"], dtype=dtype, count=int(info["length"]) // dtype.itemsize,
+                       offset=int(info.get("offset", 0))).reshape(tuple(init.dims))
 
 
 def cached_pruned(export_dir: Path, size: int) -> Path:

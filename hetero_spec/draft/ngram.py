@@ -9,11 +9,15 @@ from .base import Draft
 
 
 class Lookup:
-    """What the lookups (the n-gram one, draft/corpus.py's) share: nothing to feed, limit or close, and a commit
-    that appends the last proposal's accepted tokens and the next one to the text (the subclass's `_extend`)."""
+    """What the lookups (the n-gram one, draft/corpus.py's) share: nothing to feed, limit or close, a prompt taken
+    as any text is (the subclass's `sync`), and a commit that appends the last proposal's accepted tokens and the
+    next one to the text (its `_extend`)."""
 
     last_catchup_s = 0.0  # a lookup has nothing to feed
     _last: list[int]  # the last proposal
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.sync(prompt_ids)  # a request's prompt is taken as any committed text is
 
     def limit_catchup(self, window: int) -> None:
         pass  # a lookup's catch-up is an index update at most: nothing to limit
@@ -54,9 +58,6 @@ class NgramProposer(Lookup):
                     key = tuple(ids[end - size:end])
                     prev = table.get(key)
                     table[key] = (end - size, prev[0] if prev is not None else -1)
-
-    def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._reset(list(prompt_ids))
 
     def propose(self, k: int) -> Draft:
         ids, self._last, match = self.ids, [], 0

@@ -35,14 +35,13 @@ class OnnxTarget:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
                  max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None):
-        model_dir = Path(model_dir)
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
                                    prefill_threads=prefill_threads)
-        self.model_dir, self.vocab_width = model_dir, self.decoder.vocab_width
+        self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.context_len = min(self.decoder.context_len, max_context or self.decoder.context_len)
         eos = self.decoder.genai_config.get("eos_token_id")
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos])} if eos is not None else set()
-        tok = model_dir / "tokenizer.json"
+        tok = self.model_dir / "tokenizer.json"
         self.tokenizer = OnnxTokenizer(tok) if tok.is_file() else None
         self._pool = None
 
