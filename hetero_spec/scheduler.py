@@ -349,8 +349,9 @@ class Scheduler:
         span = (verify_started, time.monotonic())
         verify_s = span[1] - span[0]
         self.batch_sizes.append(len(seqs))
-        controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
-                                not any(d.ids for d in drafts), verify_s)
+        if source is not None:  # what a pass costs matters only where something drafts
+            controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
+                                    not any(d.ids for d in drafts), verify_s)
         for seq, row, draft, out in zip(seqs, rows, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe
                 self._finish_round(eng, seq, row, draft, out, verify_s, span, n_rows=len(seqs))
@@ -373,7 +374,8 @@ class Scheduler:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
         accepted, next_token = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), accepted)
-        eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row)
+        if eng.source is not None:
+            eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
         emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:accepted], next_token], req, seq.generated,
