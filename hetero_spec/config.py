@@ -74,12 +74,14 @@ class TargetConfig(_Section):
     cache (a second copy of the weights in memory). `auto`: in two_process, every core this process may use (the
     worker's core is mostly free while the prompt is read: docs/features-two-process.md, "Prefill on every
     core"), otherwise target.threads. At most target.threads: no second session. Ignored by the torch backend."""
-    spin: bool | Literal["run"] = "run"
+    spin: bool | Literal["run", "auto"] = "auto"
     """onnx backend with threads > 1: how ONNX Runtime's pool threads wait for work. `run`: they spin while a run
     lasts and stop when it returns (session.force_spinning_stop), so a draft session or other work gets the cores
-    between runs. `true`: they spin after a run too (ONNX Runtime's default; faster only on a machine the engine
-    has to itself). `false`: they never spin: each operator's work wakes them (demo target, 2 threads: about
-    1.3x `run`'s step). Measured: docs/benchmarks.md, "Per-step overhead"."""
+    between runs. `true`: they spin after a run too (ONNX Runtime's default, and what its GenAI loop does).
+    `false`: they never spin: each operator's work wakes them (demo target, 2 threads: about 1.3x `run`'s step).
+    `auto`: `run` where an ONNX draft model runs in this process (draft.kind or draft.candidates onnx, not in
+    two_process), else `true`: nothing else in the process needs the cores between the target's steps (a target
+    alone on the demo pair: 0.795x ORT GenAI's plain loop with `run`, 0.885x with `true`; docs/benchmarks.md)."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
 

@@ -23,7 +23,7 @@ from .precision import check_target, resolve_auto, resolve_draft
 from .preflight import check_config
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, Ticket, check_request, is_last
-from .target.backends import _device_is_cuda, choose_backend, load_target
+from .target.backends import _device_is_cuda, choose_backend, load_target, target_spin
 from .tuning import placement as pl
 from .draft.select import LOOKUPS
 from .tuning.controller import Controller
@@ -264,7 +264,7 @@ class Engine:
             threads = cpu_plan.threads
         if prefill == "auto":
             prefill = cpu_plan.prefill_threads if cpu_plan is not None else None
-        self.target = load_target(config.target, threads, spin=config.target.spin, prefill_threads=prefill)
+        self.target = load_target(config.target, threads, spin=target_spin(config), prefill_threads=prefill)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
         self.controller = self._make_controller(self.tuning, config.runtime.mode, self.target.batch_blocks,

@@ -222,8 +222,9 @@ def test_demo_pair_onnx_backend_agrees_with_torch():
 
 
 def test_target_spin_reaches_the_session(llama_copy_onnx, reference):
-    """target.spin is the session's spinning: `run` (the default) spins within a run only (force_spinning_stop),
-    true is ONNX Runtime's default, false never spins; the output does not depend on it."""
+    """target.spin is the session's spinning: `run` spins within a run only (force_spinning_stop), true is ONNX
+    Runtime's default, false never spins, auto (the default) is true with no draft beside the target; the output
+    does not depend on it."""
     cfg = {"target": {"model": str(llama_copy_onnx), "backend": "onnx", "threads": 2},
            "draft": {"kind": "none"}, "runtime": {"mode": "in_process"}}
 
@@ -238,9 +239,31 @@ def test_target_spin_reaches_the_session(llama_copy_onnx, reference):
         return tuple(got)
 
     outs = []
-    for spin, want in (("run", (None, "1")), (True, (None, None)), (False, ("0", None))):
+    for spin, want in (("run", (None, "1")), (True, (None, None)), (False, ("0", None)), ("auto", (None, None))):
         with Engine.from_config(cfg, overrides={"target.spin": spin}) as eng:
             assert entries(eng) == want, spin
             outs.append(eng.generate(PROMPTS[0], max_new_tokens=20).token_ids)
-    assert build_config(cfg).target.spin == "run"
-    assert outs == [reference[0][0][:20]] * 3
+    assert build_config(cfg).target.spin == "auto"
+    assert outs == [reference[0][0][:20]] * 4
+    # auto with an ONNX draft in this process: `run` (the draft's session needs the cores between the target's runs)
+    with Engine.from_config({**cfg, "draft": {"kind": "onnx", "model": str(llama_copy_onnx), "threads": 1}}) as eng:
+        assert entries(eng) == (None, "1")
+        assert eng.generate(PROMPTS[0], max_new_tokens=20).token_ids == reference[0][0][:20]
+
+
+def test_target_spin_auto_is_run_only_beside_an_in_process_draft():
+    from types import SimpleNamespace
+
+    from hetero_spec.target.backends import target_spin
+
+    def config(spin="auto", kind="onnx", candidates=(), mode="in_process"):
+        return SimpleNamespace(target=SimpleNamespace(spin=spin), runtime=SimpleNamespace(mode=mode),
+                               draft=SimpleNamespace(kind=kind, candidates=list(candidates)))
+
+    assert target_spin(config()) == "run" and target_spin(config(mode="auto")) == "run"
+    assert target_spin(config(kind="ngram", candidates=["onnx", "ngram"])) == "run"
+    assert target_spin(config(kind="none")) is True and target_spin(config(kind="ngram")) is True
+    assert target_spin(config(candidates=["ngram", "corpus"])) is True
+    assert target_spin(config(mode="two_process")) is True
+    assert target_spin(config(spin=False, kind="none")) is False
+    assert target_spin(config(spin="run", kind="none")) == "run"

@@ -74,6 +74,15 @@ def onnx_model_dir(cfg, source: str = "<config>") -> Path:
     return cached_export(model, precision_of(cfg), execution_provider=builder_ep(cfg.providers))
 
 
+def target_spin(config) -> bool | str:
+    """target.spin, auto resolved: `run` where an ONNX draft model runs in this process beside the target, else
+    true (runtime.mode auto counts as in process: the placement's probes run both side by side)."""
+    if (spin := config.target.spin) != "auto":
+        return spin
+    kinds = config.draft.candidates or [config.draft.kind]
+    return "run" if "onnx" in kinds and config.runtime.mode != "two_process" else True
+
+
 def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None):
     """The verifier for a resolved backend (cfg: the TargetConfig; its backend is torch or onnx). spin: target.spin
     (OnnxDecoder). prefill_threads: onnx backend, the prompt's prefill on that many threads (a second session; None or

@@ -159,13 +159,13 @@ def measure_corun(target, dec, reps: int = 7) -> tuple[float, float]:
 
 def measure(config, layouts: list[Layout], say=None) -> Costs:
     """Measure what the candidate layouts need (docs/features-tuning.md#placement-layout-and-cores)."""
-    from ..target.backends import load_target
+    from ..target.backends import load_target, target_spin
     say = say or (lambda m: log.info("placement: %s", m))
     onnx = config.draft.kind == "onnx"
     costs = Costs(verify={}, draft_token_s={lay.draft_threads: 0.0 for lay in layouts})
     for threads in sorted({lay.target_threads for lay in layouts}):
         say(f"target verification at {threads} thread(s)")
-        target = load_target(config.target, threads, spin=config.target.spin)
+        target = load_target(config.target, threads, spin=target_spin(config))
         costs.verify[threads], vocab = measure_verify(target), target.vocab_width
         for lay in layouts:
             if onnx and lay.mode == "two_process" and lay.target_threads == threads:
