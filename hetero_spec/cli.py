@@ -9,9 +9,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import ConfigError, HeteroSpecError
 
 EPILOG = """examples:
+  hetero-spec generate --model models/target --draft models/draft --prompt "def parse(" --max-new-tokens 64
+  hetero-spec serve --model target.gguf --draft draft.gguf --port 8000
+  hetero-spec bench --model models/target --draft models/draft --quick
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "def parse(" --max-new-tokens 64
   hetero-spec generate --config configs/cpu-demo.yaml --prompt "import os" --set speculation.gamma=6 --json
   echo "def parse(" | hetero-spec generate --config configs/cpu-demo.yaml --set draft.kind=ngram
@@ -23,25 +27,56 @@ EPILOG = """examples:
 """
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 CONFIG_HELP = "YAML config file (see configs/)"
+MODEL_HELP = ("the target: a GGUF file, a Hugging Face checkpoint directory or an ONNX export (target.model); with no "
+              "--config, the backend, gamma, layout and core split are chosen by measurement (docs/configuration.md)")
+DRAFT_HELP = ("the draft: a GGUF file, a Hugging Face checkpoint (exported once at draft.precision, default int8), an "
+              "ONNX export, or ngram (prompt lookup, the default) or none (the target alone)")
 
 
 def _command(sub, name: str, run, help: str, description: str, config: str | None = CONFIG_HELP,
-             overrides: str | None = "override a config key, validated like the file (repeatable)", **parser_options):
-    """Add a subcommand's parser, which runs `run(args)`, with --config and --set unless their help is None; return
-    its add_argument for the command's own options."""
+             overrides: str | None = "override a config key, validated like the file (repeatable)",
+             models: tuple[str, ...] = ("--model", "--draft"), **parser_options):
+    """Add a subcommand's parser, which runs `run(args)`, with --config and --set unless their help is None, and
+    the model flags named in `models` (without which --config is required); return its add_argument for the
+    command's own options."""
     parser = sub.add_parser(name, help=help, description=description, **parser_options)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, model=None, draft=None)
+    if config and "--model" in models:
+        parser.add_argument("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
+    if config and "--draft" in models:
+        parser.add_argument("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
     if config:
-        parser.add_argument("--config", required=True, help=config)
+        parser.add_argument("--config", required=not models, help=f"{config}; --model and --draft override it"
+                            if models else config)
     if overrides:
         parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                             help=overrides)
     return parser.add_argument
 
 
-def _overrides(pairs: list[str]) -> dict[str, Any]:
+def _model_flags(args) -> dict[str, Any]:
+    """--model and --draft as config overrides (before --set, which wins). Without --config, --model is required."""
+    flags: dict[str, Any] = {}
+    if args.model is not None:
+        _require(Path(args.model).exists(), "--model", args.model, "no such file or directory")
+        flags["target.model"] = str(Path(args.model).resolve())
+    elif args.config is None:
+        raise ConfigError("--model", "", None, "required without --config: the target, a GGUF file, a Hugging Face "
+                          "checkpoint directory or an ONNX export (or give --config FILE)")
+    if args.draft in ("ngram", "none"):
+        flags["draft.kind"] = args.draft
+    elif args.draft is not None:
+        draft = Path(args.draft)
+        _require(draft.exists(), "--draft", args.draft, "no such file or directory, and not ngram or none")
+        flags |= {"draft.kind": "onnx", "draft.model": str(draft.resolve())}
+        if (draft / "model.onnx").is_file():
+            flags["draft.precision"] = None  # an export has its own precision
+    return flags
+
+
+def _overrides(args) -> dict[str, Any]:
     from .config import parse_override
-    return dict(map(parse_override, pairs))
+    return _model_flags(args) | dict(map(parse_override, args.overrides))
 
 
 def _require(holds: bool, flag: str, value: Any, why: str) -> None:
@@ -139,7 +174,7 @@ def _add_profile(sub) -> None:
                    "split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost model, "
                    "recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). Use it "
                    "with speculation: {gamma: auto, profile: PROFILE.yaml}.",
-                   config="YAML config (its target and onnx draft are measured)")
+                   config="YAML config (its target and onnx draft are measured)", models=())
     arg("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
     arg("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
     arg("--prompts-file", metavar="FILE", help='calibration prompts: JSONL, one {"prompt": "text"} or '
@@ -180,7 +215,7 @@ def _add_load(sub) -> None:
                    "held-out prompts to one Engine: aggregate tokens/s, per-request latency p50/p95, time to first "
                    "token, and whether outputs equal the first level's (greedy). The Engine decodes up to "
                    "serving.max_batch requests together. Runs are interleaved over --repeats; ratios are paired. "
-                   "Writes OUT/load.json and OUT/load.md.")
+                   "Writes OUT/load.json and OUT/load.md.", models=())
     arg("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
     arg("--requests", type=int, default=16, help="requests per level (default 16)")
     arg("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -198,7 +233,7 @@ def _add_soak(sub) -> None:
                    "RSS every second (flat: at most 10 % growth after --warmup), and /metrics against what was sent "
                    "(every error counted, nothing left in flight). The server is stopped at the end. Writes "
                    "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met.",
-                   overrides="override a config key of the server (repeatable)")
+                   overrides="override a config key of the server (repeatable)", models=())
     arg("--streams", type=int, default=32, help="concurrent streams (default 32)")
     arg("--duration", type=float, default=60.0, help="seconds of soak (default 60)")
     arg("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -220,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "identical to the target alone (greedy).")
     parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS,
                         help="logging level (INFO logs the resolved config); also accepted after COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_generate, _add_export, _add_keys, _add_draft_worker, _add_profile, _add_serve, _add_load,
                 _add_soak):
@@ -256,7 +292,7 @@ def _cmd_generate(args) -> None:
     prompt = _read_prompt(args.prompt)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
-    config = load_config(args.config, overrides=_overrides(args.overrides))
+    config = load_config(args.config, overrides=_overrides(args))
     request_args(config, flags=True, **sampling)  # bad arguments fail now, not after the models have loaded
     with Engine(config) as eng:
         if args.json:
@@ -309,7 +345,7 @@ def _cmd_profile(args) -> None:
     from .profile_cmd import run_profile
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
-                overrides=_overrides(args.overrides), drafts=[Path(d) for d in args.drafts],
+                overrides=_overrides(args), drafts=[Path(d) for d in args.drafts],
                 placement=not args.no_placement, precisions=not args.no_precisions)
 
 
@@ -320,10 +356,10 @@ def _cmd_serve(args) -> int:
     if args.ray:
         from .config import load_config
         from .serve.ray_serve import serve_ray
-        return serve_ray(load_config(Path(args.config), overrides=_overrides(args.overrides)), host=args.host,
+        return serve_ray(load_config(args.config, overrides=_overrides(args)), host=args.host,
                          port=args.port, address=args.address, model_name=args.model_name)
-    return serve(Path(args.config), host=args.host, port=args.port, model_name=args.model_name,
-                 overrides=_overrides(args.overrides), log_level=args.log_level.lower())
+    return serve(args.config, host=args.host, port=args.port, model_name=args.model_name,
+                 overrides=_overrides(args), log_level=args.log_level.lower())
 
 
 def _cmd_load(args) -> None:
@@ -336,7 +372,7 @@ def _cmd_load(args) -> None:
     _require(min(args.requests, args.max_new_tokens, args.repeats) >= 1, "--requests/--max-new-tokens/--repeats",
              (args.requests, args.max_new_tokens, args.repeats), "must be >= 1")
     run_load(Path(args.config), levels, args.requests, args.max_new_tokens, Path(args.out),
-             overrides=_overrides(args.overrides), repeats=args.repeats)
+             overrides=_overrides(args), repeats=args.repeats)
 
 
 def _cmd_soak(args) -> None:
@@ -350,7 +386,7 @@ def _cmd_soak(args) -> None:
     _require(0 <= args.cut_share and 0 <= args.malformed_share and args.cut_share + args.malformed_share < 1,
              "--cut-share/--malformed-share", (args.cut_share, args.malformed_share),
              "need shares >= 0 whose sum is below 1 (the rest are whole requests)")
-    load_config(args.config, overrides=_overrides(args.overrides))  # a bad config fails now, not in the server
+    load_config(args.config, overrides=_overrides(args))  # a bad config fails now, not in the server
     run_soak(Path(args.config), args.streams, args.duration, args.max_tokens, args.warmup, Path(args.out),
              overrides=list(args.overrides), port=args.port, cut_share=args.cut_share,
              malformed_share=args.malformed_share)

@@ -112,7 +112,8 @@ class DraftConfig(_Section):
     unset). A GGUF implies `kind: onnx`."""
     precision: Literal["fp32", "int8", "int4"] | None = None
     """With a Hugging Face `model` directory: the precision of the draft's export, made once on first use into
-    $HETERO_SPEC_CACHE. With an exported `model`: must be unset (the export has its precision)."""
+    $HETERO_SPEC_CACHE; unset: int8, the fastest draft precision measured with the demo pair (docs/benchmarks.md).
+    With an exported `model`: must be unset (the export has its precision)."""
     providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
     """ONNX Runtime execution providers, in order of preference."""
     threads: int = Field(default=1, ge=1)
@@ -471,8 +472,17 @@ def _yaml_problem(exc: yaml.YAMLError) -> tuple[str, None, str]:
     return where, None, f"not valid YAML: {what}"
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """Read a YAML file and validate it. Errors name the file, the key path and the value."""
+#: what a command line without --config starts from (`hetero-spec serve --model M --draft D`): every choice that
+#: `auto` makes by measurement on this machine, the rest the fields' defaults
+COMMAND_LINE = {"target": {"backend": "auto"}, "speculation": {"gamma": "auto"},
+                "runtime": {"mode": "auto", "cpus": "auto"}}
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a YAML file and validate it. Errors name the file, the key path and the value. None: no file, the
+    COMMAND_LINE defaults and the overrides (which name the models)."""
+    if path is None:
+        return build_config(COMMAND_LINE, source="the command line", overrides=overrides)
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "", str(path), "config file not found")

@@ -84,9 +84,10 @@ def resolve_draft(cfg: Config) -> Config:
     draft = cfg.draft
     if draft.kind != "onnx" or draft.model is None:
         return cfg
-    if draft.precision is None:
-        return _pruned(cfg)
     model = Path(draft.model)
+    hf_checkpoint = (model / "config.json").is_file() and not (model / "model.onnx").is_file()
+    if draft.precision is None and not hf_checkpoint:
+        return _pruned(cfg)
     if (model / "model.onnx").is_file():
         raise cfg.error("draft.precision", draft.precision,
                         f"draft.model ({model}) is already an ONNX export with its own precision; give the "
@@ -98,10 +99,11 @@ def resolve_draft(cfg: Config) -> Config:
     exports, why = exportable(model)
     if not exports:
         raise cfg.error("draft.model", str(model), f"cannot export the draft: {why}")
+    precision = draft.precision or "int8"  # a checkpoint without one: the fastest draft precision measured here
     out = cfg.model_copy(deep=True)
-    out.draft.model = cached_export(model, draft.precision, role="draft")
+    out.draft.model = cached_export(model, precision, role="draft")
     out.draft.precision = None
-    log.info("draft: %s at %s -> %s", model, draft.precision, out.draft.model)
+    log.info("draft: %s at %s -> %s", model, precision, out.draft.model)
     return _pruned(out)
 
 

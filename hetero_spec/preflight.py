@@ -78,9 +78,9 @@ def check_paths(cfg: Config) -> None:
         raise cfg.error("draft.model", None, "draft.kind is onnx, so a draft model is required")
     if is_gguf(draft.model):
         check_gguf(draft.model, cfg.blame("draft.model"), "draft.model", onnx=True)
-    elif not (draft.model / "model.onnx").is_file() and draft.precision is None:
-        raise cfg.error("draft.model", str(draft.model),
-                        "no model.onnx in this directory (make one with `hetero-spec export`)")
+    elif not (draft.model / "model.onnx").is_file() and not (draft.model / "config.json").is_file():
+        raise cfg.error("draft.model", str(draft.model), "no model.onnx in this directory (make one with "
+                        "`hetero-spec export`), nor a Hugging Face checkpoint (config.json) to export at draft.precision")
 
 
 def _check_target_dir(cfg: Config) -> None:

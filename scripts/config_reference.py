@@ -45,6 +45,10 @@ One YAML file, one section per heading below. How it is read:
 - `draft: {model: DIR}` without `kind` means `onnx` when DIR holds a `model.onnx` (or `draft.precision` is set,
   or DIR is a `.gguf` file); otherwise it is an error naming `draft.kind`.
 - `--log-level INFO` logs the resolved config.
+- Without a file: `hetero-spec generate|serve|bench --model TARGET [--draft DRAFT|ngram|none]` starts from the
+  defaults below with `target.backend`, `speculation.gamma`, `runtime.mode` and `runtime.cpus` set to `auto`
+  (chosen by measurement on this machine). `--model` sets `target.model`; `--draft` sets `draft.kind` (and
+  `draft.model`); with `--config` they override the file, and `--set` overrides them.
 
 The shipped configs are in `configs/`; [getting-started.md](getting-started.md) says which is which.
 """

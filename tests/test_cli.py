@@ -145,3 +145,71 @@ def test_serve_exits_0_after_a_sigterm_drain(tmp_path, llama_target):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- no YAML: --model and --draft ------------------------------------------------------------------------------------
+def test_version_is_the_package_version(capsys):
+    from hetero_spec import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hetero-spec {__version__}"
+
+
+def test_model_and_draft_flags_become_the_config(llama_target, llama_copy_onnx, copy_config):
+    from hetero_spec.cli import _overrides, build_parser
+    from hetero_spec.config import load_config
+
+    parse = build_parser().parse_args
+    args = parse(["generate", "--model", str(llama_target), "--draft", str(llama_copy_onnx)])
+    config = load_config(None, _overrides(args))
+    assert (config.target.model, config.draft.kind, config.draft.model) == (llama_target, "onnx", llama_copy_onnx)
+    assert (config.target.backend, config.speculation.gamma, config.runtime.mode, config.runtime.cpus) == \
+        ("auto", "auto", "auto", "auto")  # chosen by measurement, as `auto` does
+    assert load_config(None, _overrides(parse(["serve", "--model", str(llama_target), "--draft", "none"]))).draft.kind \
+        == "none"
+    # with --config the flags override the file, and --set overrides the flags
+    args = parse(["generate", "--config", str(copy_config), "--draft", "ngram", "--set", "speculation.gamma=3"])
+    config = load_config(args.config, _overrides(args))
+    assert (config.draft.kind, config.speculation.gamma, config.target.model) == ("ngram", 3, llama_target)
+
+
+@pytest.mark.parametrize("argv, start", [
+    (["generate", "--prompt", "x"], "--model = None: required without --config"),
+    (["generate", "--model", "/no/such/model", "--prompt", "x"], "--model = '/no/such/model': no such file"),
+    (["serve", "--model", "{target}", "--draft", "ngarm"], "--draft = 'ngarm': no such file or directory, and not "
+                                                           "ngram or none"),
+])
+def test_model_flags_errors_are_one_line(argv, start, llama_target, capsys):
+    assert main([a.format(target=llama_target) for a in argv]) == 2
+    assert capsys.readouterr().err.startswith(f"hetero-spec: error: {start}")
+
+
+def test_generate_and_serve_without_a_config_equal_the_target_alone(llama_target, llama_copy_onnx, monkeypatch,
+                                                                    capsys):
+    import uvicorn
+
+    from tests.test_serve import Server
+
+    alone = ["--model", str(llama_target), "--draft", "none"]
+    spec = ["--model", str(llama_target), "--draft", str(llama_copy_onnx)]
+    outs = []
+    for flags in (alone, spec):
+        assert main(["generate", *flags, "--prompt", "def parse(text):", "--max-new-tokens", "24", "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and len(outs[0]["token_ids"]) == 24
+    assert outs[1]["stats"]["acceptance_rate"] >= 0.98
+
+    served = []
+
+    def run(app, **options):  # uvicorn.run, here a test server that answers one completion and stops
+        srv = Server(app)
+        try:
+            served.append(srv.client.completions.create(model=llama_target.name, prompt="def parse(text):",
+                                                        max_tokens=24, temperature=0).choices[0].text)
+        finally:
+            srv.close()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    assert main(["serve", *spec, "--port", "8123"]) == 0
+    assert served == [outs[0]["text"]]

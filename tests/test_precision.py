@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hetero_spec import Engine
+from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [40, 41, 42, 43, 44, 40, 41, 42], [9, 8, 7, 6, 5], [1, 2, 3, 1, 2]]
@@ -91,6 +92,15 @@ def test_draft_precision_exports_a_hugging_face_draft(llama_target, export_cache
         assert out.stats["accepted"] > 0
     with Engine.from_config(_cfg(llama_target, "onnx", "fp32")) as alone:
         assert alone.generate(PROMPTS[0], max_new_tokens=24).token_ids == out.token_ids  # fp32 target: exact
+
+
+def test_a_hugging_face_draft_without_a_precision_is_exported_at_int8(llama_target, export_cache):
+    from hetero_spec.precision import resolve_draft
+
+    config = build_config(_cfg(llama_target, "onnx", "fp32", {"kind": "onnx", "model": str(llama_target)}))
+    resolved = resolve_draft(config)
+    assert "-int8-" in resolved.draft.model.name and resolved.draft.model.parent == export_cache / "onnx"
+    assert (resolved.draft.model / "model.onnx").is_file() and resolved.draft.precision is None
 
 
 def test_precision_errors_name_the_key_and_say_why(llama_target, llama_copy_onnx):
