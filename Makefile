@@ -4,14 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= def read_lines(filename):
 
-.PHONY: demo test bench bench-quick gpu-wheels gpu-rehearse gpu-rehearse-device clean-venv
+.PHONY: demo test wheel-check bench bench-quick gpu-wheels gpu-rehearse gpu-rehearse-device clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,gguf,bench,ray]'
+	$(PY) -m pip install --quiet -e '.[dev,gguf,bench,ray,openvino]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -20,6 +20,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# the wheel a user installs: `python -m build`, a clean venv, `hetero-spec generate` on the demo pair (CI runs it)
+wheel-check:
+	scripts/wheel_check.sh
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/hetero-spec bench --config configs/cpu-demo.yaml --out bench-out

@@ -54,15 +54,12 @@ def _command(sub, name: str, run, help: str, description: str, config: str | Non
     return parser.add_argument
 
 
-def _model_flags(args) -> dict[str, Any]:
-    """--model and --draft as config overrides (before --set, which wins). Without --config, --model is required."""
+def model_flags(args) -> dict[str, Any]:
+    """--model and --draft as config overrides (before --set's, which win)."""
     flags: dict[str, Any] = {}
     if args.model is not None:
         _require(Path(args.model).exists(), "--model", args.model, "no such file or directory")
         flags["target.model"] = str(Path(args.model).resolve())
-    elif args.config is None:
-        raise ConfigError("--model", "", None, "required without --config: the target, a GGUF file, a Hugging Face "
-                          "checkpoint directory or an ONNX export (or give --config FILE)")
     if args.draft in ("ngram", "none"):
         flags["draft.kind"] = args.draft
     elif args.draft is not None:
@@ -74,9 +71,14 @@ def _model_flags(args) -> dict[str, Any]:
     return flags
 
 
-def _overrides(args) -> dict[str, Any]:
+def overrides(args) -> dict[str, Any]:
+    """The config overrides of a command's --model, --draft and --set; without --config, the target must be named."""
     from .config import parse_override
-    return _model_flags(args) | dict(map(parse_override, args.overrides))
+    merged = model_flags(args) | dict(map(parse_override, args.overrides))
+    if args.config is None and "target.model" not in merged:
+        raise ConfigError("--model", "", None, "required without --config: the target, a GGUF file, a Hugging Face "
+                          "checkpoint directory or an ONNX export (or give --config FILE)")
+    return merged
 
 
 def _require(holds: bool, flag: str, value: Any, why: str) -> None:
@@ -292,7 +294,7 @@ def _cmd_generate(args) -> None:
     prompt = _read_prompt(args.prompt)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
-    config = load_config(args.config, overrides=_overrides(args))
+    config = load_config(args.config, overrides=overrides(args))
     request_args(config, flags=True, **sampling)  # bad arguments fail now, not after the models have loaded
     with Engine(config) as eng:
         if args.json:
@@ -345,7 +347,7 @@ def _cmd_profile(args) -> None:
     from .profile_cmd import run_profile
     run_profile(Path(args.config), Path(args.out), quick=args.quick,
                 prompts_file=Path(args.prompts_file) if args.prompts_file else None,
-                overrides=_overrides(args), drafts=[Path(d) for d in args.drafts],
+                overrides=overrides(args), drafts=[Path(d) for d in args.drafts],
                 placement=not args.no_placement, precisions=not args.no_precisions)
 
 
@@ -356,10 +358,10 @@ def _cmd_serve(args) -> int:
     if args.ray:
         from .config import load_config
         from .serve.ray_serve import serve_ray
-        return serve_ray(load_config(args.config, overrides=_overrides(args)), host=args.host,
+        return serve_ray(load_config(args.config, overrides=overrides(args)), host=args.host,
                          port=args.port, address=args.address, model_name=args.model_name)
     return serve(args.config, host=args.host, port=args.port, model_name=args.model_name,
-                 overrides=_overrides(args), log_level=args.log_level.lower())
+                 overrides=overrides(args), log_level=args.log_level.lower())
 
 
 def _cmd_load(args) -> None:
@@ -372,7 +374,7 @@ def _cmd_load(args) -> None:
     _require(min(args.requests, args.max_new_tokens, args.repeats) >= 1, "--requests/--max-new-tokens/--repeats",
              (args.requests, args.max_new_tokens, args.repeats), "must be >= 1")
     run_load(Path(args.config), levels, args.requests, args.max_new_tokens, Path(args.out),
-             overrides=_overrides(args), repeats=args.repeats)
+             overrides=overrides(args), repeats=args.repeats)
 
 
 def _cmd_soak(args) -> None:
@@ -386,7 +388,7 @@ def _cmd_soak(args) -> None:
     _require(0 <= args.cut_share and 0 <= args.malformed_share and args.cut_share + args.malformed_share < 1,
              "--cut-share/--malformed-share", (args.cut_share, args.malformed_share),
              "need shares >= 0 whose sum is below 1 (the rest are whole requests)")
-    load_config(args.config, overrides=_overrides(args))  # a bad config fails now, not in the server
+    load_config(args.config, overrides=overrides(args))  # a bad config fails now, not in the server
     run_soak(Path(args.config), args.streams, args.duration, args.max_tokens, args.warmup, Path(args.out),
              overrides=list(args.overrides), port=args.port, cut_share=args.cut_share,
              malformed_share=args.malformed_share)

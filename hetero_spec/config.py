@@ -33,6 +33,46 @@ def _int_or(*words: Any, hi: int | None = None, text: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+def _scalar(value: Any) -> Any:
+    if isinstance(value, str | int | float | bool):
+        return value
+    raise ValueError("must be a string, a number or true/false (ONNX Runtime takes provider options as strings)")
+
+
+class ProviderEntry(_Section):
+    name: str
+    """An ONNX Runtime execution provider: CPUExecutionProvider, OpenVINOExecutionProvider, QNNExecutionProvider,
+    CUDAExecutionProvider, ... (docs/npu.md)."""
+    options: dict[str, Annotated[str | int | float | bool, BeforeValidator(_scalar)]] = Field(default_factory=dict)
+    """The provider's own options (ONNX Runtime's provider options, passed as strings), e.g. {device_type: NPU}
+    for OpenVINO or {backend_type: htp} for QNN. An option the provider does not take is an error."""
+    device: Literal["cpu", "gpu", "npu"] | None = None
+    """A plugin execution provider (registered from its package, e.g. onnxruntime-ep-openvino): which of the
+    devices it offers on this machine to use. None: the first it offers."""
+    fallback: Literal["cpu"] | None = None
+    """`cpu`: when this provider, or its device, is not available here, run on CPUExecutionProvider instead; the
+    fallback is logged and shown in /health and the stats. None: an error before any model loads."""
+
+
+def _provider(value: Any) -> Any:
+    if isinstance(value, str | dict | ProviderEntry):
+        return value
+    raise ValueError("Input should be a valid string (a provider's name) or a mapping {name, options, device, "
+                     "fallback}")
+
+
+#: `draft.providers` / `target.providers`: names, or entries with options, in order of preference
+Providers = list[Annotated[ProviderEntry | str, BeforeValidator(_provider)]]
+
+
+def provider_name(entry: ProviderEntry | str) -> str:
+    return entry if isinstance(entry, str) else entry.name
+
+
+def _cpu_provider() -> list[ProviderEntry | str]:
+    return ["CPUExecutionProvider"]
+
+
 class TargetConfig(_Section):
     model: Path | None = None
     """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or, for the onnx
@@ -45,8 +85,9 @@ class TargetConfig(_Section):
     use into $HETERO_SPEC_CACHE (default ~/.cache/hetero_spec). `auto`: torch on CUDA, onnx on a CPU when
     the architecture can be exported. The default stays torch so that an existing config keeps the numerics
     of its reference (fp32 ONNX and PyTorch kernels may round differently)."""
-    providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
-    """ONNX Runtime execution providers of the onnx backend, in order of preference."""
+    providers: Providers = Field(default_factory=_cpu_provider)
+    """ONNX Runtime execution providers of the onnx backend, in order of preference: names, or entries with
+    options (see draft.providers)."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available, else CPU)."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -114,8 +155,11 @@ class DraftConfig(_Section):
     """With a Hugging Face `model` directory: the precision of the draft's export, made once on first use into
     $HETERO_SPEC_CACHE; unset: int8, the fastest draft precision measured with the demo pair (docs/benchmarks.md).
     With an exported `model`: must be unset (the export has its precision)."""
-    providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
-    """ONNX Runtime execution providers, in order of preference."""
+    providers: Providers = Field(default_factory=_cpu_provider)
+    """ONNX Runtime execution providers, in order of preference: names (`[CPUExecutionProvider]`), or entries
+    `{name, options, device, fallback}` (docs/npu.md): `{name: OpenVINOExecutionProvider, device: npu,
+    fallback: cpu}`. Checked before any model loads: a provider this onnxruntime does not know, one not available
+    here (without `fallback: cpu`) or an option it does not take is an error naming it and what is available."""
     threads: int = Field(default=1, ge=1)
     """ONNX Runtime intra-op threads for the draft."""
     head: int | None = Field(default=None, ge=16)
@@ -347,6 +391,7 @@ class Config(_Section):
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    loc = tuple(p for p in loc if p != ProviderEntry.__name__)  # pydantic's union member tag: not a key
     return ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
 
 

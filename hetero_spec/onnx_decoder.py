@@ -7,7 +7,11 @@ docs/architecture.md ("onnx"); the shared one costs 25 % less per step at a 1000
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import logging
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,18 +24,134 @@ from .draft.export import LOGITS_FROM_MODEL
 from .draft.head import HEAD_TOKENS
 from .errors import ConfigError, ModelLoadError
 
+log = logging.getLogger(__name__)
+
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
-def check_providers(providers: list[str], source: str = "<config>", key: str = "draft.providers") -> None:
-    """Every requested execution provider must exist in this onnxruntime build."""
-    available = ort.get_available_providers()
-    if not providers:
-        raise ConfigError(source, key, providers, f"at least one provider is needed; available: {', '.join(available)}")
-    for i, provider in enumerate(providers):
-        if provider not in available:
-            raise ConfigError(source, f"{key}[{i}]", provider, f"execution provider not available in onnxruntime "
-                              f"{ort.__version__}; available: {', '.join(available)}")
+#: plugin execution providers, loaded from their package's library (onnxruntime.register_execution_provider_library)
+PLUGIN_EPS = {"OpenVINOExecutionProvider": ("onnxruntime_ep_openvino", "onnxruntime-ep-openvino")}
+
+
+@dataclass
+class SessionProviders:
+    """What an InferenceSession is given for a providers list (resolve_providers): `classic` (name, options) pairs,
+    or a plugin EP's `devices` and their `options`; `expected`, the provider the session must report first; `notes`,
+    the fallbacks taken (logged; /health and the stats show them)."""
+
+    classic: list[tuple[str, dict[str, str]]]
+    devices: list[Any] = field(default_factory=list)
+    options: dict[str, str] = field(default_factory=dict)
+    expected: str = "CPUExecutionProvider"
+    notes: list[str] = field(default_factory=list)
+
+    def apply(self, opts: ort.SessionOptions) -> dict[str, Any]:
+        """The InferenceSession keyword arguments; a plugin EP's devices are added to opts."""
+        if self.devices:
+            opts.add_provider_for_devices(self.devices, self.options)
+            return {}
+        return {"providers": self.classic}
+
+
+@functools.cache
+def _plugin_devices(name: str) -> tuple[list[Any], str]:
+    """A plugin EP's devices on this machine, registered once per process; no devices: why not."""
+    module, package = PLUGIN_EPS[name]
+    try:
+        library = importlib.import_module(module).get_library_path()
+    except ImportError:
+        return [], f"its plugin is not installed (pip install {package})"
+    try:
+        ort.register_execution_provider_library(name, library)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        return [], f"its plugin ({library}) did not load: {' '.join(str(exc).split())}"
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
+    here = ", ".join(f"{d.device.type.name} ({d.device.vendor})" for d in ort.get_ep_devices()
+                     if d.ep_name == "CPUExecutionProvider")
+    return devices, "" if devices else f"its plugin offers no device on this machine (devices here: {here})"
+
+
+def _probe_model() -> bytes:
+    """A one-node ONNX model: a session on it tries the providers and their options without loading a model."""
+    from onnx import TensorProto, helper
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy")
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+
+
+def resolve_providers(entries: list, source: str = "<config>", key: str = "draft.providers") -> SessionProviders:
+    """The session's providers for `draft.providers`/`target.providers` (names or config.ProviderEntry), checked
+    before any model loads: a provider this onnxruntime does not know, one not available here (unless its entry
+    says `fallback: cpu`), a device its plugin does not offer or an option it refuses is a ConfigError naming it."""
+    from .config import ProviderEntry
+    available, known = ort.get_available_providers(), ort.get_all_providers()
+    if not entries:
+        raise ConfigError(source, key, entries, f"at least one provider is needed; available: {', '.join(available)}")
+    entries = [ProviderEntry(name=e) if isinstance(e, str) else ProviderEntry.model_validate(e) for e in entries]
+    out = SessionProviders(classic=[])
+    for i, entry in enumerate(entries):
+        where, options = f"{key}[{i}]", {k: str(v).lower() if isinstance(v, bool) else str(v)
+                                         for k, v in entry.options.items()}
+        devices, why = [], ""
+        if entry.name in PLUGIN_EPS and entry.name not in available:
+            devices, why = _plugin_devices(entry.name)
+            devices = [d for d in devices if entry.device is None or d.device.type.name.lower() == entry.device]
+            why = why or (f"its plugin offers no {entry.device} device here" if not devices else "")
+        elif entry.name not in known:
+            raise ConfigError(source, where, entry.name, f"unknown execution provider; onnxruntime {ort.__version__} "
+                              f"knows: {', '.join(known)}")
+        elif entry.name not in available:
+            why = f"not in this onnxruntime build ({ort.__version__})"
+        elif entry.device is not None:
+            raise ConfigError(source, f"{where}.device", entry.device, "only a plugin execution provider chooses "
+                              "among devices; give the provider's own option (OpenVINO: options.device_type)")
+        if why and entry.fallback != "cpu":
+            plugins = ", ".join(f"{n} (pip install {p})" for n, (_, p) in PLUGIN_EPS.items())
+            raise ConfigError(source, where, entry.name, f"execution provider not available: {why}; available: "
+                              f"{', '.join(available)}; plugins: {plugins}; or add fallback: cpu to the entry")
+        if why:
+            out.notes.append(f"{entry.name} not available ({why}): {key} fell back to CPUExecutionProvider")
+            log.warning("%s", out.notes[-1])
+        elif devices and not out.devices and not out.classic:
+            out.devices, out.options, out.expected = devices, options, entry.name
+        elif not out.devices:
+            out.classic.append((entry.name, options))
+    out.classic = out.classic or [("CPUExecutionProvider", {})]
+    out.expected = out.expected if out.devices else out.classic[0][0]
+    _probe(out, entries, source, key)
+    return out
+
+
+def _probe(providers: SessionProviders, entries: list, source: str, key: str) -> None:
+    """A session on the one-node model with these providers: what onnxruntime refuses, or silently drops, is the
+    config's error now, not a fallback found later."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    where = f"{key}[0]" if len(entries) == 1 else key
+    try:
+        session = ort.InferenceSession(_probe_model(), sess_options=opts, enable_fallback=0, **providers.apply(opts))
+    except Exception as exc:  # onnxruntime raises its own exception types; its C++ source location goes
+        why = re.sub(r"^\S+\.cc:\d+ .*?\) ", "", " ".join(str(exc).split()))
+        names = [e.name for e in entries]
+        raise ConfigError(source, where, names[0] if len(names) == 1 else names, f"onnxruntime refused it: {why}") \
+            from None
+    if session.get_providers()[0] != providers.expected:
+        raise ConfigError(source, where, providers.expected, f"onnxruntime could not start it with these options "
+                          f"(its error is logged above) and ran {session.get_providers()[0]} instead")
+    # a provider that reports its options (CUDA's, and the CPU provider's: none) ignores one it does not take
+    taken, classic = session.get_provider_options(), dict(providers.classic)
+    for i, entry in enumerate(entries):
+        name, options = entry.name, entry.options
+        reported = taken.get(name) if name in classic else None
+        if (reported or name == "CPUExecutionProvider") and (unknown := sorted(set(options) - set(reported or {}))):
+            takes = ", ".join(sorted(reported or {})) or "none"
+            raise ConfigError(source, f"{key}[{i}].options", unknown[0], f"not an option of {name} (it takes: "
+                              f"{takes})")
+
+
+def check_providers(providers: list, source: str = "<config>", key: str = "draft.providers") -> None:
+    """resolve_providers for its errors alone (preflight)."""
+    resolve_providers(providers, source, key)
 
 
 @dataclass
@@ -74,8 +194,8 @@ class OnnxDecoder:
         if path is None:
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx (an export: "
                                  "`hetero-spec export --model HF_DIR --out DIR`)")
-        providers = providers or ["CPUExecutionProvider"]
-        check_providers(providers, key=f"{role}.providers")
+        providers = resolve_providers(providers or ["CPUExecutionProvider"], key=f"{role}.providers")
+        self.provider_notes = providers.notes  # fallbacks taken (entries with fallback: cpu)
         self.session = self._load(path, providers, threads, spin, role)
         # prefill_threads > threads: a second session over the same KV buffers for runs marked wide (a prompt's
         # prefill): in two processes the worker's core is mostly free during the prompt (docs/features-two-process.md).
@@ -97,7 +217,7 @@ class OnnxDecoder:
         self.layout = "shared" if self.shared else "copy"
 
     @staticmethod
-    def _load(path: Path, providers: list[str], threads: int, spin: bool | str, role: str):
+    def _load(path: Path, providers: SessionProviders, threads: int, spin: bool | str, role: str):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -109,9 +229,13 @@ class OnnxDecoder:
         elif threads > 1 and not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            session = ort.InferenceSession(str(path), sess_options=opts, enable_fallback=0, **providers.apply(opts))
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ModelLoadError(f"cannot load {role} model {str(path)!r}: {exc}") from exc
+        if session.get_providers()[0] != providers.expected:  # onnxruntime falls back without a word
+            raise ModelLoadError(f"{role} model {str(path)!r}: onnxruntime ran it on {session.get_providers()[0]}, "
+                                 f"not {providers.expected}")
+        return session
 
     def _setup_io(self, model_dir: Path) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}

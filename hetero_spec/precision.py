@@ -5,7 +5,7 @@ quantized output is identical to that target alone rather than to the checkpoint
 import logging
 from pathlib import Path
 
-from .config import Config
+from .config import Config, provider_name
 
 log = logging.getLogger("hetero_spec.precision")
 
@@ -67,7 +67,7 @@ def _check_backend(cfg: Config, backend: str, cuda: bool, precision: str) -> Non
             log.info("target.precision %s: target.model is already an export (%s); it is used as it is", precision,
                      target.model)
         return
-    first = (target.providers or ["CPUExecutionProvider"])[0]
+    first = provider_name(target.providers[0]) if target.providers else "CPUExecutionProvider"
     if first == "CPUExecutionProvider" and precision not in ONNX_CPU:
         raise cfg.error("target.precision", precision, "the ONNX model builder's CPU export computes in fp32: choose "
                         "fp32, int8 or int4 for the CPU provider (fp16 needs a GPU provider's export: "

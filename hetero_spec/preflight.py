@@ -80,7 +80,8 @@ def check_paths(cfg: Config) -> None:
         check_gguf(draft.model, cfg.blame("draft.model"), "draft.model", onnx=True)
     elif not (draft.model / "model.onnx").is_file() and not (draft.model / "config.json").is_file():
         raise cfg.error("draft.model", str(draft.model), "no model.onnx in this directory (make one with "
-                        "`hetero-spec export`), nor a Hugging Face checkpoint (config.json) to export at draft.precision")
+                        "`hetero-spec export`), nor a Hugging Face checkpoint (config.json) to export at "
+                        "draft.precision")
 
 
 def _check_target_dir(cfg: Config) -> None:

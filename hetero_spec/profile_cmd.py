@@ -25,14 +25,12 @@ def _draft_decoder(eng: Engine):
 
 def _draft_token_s(eng: Engine, prompt: list[int], reps: int) -> float:
     """Median time per greedy token of the Engine's onnx draft in this process (0.0 for a lookup or none)."""
-    decoder = _draft_decoder(eng)
-    return 0.0 if decoder is None else decoder_token_s(decoder, prompt, reps)
+    return 0.0 if (decoder := _draft_decoder(eng)) is None else decoder_token_s(decoder, prompt, reps)
 
 
 def _step_overhead(decoder, prompt: list[int], reps: int) -> dict[str, float] | None:
     """A decoder's one-token step against ONNX Runtime's own run of it (tuning/profile.step_overhead_s), in ms."""
-    timed = None if decoder is None else step_overhead_s(decoder, prompt, reps)
-    if timed is None:
+    if decoder is None or (timed := step_overhead_s(decoder, prompt, reps)) is None:
         return None
     step_s, run_s = timed
     return {"step_ms": round(step_s * 1e3, 4), "run_ms": round(run_s * 1e3, 4),
@@ -245,8 +243,7 @@ def _plot(profile: dict, path: Path) -> None:
     for row in (profile.get("placement") or {}).get("candidates", []):
         axes.plot([row["gamma"]], [row["measured_tok_s"]], "x", markersize=9,
                   label="measured, {mode} {target_threads}+{draft_threads} threads".format_map(row))
-    axes.set_xlabel("gamma (draft tokens per round)")
-    axes.set_ylabel("goodput (committed tokens/s)")
-    axes.set_title(f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
+    axes.set(xlabel="gamma (draft tokens per round)", ylabel="goodput (committed tokens/s)",
+             title=f"acceptance {profile['acceptance']['per_token']:.3f}; recommended {profile['recommended_gamma']}")
     axes.legend()
     fig.savefig(path, dpi=110)

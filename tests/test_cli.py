@@ -157,20 +157,25 @@ def test_version_is_the_package_version(capsys):
 
 
 def test_model_and_draft_flags_become_the_config(llama_target, llama_copy_onnx, copy_config):
-    from hetero_spec.cli import _overrides, build_parser
+    from hetero_spec.cli import build_parser, overrides
     from hetero_spec.config import load_config
 
     parse = build_parser().parse_args
     args = parse(["generate", "--model", str(llama_target), "--draft", str(llama_copy_onnx)])
-    config = load_config(None, _overrides(args))
+    config = load_config(None, overrides(args))
     assert (config.target.model, config.draft.kind, config.draft.model) == (llama_target, "onnx", llama_copy_onnx)
     assert (config.target.backend, config.speculation.gamma, config.runtime.mode, config.runtime.cpus) == \
         ("auto", "auto", "auto", "auto")  # chosen by measurement, as `auto` does
-    assert load_config(None, _overrides(parse(["serve", "--model", str(llama_target), "--draft", "none"]))).draft.kind \
+    assert load_config(None, overrides(parse(["serve", "--model", str(llama_target), "--draft", "none"]))).draft.kind \
         == "none"
+    from hetero_spec.bench.cli import settings_from_args
+    from hetero_spec.bench.harness import command_line
+    bench = settings_from_args(parse(["bench", "--model", str(llama_target), "--draft", "ngram", "--quick"]))
+    assert bench.config is None and bench.overrides == {"target.model": str(llama_target), "draft.kind": "ngram"}
+    assert "--config" not in command_line(bench) and f"--set target.model={llama_target}" in command_line(bench)
     # with --config the flags override the file, and --set overrides the flags
     args = parse(["generate", "--config", str(copy_config), "--draft", "ngram", "--set", "speculation.gamma=3"])
-    config = load_config(args.config, _overrides(args))
+    config = load_config(args.config, overrides(args))
     assert (config.draft.kind, config.speculation.gamma, config.target.model) == ("ngram", 3, llama_target)
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from ..cli import overrides
 from .harness import (DEFAULT_GAMMAS, DEFAULT_PROMPT_TOKENS, PRECISIONS, SYSTEMS, BenchError, BenchSettings,
                       render_markdown, run_bench)
 from .prompts import parse_prompts_arg
@@ -33,7 +34,11 @@ def add_bench_parser(sub) -> None:
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog=epilog)
     add = parser.add_argument
-    add("--config", required=True, type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml)")
+    from ..cli import DRAFT_HELP, MODEL_HELP
+    add("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
+    add("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
+    add("--config", type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml); --model and "
+        "--draft override it")
     add("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
     add("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name "
         "target_only too for speedups and identity; default: every one but hf_assisted (fp32 copies of both models) "
@@ -90,7 +95,6 @@ def _check_minimums(*checks: tuple[str, float | None, float]) -> None:
 
 
 def settings_from_args(args) -> BenchSettings:
-    from ..config import parse_override
     humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
     count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
     if humaneval and args.prompts_file:
@@ -113,7 +117,7 @@ def settings_from_args(args) -> BenchSettings:
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
     return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
-                            "overrides": dict(parse_override(o) for o in args.overrides)
+                            "overrides": overrides(args)
                             | ({"generation.ignore_eos": True} if args.ignore_eos else {}),
                             "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})
 
@@ -129,7 +133,6 @@ def cmd_bench(args) -> int:
 
 
 def _prefill_stall(args) -> int:
-    from ..config import parse_override
     from .stall import render, run_stall
     try:
         chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
@@ -138,7 +141,7 @@ def _prefill_stall(args) -> int:
     if not chunks or min(chunks) < 0:
         raise BenchError(f"--chunks must be comma-separated integers >= 0, got {args.chunks!r}")
     _check_minimums(("--long-prompt-tokens", args.long_prompt_tokens, 1), ("--repeats", args.repeats, 1))
-    report = run_stall(args.config, dict(parse_override(o) for o in args.overrides), args.out, chunks,
+    report = run_stall(args.config, overrides(args), args.out, chunks,
                        args.long_prompt_tokens, args.max_new_tokens or 96, args.repeats,
                        say=lambda line: print(line, file=sys.stderr, flush=True))
     print(render(report), end="")

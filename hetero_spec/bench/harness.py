@@ -253,7 +253,6 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
                 entries[name] = _entry(name, "unavailable", f"{type(exc).__name__}: {exc}")
                 continue
             live[name] = (system, proc_state(), round(time.perf_counter() - started, 3))
-        proc_state(baseline)
 
         def run(name: str, prompt: list[int]) -> RunOutput:
             system, state, setup_s = live[name]
@@ -343,9 +342,8 @@ def run_bench(settings: BenchSettings, prompt_ids: list[list[int]] | None = None
     passes = [{"target.precision": t} for t in settings.precision_matrix or ()] or [{}]  # each pass's overrides
     configs = [resolve_draft(resolve_gguf(load_config(settings.config, overrides={**base, **p}))) for p in passes]
     prompts, source = _prompts(settings, configs[0], prompt_ids)
-    draft_dir = given.draft.model if given.draft.kind == "onnx" and given.draft.model else None
-    found = replace(settings, draft_hf=settings.draft_hf or (
-                        draft_dir if draft_dir and (Path(draft_dir) / "config.json").is_file() else None),
+    is_hf = given.draft.kind == "onnx" and given.draft.model and (Path(given.draft.model) / "config.json").is_file()
+    found = replace(settings, draft_hf=settings.draft_hf or (given.draft.model if is_hf else None),
                     llama_cpp_target=settings.llama_cpp_target or gguf_of(given.target.model),
                     llama_cpp_draft=settings.llama_cpp_draft or gguf_of(given.draft.model))
     done = []
@@ -383,7 +381,8 @@ def command_line(settings: BenchSettings) -> str:
     """The `hetero-spec bench` command that repeats this run."""
     count, gammas = settings.prompts, settings.gammas
     prompts = ("humaneval" + (f":{count}" if count else "")) if settings.humaneval else str(settings.n_prompts)
-    parts = ["hetero-spec", "bench", "--config", str(settings.config), "--out", str(settings.out), "--prompts", prompts,
+    config = ["--config", str(settings.config)] if settings.config else []  # else --set target.model names it
+    parts = ["hetero-spec", "bench", *config, "--out", str(settings.out), "--prompts", prompts,
              "--max-new-tokens", str(settings.max_new), "--gammas", ",".join(map(str, gammas)) if gammas else "config"]
     skip = {"config", "out", "prompts", "max_new_tokens", "gammas", "humaneval", "quick", "overrides"}
     for field in fields(settings):
@@ -425,8 +424,7 @@ def _system_row(entry: dict[str, Any]) -> list[str]:
         for k, v in entry.items() if k.startswith("identical_to_") and k[13:] != REFERENCE and v is not None]
     if changed := extra.get("changed_between_repeats"):
         notes.append(f"output changed between repeats on {changed} prompt(s) (int8/int4)")
-    draft_threads = extra.get("draft_threads")
-    threads = fmt(extra.get("target_threads"), "") + (f" + {draft_threads}" if draft_threads else "")
+    threads = fmt(extra.get("target_threads"), "") + (f" + {draft}" if (draft := extra.get("draft_threads")) else "")
     identical = entry.get("identical_to_target_only")
     return [entry["name"], extra.get("backend", "-"), extra.get("layout", "-"), threads, fmt(extra.get("gamma"), ""),
             fmt(entry["tokens_per_s"], ".1f"), fmt(entry.get("speedup_vs_target_only"), ".2f") + "x",
@@ -435,16 +433,15 @@ def _system_row(entry: dict[str, Any]) -> list[str]:
 
 def _pass_markdown(bench_pass: dict[str, Any]) -> list[str]:
     """One pass: the systems, skipped ones, comparisons."""
-    skipped: dict[str, list[str]] = {}
-    for entry in bench_pass["systems"]:
-        if entry["status"] == "skipped":
-            skipped.setdefault(entry["reason"], []).append(entry["name"])
+    skipped = [e for e in bench_pass["systems"] if e["status"] == "skipped"]
     lines = table(["system", "backend", "layout", "threads", "gamma", "tok/s", "speedup vs target_only",
                    "acceptance", "identical to target_only", "notes"],
                   [_system_row(e) for e in bench_pass["systems"] if e["status"] != "skipped"])
     if not any(e["name"] == REFERENCE and e["status"] == "ok" for e in bench_pass["systems"]):
         lines += ["", "No reference: target_only did not run, so there are no speedups; add it to --systems."]
-    lines += [""] * bool(skipped) + [f"- skipped {', '.join(n)}: {r}" for r, n in skipped.items()]
+    lines += [""] * bool(skipped)
+    for reason in dict.fromkeys(e["reason"] for e in skipped):
+        lines.append(f"- skipped {', '.join(e['name'] for e in skipped if e['reason'] == reason)}: {reason}")
     if bench_pass["comparisons"]:
         lines += ["", "Paired per prompt (the peer's time / ours, median over prompts):", "", *table(
             ["ours", "peer", "median", "range", "faster on", "identical outputs"],

@@ -46,8 +46,8 @@ def heldout_prompt_ids(config: Config, config_path: Path, count: int, prompt_tok
     except (OSError, ValueError) as exc:
         raise BenchError(f"the target {config.target.model} has no usable tokenizer for the held-out prompts: "
                          f"{exc}") from None
-    corpus = next((p for root in (Path(__file__).resolve().parents[2], Path(config_path).resolve().parent.parent)
-                   if (p := root / "models" / "corpus.py").is_file()), None)
+    roots = [Path(__file__).resolve().parents[2], *([Path(config_path).resolve().parent.parent] if config_path else [])]
+    corpus = next((p for root in roots if (p := root / "models" / "corpus.py").is_file()), None)
     if corpus is not None:
         spec = importlib.util.spec_from_file_location("hetero_spec_bench_corpus", corpus)
         spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))

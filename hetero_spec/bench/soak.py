@@ -58,25 +58,16 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: f
     raise BenchError(f"the server {why}; the end of {log_path}:\n{tail}")
 
 
-def _request(port: int, method: str, path: str, body: dict | None = None, timeout: float = TIMEOUT_S) -> Any:
-    """A JSON request: its parsed answer; a BenchError naming the request on any status but 200."""
+def _request(port: int, method: str, path: str, body: dict | bytes | None = None, timeout: float = TIMEOUT_S,
+             status: int = 200) -> Any:
+    """A JSON request (body: JSON, or bytes as they are): its parsed answer; a BenchError naming the request on any
+    other status than `status`."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
-        conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"} if body else {})
-        if (resp := conn.getresponse()).status != 200:
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if body else {})
+        if (resp := conn.getresponse()).status != status:
             raise BenchError(f"{method} {path} {body or ''} answered HTTP {resp.status}: {resp.read()[:300]!r}")
         return json.loads(resp.read())
-
-
-def send_malformed(port: int, endpoint: str, body: bytes, timeout: float = TIMEOUT_S) -> int:
-    """POST a malformed body; the status the server answered (its body must be OpenAI's error)."""
-    with contextlib.closing(http.client.HTTPConnection(HOST, port, timeout=timeout)) as conn:
-        conn.request("POST", PATHS[endpoint], body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        answer = json.loads(resp.read())
-        if set(answer.get("error", {})) != {"message", "type", "param", "code"}:
-            raise RuntimeError(f"HTTP {resp.status} without OpenAI's error body: {answer!r:.300}")
-        return resp.status
 
 
 def stream_completion(port: int, body: dict, timeout: float = TIMEOUT_S, cut: bool = False) -> tuple[str, dict]:
@@ -169,9 +160,9 @@ def run_soak(config_path: Path, streams: int = 32, duration_s: float = 60.0, max
             """One request on prompt `index`: malformed, cut, or whole (compared with its reference)."""
             if (draw := rng.random()) < malformed_share:
                 endpoint, body, want = MALFORMED[rng.randrange(len(MALFORMED))]
-                got = send_malformed(port, endpoint, body.replace(b"{model}", model.encode()))
-                if got != want:
-                    raise RuntimeError(f"malformed {body[:60]!r} on {endpoint}: HTTP {got}, expected {want}")
+                answer = _request(port, "POST", PATHS[endpoint], body.replace(b"{model}", model.encode()), status=want)
+                if set(answer.get("error", {})) != {"message", "type", "param", "code"}:
+                    raise RuntimeError(f"HTTP {want} without OpenAI's error body: {answer!r:.300}")
                 with lock:
                     sent_errors[f"{endpoint} {want}"] += 1
             elif draw < malformed_share + cut_share:

@@ -116,13 +116,21 @@ class LocalSource:
         if (proposer := self._props.pop(seq.id, None)) is not None:
             self._guarded(seq, "close", proposer.close)
         errors = self._errors.pop(seq.id, 0)
-        return {"draft_errors": errors} if errors else {}
+        fallback = {"draft_fallback": notes} if (notes := self._provider().get("draft_fallback")) else {}
+        return ({"draft_errors": errors} if errors else {}) | fallback
 
     def costs(self) -> DraftCosts:
         return DraftCosts(self._token_s.value, None, self._catchup_s.value or 0.0)
 
+    def _provider(self) -> dict[str, Any]:
+        """The ONNX draft's execution provider, and the fallbacks its config allowed and took (else nothing)."""
+        if (decoder := getattr(self.proposer, "decoder", None)) is None:
+            return {}
+        notes = {"draft_fallback": decoder.provider_notes} if decoder.provider_notes else {}
+        return {"draft_provider": decoder.session.get_providers()[0], **notes}
+
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        return {"draft": "in_process"}
+        return {"draft": "in_process", **self._provider()}
 
     def close(self) -> None:
         for sid in list(self._props):

@@ -10,6 +10,7 @@ thread). CURVE keys arrive as one JSON line on stdin (`--keys-stdin`), which onl
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -118,17 +119,15 @@ class Worker:
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, msg, arrays: list[np.ndarray]) -> None:
         if isinstance(msg, Begin):
-            prompt = _valid_ids(arrays, self.model.vocab_width)
-            if not prompt or msg.gamma < 1 or msg.max_ahead < 1:
+            if (prompt := _valid_ids(arrays, self.model.vocab_width)) and msg.gamma >= 1 and msg.max_ahead >= 1:
+                self._open(msg, prompt)
+            else:
                 self.channel.reject("Begin without a valid prompt, gamma or max_ahead")
-                return
-            self._open(msg, prompt)
         elif isinstance(msg, Sync) and self._stream(msg.req_id) is not None:
-            tokens = _valid_ids(arrays, self.model.vocab_width)
-            if tokens is None or msg.pos < 0:
+            if (tokens := _valid_ids(arrays, self.model.vocab_width)) is not None and msg.pos >= 0:
+                self._sync(msg.pos, tokens, msg.epoch)
+            else:
                 self.channel.reject("Sync without valid token ids")
-                return
-            self._sync(msg.pos, tokens, msg.epoch)
         elif isinstance(msg, Control) and self._stream(msg.req_id) is not None:
             self.cur.drafting, self.cur.gamma = msg.drafting, max(1, msg.gamma)
         elif isinstance(msg, End) and msg.req_id in self.streams:
@@ -278,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="hetero_spec draft worker (started by the target process)")
     parser.add_argument("--endpoint", required=True, help="ZeroMQ endpoint the target bound")
     parser.add_argument("--model", required=True, help="exported ONNX draft directory")
-    parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    parser.add_argument("--providers", default="CPUExecutionProvider",
+                        help="comma-separated execution providers, or draft.providers as a JSON list")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--vocab-width", type=int, default=0, help="target logits width")
     parser.add_argument("--cpus", default="", help="comma-separated CPU ids to pin this process to")
@@ -298,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     keys = json.loads(sys.stdin.readline()) if args.keys_stdin else (worker_keys(args.keys) if remote else None)
-    providers = args.providers.split(",")
-    channel = Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes, watch=remote)
-    try:
+    providers = json.loads(args.providers) if args.providers.startswith("[") else args.providers.split(",")
+    with contextlib.closing(Channel.connect(args.endpoint, curve=keys, max_msg_bytes=args.max_msg_bytes,
+                                            watch=remote)) as channel:
         try:
             drafter = OnnxDrafter(args.model, providers=providers, threads=args.threads,
                                   vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
             return 3
         ready = Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
-                      providers=providers)
+                      providers=drafter.decoder.session.get_providers(), fallback=drafter.decoder.provider_notes)
         if not remote:
             channel.send(ready)
         worker = Worker(channel, drafter, None if remote else args.parent_pid or os.getppid(),
@@ -318,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
             worker.keys_note = (f"this worker's key fingerprint {key_fingerprint(keys['public'])}, the server key "
                                 f"it expects {key_fingerprint(keys['server_public'])}")
         worker.loop()
-    finally:
-        channel.close()
     return 2 if worker.refused else 0
 
 

@@ -254,10 +254,9 @@ class DraftLink:
         if drafting == self.drafting and gamma == self.gamma:
             return
         self.drafting, self.gamma = drafting, gamma
-        if self.worker is not None:
-            if drafting:
-                self.sync(ids)
-            self._send(Control(req_id=self.req_id, drafting=drafting, gamma=gamma))
+        if drafting:
+            self.sync(ids)
+        self._send(Control(req_id=self.req_id, drafting=drafting, gamma=gamma))  # (without a worker: neither sends)
 
     def end(self) -> None:
         self._send(End(req_id=self.req_id))

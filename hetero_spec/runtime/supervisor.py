@@ -4,6 +4,7 @@ Ping within the heartbeat), restart with backoff in a background thread, shutdow
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -57,6 +58,14 @@ class Worker:
     failed: bool = False  # fail() handled it (set under the supervisor's lock)
     server_fingerprint: str = ""  # a remote worker's link: the target's CURVE server key, for the logs
     handshake_logged: bool = False
+    ready: Ready | None = None  # what it said when ready (the provider it drafts on, a fallback taken)
+
+    def provider(self) -> dict:
+        """The execution provider the worker's draft runs on, and the fallbacks its config allowed and took."""
+        if self.ready is None:
+            return {}
+        fallback = {"draft_fallback": self.ready.fallback} if self.ready.fallback else {}
+        return {"draft_provider": self.ready.providers[0], **fallback} if self.ready.providers else fallback
 
 
 @dataclass
@@ -74,12 +83,12 @@ class ProcessLauncher:
         channel = Channel.bind(self.server, runtime.transport, runtime.host, runtime.port, curve,
                                name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
         cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", channel.endpoint,
-               "--model", str(draft.model), "--providers", ",".join(draft.providers), "--threads", str(draft.threads),
+               "--model", str(draft.model), "--providers", json.dumps([p if isinstance(p, str) else p.model_dump() for p in draft.providers]), "--threads", str(draft.threads),
                "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
                "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
                "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
                *(["--keys-stdin"] if curve is not None else [])]
-        err_path = self.server.path(f"worker-{generation}.log")
+        err_path = os.path.join(self.server.dir, f"worker-{generation}.log")
         try:
             with open(err_path, "wb") as err:
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if curve else subprocess.DEVNULL,
@@ -188,6 +197,7 @@ class DraftSupervisor:
                             worker.server_fingerprint)
             msg = (worker.channel.recv(0.1) or (None,))[0]
             if isinstance(msg, Ready):
+                worker.ready = msg
                 if isinstance(worker.proc, RemoteProcess):
                     worker.proc.pid = msg.pid
                 if msg.vocab_width != self.spec.vocab_width:
@@ -321,13 +331,16 @@ class DraftSupervisor:
                 if self._restart_thread is threading.current_thread():
                     self._restart_thread = None
 
+    def _counts(self) -> dict:
+        """What every health report ends with: the last failure, restarts and failures so far."""
+        return {"last_failure": self.last_failure, "draft_restarts": self.restarts, "draft_failures": self.failures}
+
     def _down(self, worker: Worker | None) -> dict | None:
         """The state without a running worker (none, or its process has exited); None while it runs."""
-        out = {"restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
         if worker is None:
-            return {"draft": "closed" if self._closing.is_set() else "restarting", **out}
+            return {"draft": "closed" if self._closing.is_set() else "restarting", **self._counts()}
         if worker.proc.poll() is not None:
-            return {"draft": "dead", "exit_code": worker.proc.returncode, **out}
+            return {"draft": "dead", "exit_code": worker.proc.returncode, **self._counts()}
         return None
 
     def status(self) -> dict:
@@ -338,8 +351,8 @@ class DraftSupervisor:
             return down
         age = self.clock() - worker.last_heard
         state = "ok" if age <= self.spec.runtime.heartbeat_s or worker.ping_sent is None else "unresponsive"
-        return {"draft": state, "pid": worker.proc.pid, "last_heard_s": round(age, 3),
-                "restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
+        return {"draft": state, "pid": worker.proc.pid, "last_heard_s": round(age, 3), **worker.provider(),
+                **self._counts()}
 
     def health(self, timeout_s: float = 2.0) -> dict:
         """A real probe: ping the worker and wait for its answer. Only call it while no request is
@@ -349,7 +362,7 @@ class DraftSupervisor:
             if worker is not None:
                 self.fail(worker, f"exited with code {worker.proc.returncode}")
             return down
-        out = {"restarts": self.restarts, "failures": self.failures, "last_failure": self.last_failure}
+        out = self._counts()
         sent = time.monotonic()
         if not worker.channel.send(Ping(seq=-1, sent=sent)):
             self.fail(worker, "not accepting messages")
@@ -359,5 +372,6 @@ class DraftSupervisor:
                 self.heard(worker, got[0])
                 if isinstance(got[0], Pong):
                     return {"draft": "ok", "pid": worker.proc.pid, "rtt_ms": round((time.monotonic() - sent) * 1e3, 3),
-                            "worker_dropped": got[0].dropped, "target_dropped": worker.channel.dropped, **out}
+                            "worker_dropped": got[0].dropped, "target_dropped": worker.channel.dropped,
+                            **worker.provider(), **out}
         return {"draft": "unresponsive", "pid": worker.proc.pid, **out}

@@ -93,9 +93,7 @@ class WorkerSource:
         return DraftCosts(self.link_costs.draft_tok_s.value, self.link_costs.transfer_s.value)
 
     def health(self, probe: bool, timeout_s: float | None = None) -> dict[str, Any]:
-        health = self.sup.health(timeout_s or self.sup.spec.runtime.heartbeat_s) if probe else self.sup.status()
-        health["draft_restarts"], health["draft_failures"] = health.pop("restarts"), health.pop("failures")
-        return health
+        return self.sup.health(timeout_s or self.sup.spec.runtime.heartbeat_s) if probe else self.sup.status()
 
     def close(self) -> None:
         self.sup.close()

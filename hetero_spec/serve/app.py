@@ -138,12 +138,11 @@ class CountResponses:
             await send(message)
 
         state = scope.setdefault("state", {})
-        unanswered = 500  # the status of a request that raised before answering
+        unanswered = 499  # nothing answered: the client left first
         try:
             await self.app(scope, receive, send_counted)
-            unanswered = 499  # nothing answered: the client left first
-        except asyncio.CancelledError:
-            unanswered = 499
+        except BaseException as exc:  # one that raised before answering is a 500
+            unanswered = 499 if isinstance(exc, asyncio.CancelledError) else 500
             raise
         finally:
             if not state.get("counted_by_stream"):
@@ -215,8 +214,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
             message = "the request body is not valid JSON (not UTF-8 text)"
-        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return await _api_error(request, ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -283,6 +281,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                     **more}
 
         def done(status: str) -> None:
+            job.cancel.set()  # a disconnect (or anything else) ends the request before its next round
             if ended:
                 return
             ended.append(status)
@@ -292,14 +291,13 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 metrics.requests.labels(endpoint=endpoint, status=STREAM_STATUS[status]).inc()
             if status == "cancelled":
                 metrics.cancelled.inc()
-            metrics.observe(job.stats.to_dict())
+            metrics.observe(job.stats)
 
         if not req.stream:
             fly()
             try:
                 text = "".join([p async for p in pieces(job, req)])
             except BaseException:
-                job.cancel.set()
                 done("error")
                 raise
             done("ok")
@@ -332,14 +330,10 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 yield "data: " + json.dumps(ApiError(500, f"generation failed: {exc}", kind="server_error").body()) \
                     + "\n\n"
             finally:
-                job.cancel.set()  # a disconnect (or anything else) ends the request before its next round
                 done(status)
 
-        def closed() -> None:  # the response is over, whether or not its events ever ran
-            job.cancel.set()
-            done("cancelled")
-
-        return ClosingStream(events(), closed, media_type="text/event-stream",
+        # the response is over, whether or not its events ever ran
+        return ClosingStream(events(), lambda: done("cancelled"), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)

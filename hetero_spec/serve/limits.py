@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -57,22 +58,22 @@ class BodyLimits:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await _refuse(send, 413, f"the request body is {int(length)} bytes; this server takes at most "
-                                            f"{self.max_bytes} (serving.max_body_bytes)")
+            return await _refuse(scope, receive, send, 413, f"the request body is {int(length)} bytes; this server "
+                                                            f"takes at most {self.max_bytes} (serving.max_body_bytes)")
         loop = asyncio.get_running_loop()
         deadline, body = loop.time() + self.timeout_s, bytearray()
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                return await _refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
-                                                "(serving.body_timeout_s)")
+                return await _refuse(scope, receive, send, 408, "the request body did not arrive within "
+                                                                f"{self.timeout_s:g} s (serving.body_timeout_s)")
             if message["type"] != "http.request":
                 return  # the client left before its body was in: nobody to answer
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                return await _refuse(send, 413, f"the request body is over {self.max_bytes} bytes "
-                                                "(serving.max_body_bytes)")
+                return await _refuse(scope, receive, send, 413, f"the request body is over {self.max_bytes} bytes "
+                                                                "(serving.max_body_bytes)")
             if not message.get("more_body", False):
                 break
         unread = [{"type": "http.request", "body": bytes(body), "more_body": False}]
@@ -83,14 +84,10 @@ class BodyLimits:
         await self.app(scope, replay, send)
 
 
-async def _refuse(send, status: int, message: str) -> None:
+async def _refuse(scope, receive, send, status: int, message: str) -> None:
     """OpenAI's error body, and the connection closed after it."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": None}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    await Response(json.dumps(body), status, {"connection": "close"}, "application/json")(scope, receive, send)
 
 
 def uvicorn_options(serving) -> dict[str, Any]:

@@ -1,21 +1,21 @@
 """Prometheus metrics of `hetero-spec serve` (prometheus-client, one registry per app)."""
 
 from functools import partial
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..metrics import Stats
 
 STAGES = ("prefill", "draft", "verify", "wait", "total")
 
 
 class ServeMetrics:
     """Requests, tokens, acceptance, per-stage times, batch sizes, speculation on/off, draft restarts and
-    dropped frames. `observe(stats)` takes one finished request's stats (Engine stats dict)."""
+    dropped frames. `observe(stats)` takes one finished request's Stats."""
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
-        histogram = partial(Histogram, registry=registry)
+        counter, gauge, histogram = (partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram))
         self.requests = counter("hetero_spec_requests", "HTTP responses by endpoint and status code (a stream by how "
                                 "it ended: 200, 499 cancelled by the client, 500)", ["endpoint", "status"])
         self.prompt_tokens = counter("hetero_spec_prompt_tokens", "Prompt tokens of finished requests")
@@ -35,20 +35,17 @@ class ServeMetrics:
         self.dropped = counter("hetero_spec_dropped_frames", "Malformed or refused messages dropped")
         self.cancelled = counter("hetero_spec_cancelled_requests", "Requests ended by a client disconnect")
 
-    def observe(self, stats: dict[str, Any]) -> None:
-        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
-        self.completion_tokens.inc(stats.get("new_tokens", 0))
-        drafted, accepted = stats.get("drafted", 0), stats.get("accepted", 0)
-        self.drafted.inc(drafted)
-        self.accepted.inc(accepted)
-        if drafted:
-            self.acceptance.observe(accepted / drafted)
+    def observe(self, stats: Stats) -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.completion_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        if (rate := stats.acceptance_rate) is not None:  # None: nothing drafted
+            self.acceptance.observe(rate)
         for stage in STAGES:
-            if (seconds := stats.get(f"time_{stage}_s")) is not None:
-                self.stage.labels(stage=stage).observe(seconds)
-        extra = stats.get("extra", {})
-        self.speculation_on.set(1 if drafted > 0 else 0)
-        self.dropped.inc(extra.get("dropped_messages", 0) + extra.get("rejected_messages", 0))
+            self.stage.labels(stage=stage).observe(getattr(stats, f"time_{stage}_s"))
+        self.speculation_on.set(1 if stats.drafted > 0 else 0)
+        self.dropped.inc(stats.extra.get("dropped_messages", 0) + stats.extra.get("rejected_messages", 0))
 
     def scrape(self, engine) -> None:
         """Before a scrape: the batch size of each round since the last one (Engine.batch_sizes), the queue's length."""

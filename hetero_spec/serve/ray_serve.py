@@ -3,6 +3,7 @@ resources, core slice, ingress, health check and metrics: docs/serving.md, "Repl
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -123,10 +124,9 @@ class Replica:
         self.web = create_app(self.engine, model_name or config.target.model.name)
         self.web.middleware("http")(self._label)
         self._unwell_since: float | None = None
-        self._gauges: dict[str, object] = {}
-        self._mirror = None
 
     async def __serve_build_asgi_app__(self):
+        # held: the event loop keeps only a weak reference to a task
         self._mirror = asyncio.get_running_loop().create_task(self._mirror_loop())
         return self.web
 
@@ -138,10 +138,9 @@ class Replica:
     async def _mirror_loop(self) -> None:
         from ray.util.metrics import Gauge
 
-        def gauge_for(name: str, keys: tuple[str, ...]):
-            if name not in self._gauges:
-                self._gauges[name] = Gauge(name, description=f"hetero_spec {name}, per replica", tag_keys=keys)
-            return self._gauges[name]
+        @functools.cache  # one gauge per sample name, made at its first sample
+        def gauge_for(name: str, keys: tuple[str, ...]) -> Gauge:
+            return Gauge(name, description=f"hetero_spec {name}, per replica", tag_keys=keys)
 
         metrics = self.web.state.metrics
         while True:
@@ -164,10 +163,6 @@ class Replica:
         self._unwell_since = self._unwell_since or now
         if now - self._unwell_since > RESTART_GRACE_S:
             raise RuntimeError(f"draft worker {report.get('draft')} for {now - self._unwell_since:.0f} s: {report}")
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def application(config: Config, model_name: str | None = None):
@@ -194,7 +189,7 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
               logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
     if main:  # only now: ray.init and Serve's start install handlers of their own, which exit 143 on SIGTERM
-        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM drains as Ctrl-C does
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM drains as Ctrl-C does
     print(f"hetero-spec: serving model {name!r} on http://{host}:{port}/v1 with Ray Serve; Ctrl-C to stop", flush=True)
     try:
         with contextlib.suppress(KeyboardInterrupt):

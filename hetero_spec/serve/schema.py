@@ -130,9 +130,8 @@ class StopMatcher:
         if self.stopped:
             return ""
         self.buf += piece
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.buf, self.stopped = self.buf[:cut], "", True
+        if found := [i for i in map(self.buf.find, self.stops) if i >= 0]:
+            out, self.buf, self.stopped = self.buf[:min(found)], "", True
             return out
         cut = len(self.buf) - (0 if final else self._tail())  # no stops: _tail() is 0
         out, self.buf = self.buf[:cut], self.buf[cut:]

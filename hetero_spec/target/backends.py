@@ -58,8 +58,9 @@ BUILDER_EP = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda", "D
               "QNNExecutionProvider": "qnn"}
 
 
-def builder_ep(providers: list[str] | None) -> str:
-    return BUILDER_EP.get((providers or ["CPUExecutionProvider"])[0], "cpu")
+def builder_ep(providers: list | None) -> str:
+    from ..config import provider_name
+    return BUILDER_EP.get(provider_name(providers[0]) if providers else "CPUExecutionProvider", "cpu")
 
 
 def onnx_model_dir(cfg, source: str = "<config>") -> Path:

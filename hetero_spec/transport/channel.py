@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MSG_BYTES = 256 << 20  # per frame; the runtime sets a bound from the vocabulary and context
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+#: monitor events -> link_events() names; any other event watched is "handshake_failed"
+_LINK_EVENTS = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "connected", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
 
 
 @dataclass
@@ -46,8 +48,8 @@ class CurveKeys:
     def load(cls, directory: str | Path) -> CurveKeys:
         """Read `server.key_secret` and `client.key_secret` (ZeroMQ certificates, as `hetero-spec keys` writes them)."""
         directory = Path(directory)
-        server_public, server_secret = zmq.auth.load_certificate(str(directory / "server.key_secret"))
-        client_public, client_secret = zmq.auth.load_certificate(str(directory / "client.key_secret"))
+        server_public, server_secret = zmq.auth.load_certificate(directory / "server.key_secret")
+        client_public, client_secret = zmq.auth.load_certificate(directory / "client.key_secret")
         if not server_secret or not client_secret:
             raise ValueError(f"{directory}: server.key_secret and client.key_secret must hold secret keys")
         return cls(server_public, server_secret, client_public, client_secret)
@@ -74,8 +76,8 @@ def worker_keys(directory: str | Path) -> dict:
     """A remote worker's keys, from a `hetero-spec keys` directory: its client.key_secret, the target's server.key."""
     directory = Path(directory)
     try:
-        public, secret = zmq.auth.load_certificate(str(directory / "client.key_secret"))
-        server_public, _ = zmq.auth.load_certificate(str(directory / "server.key"))
+        public, secret = zmq.auth.load_certificate(directory / "client.key_secret")
+        server_public, _ = zmq.auth.load_certificate(directory / "server.key")
     except (OSError, ValueError) as exc:
         raise ValueError(f"--keys {str(directory)!r}: needs client.key_secret and server.key ({exc})") from None
     return {"server_public": server_public.decode(), "public": public.decode(), "secret": secret.decode()}
@@ -84,9 +86,9 @@ def worker_keys(directory: str | Path) -> dict:
 def admitted_keys(curve_keys: Path, worker_keys_dir: Path | None) -> tuple[CurveKeys, list[bytes]]:
     """A target's side of a link to remote workers: its own server key pair (curve_keys/server.key_secret) and
     the client public keys it admits (every *.key in worker_keys_dir; default curve_keys/client.key)."""
-    server_public, server_secret = zmq.auth.load_certificate(str(Path(curve_keys) / "server.key_secret"))
+    server_public, server_secret = zmq.auth.load_certificate(Path(curve_keys) / "server.key_secret")
     files = sorted(Path(worker_keys_dir).glob("*.key")) if worker_keys_dir else [Path(curve_keys) / "client.key"]
-    clients = [zmq.auth.load_certificate(str(f))[0] for f in files]
+    clients = [zmq.auth.load_certificate(f)[0] for f in files]
     if not clients:
         raise ValueError(f"{worker_keys_dir}: no *.key files (client public keys) to admit")
     return CurveKeys(server_public, server_secret, clients[0], b""), clients
@@ -116,14 +118,14 @@ def _pair(ctx: zmq.Context, max_msg_bytes: int) -> zmq.Socket:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    sock.copy_threshold = COPY_THRESHOLD  # send(copy=False) copies smaller frames (faster below tens of kB)
     return sock
 
 
 def key_fingerprint(public_key: bytes | str) -> str:
     """A short name for a CURVE public key (z85), for logs on both ends: the first 16 hex digits of its SHA-256.
     `hetero-spec keys` prints it for each key it writes."""
-    z85 = public_key.encode() if isinstance(public_key, str) else public_key
-    return hashlib.sha256(zmq.utils.z85.decode(z85)).hexdigest()[:16]
+    return hashlib.sha256(zmq.utils.z85.decode(public_key)).hexdigest()[:16]
 
 
 class ServerContext:
@@ -135,7 +137,7 @@ class ServerContext:
     def __init__(self):
         before = _task_ids()
         self.ctx = zmq.Context()
-        self._probe = _pair(self.ctx, DEFAULT_MAX_MSG_BYTES)  # starts the context's threads now, so they can be pinned
+        self.ctx.socket(zmq.PAIR).close(linger=0)  # a first socket starts the context's threads now, to be pinned
         #: this context's own threads (I/O and reaper): pin these, not other engines' ones
         self.thread_ids = sorted(_task_ids() - before)
         self.dir = tempfile.mkdtemp(prefix="hetero-spec-")  # mode 0700: other users cannot reach the sockets
@@ -173,9 +175,6 @@ class ServerContext:
         with self._keys_lock:
             self._keys.discard(client_public)
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.dir, name)
-
     def close(self) -> None:
         """Stop the authenticator, close every socket, terminate the context, remove the directory."""
         with self._lock:
@@ -185,7 +184,6 @@ class ServerContext:
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
-            self._probe.close(linger=0)
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -214,7 +212,7 @@ class Channel:
             server.admit(curve.client_public)
             sock.curve_secretkey, sock.curve_publickey = curve.server_secret, curve.server_public
             sock.curve_server = True
-        ipc_path = server.path(f"{name}.sock") if transport == "ipc" else None
+        ipc_path = os.path.join(server.dir, f"{name}.sock") if transport == "ipc" else None
         channel = cls(sock, f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}", ipc_path,
                       client_key=curve.client_public if curve else None, server=server)
         try:
@@ -252,20 +250,15 @@ class Channel:
         not belong together: a client without the server's public key, a peer without CURVE)."""
         out = []
         while self._monitor is not None and not self.closed and self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            out.append("connected" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else
-                       "refused" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake_failed")
+            out.append(_LINK_EVENTS.get(recv_monitor_message(self._monitor)["event"], "handshake_failed"))
         return out
 
     def send(self, msg, *arrays: np.ndarray) -> bool:
         """Queue a message without blocking; False when closed, or the peer is gone or not keeping up."""
         if self.closed:
             return False
-        frames = encode(msg, arrays)
         try:
-            for i, frame in enumerate(frames):
-                big = isinstance(frame, np.ndarray) and frame.nbytes >= COPY_THRESHOLD
-                self.sock.send(frame, flags=(zmq.SNDMORE if i < len(frames) - 1 else 0) | zmq.NOBLOCK, copy=not big)
+            self.sock.send_multipart(encode(msg, arrays), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # Again: the peer is not keeping up; else the socket went away (a reap)
             log.debug("send on %s failed: %s", self.endpoint, exc)
             return False

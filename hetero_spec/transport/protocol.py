@@ -32,8 +32,13 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
     arrays: list[ArrayMeta] = []
 
 
-class Begin(_Msg, tag="begin"):
+class _RequestMsg(_Msg):
+    """A message about one request's stream (req_id comes first on the wire)."""
+
     req_id: int
+
+
+class Begin(_RequestMsg, tag="begin"):
     temperature: float
     top_k: int
     top_p: float
@@ -44,20 +49,18 @@ class Begin(_Msg, tag="begin"):
     coupled: bool = False  # coupled sampling: draft argmax(log q + g), no q on the wire
 
 
-class Sync(_Msg, tag="sync"):
-    req_id: int
+class Sync(_RequestMsg, tag="sync"):
     pos: int
     epoch: int
 
 
-class Control(_Msg, tag="control"):
-    req_id: int
+class Control(_RequestMsg, tag="control"):
     drafting: bool
     gamma: int
 
 
-class End(_Msg, tag="end"):
-    req_id: int
+class End(_RequestMsg, tag="end"):
+    pass
 
 
 class Ping(_Msg, tag="ping"):
@@ -73,11 +76,11 @@ class Ready(_Msg, tag="ready"):
     pid: int
     vocab_width: int
     context_len: int
-    providers: list[str]
+    providers: list[str]  # the draft session's, the one it runs on first
+    fallback: list[str] = []  # fallbacks to the CPU provider its providers allowed and took
 
 
-class Proposal(_Msg, tag="proposal"):
-    req_id: int
+class Proposal(_RequestMsg, tag="proposal"):
     epoch: int          # the stream; the target drops stale ones (a Sync rebases the worker's stream, a new epoch)
     base: int           # the stream's first position drafted by the worker (before it: committed tokens)
     start: int          # absolute position of the first token: ids [k] int32 (+ q [k, vocab] float32 if sampled)
