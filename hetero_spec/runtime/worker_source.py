@@ -87,6 +87,8 @@ class WorkerSource:
                                "dropped_messages": link.dropped, "rejected_messages": link.rejected}
         if link.trace is not None:
             out["timeline"] = {"draft": link.trace}
+        if fallback := self.sup.status().get("draft_fallback"):
+            out["draft_fallback"] = fallback
         return out
 
     def costs(self) -> DraftCosts:
