@@ -11,7 +11,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,gguf,bench,ray,openvino]'
+	# compat: a plain .pth to the checkout (setuptools' default finder for this layout prints a warning per install)
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[dev,gguf,bench,ray,openvino]'
 	touch $@
 
 demo: $(VENV)/.installed
