@@ -22,7 +22,7 @@ from .metrics import Stats
 from .precision import check_target, resolve_auto, resolve_draft
 from .preflight import check_config
 from .sampling import SamplingParams
-from .scheduler import Request, Scheduler, Ticket, check_request, is_last
+from .scheduler import DONE, Request, Scheduler, Ticket, check_request, is_last
 from .target.backends import _device_is_cuda, choose_backend, load_target, target_spin
 from .tuning import placement as pl
 from .draft.select import LOOKUPS
@@ -483,9 +483,28 @@ class Engine:
                                 stats=stats.to_dict())
 
     def generate(self, prompt: str | list[int], **kw) -> GenerationOutput:
-        """Generate a completion. Unset arguments come from the config's `generation` section."""
-        stats = Stats()
-        return self._output([t for chunk in self.stream_tokens(prompt, stats=stats, **kw) for t in chunk], stats)
+        """Generate a completion. Unset arguments come from the config's `generation` section. The caller sleeps
+        until the request ends: no thread wakes per round (on a 2-core machine a wake-up per token competes with
+        the target's pool threads for the cores)."""
+        stats, ids, ended, cancel = Stats(), [], threading.Event(), threading.Event()
+
+        def sink(item) -> None:
+            if item is DONE or isinstance(item, BaseException):
+                ids.append(item)
+                ended.set()
+            else:
+                ids.extend(item)
+
+        self.submit(prompt, sink, stats, cancel, **kw)
+        try:
+            while not ended.wait(LOOP_POLL_S):
+                if not self._scheduler.alive:
+                    raise EngineClosedError(LOOP_DIED)
+        except BaseException:  # KeyboardInterrupt too: the request leaves before its next round
+            cancel.set()
+            raise
+        is_last(ids.pop())  # raises the exception that ended the request
+        return self._output(ids, stats)
 
     def stream(self, prompt: str | list[int], stats: Stats | None = None, **kw) -> Iterator[str]:
         """An iterator of text pieces as rounds commit tokens (pass a Stats to read the statistics after); the request

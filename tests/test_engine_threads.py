@@ -167,6 +167,8 @@ def test_a_caller_does_not_wait_forever_on_a_dead_request_loop(plain_engine, mon
     monkeypatch.setattr(type(eng._scheduler), "alive", property(lambda self: False))
     with pytest.raises(EngineClosedError, match="request loop stopped"):
         next(iter(eng.stream_tokens([5, 6, 7], max_new_tokens=4)))
+    with pytest.raises(EngineClosedError, match="request loop stopped"):
+        eng.generate([5, 6, 7], max_new_tokens=4)  # it waits for the end only, and checks the loop the same way
 
     async def read():
         async for _ in await eng.astream_tokens([5, 6, 7], max_new_tokens=4):
@@ -174,3 +176,34 @@ def test_a_caller_does_not_wait_forever_on_a_dead_request_loop(plain_engine, mon
 
     with pytest.raises(EngineClosedError, match="request loop stopped"):
         asyncio.run(read())
+
+
+def test_a_generate_interrupted_while_it_waits_cancels_its_request(plain_engine, monkeypatch):
+    """generate() waits on one event for its request's end (checking the loop every LOOP_POLL_S); a caller
+    interrupted while it waits (KeyboardInterrupt) cancels the request, which then leaves."""
+    eng = plain_engine
+    seen = []
+    real_submit = eng.submit
+
+    def submit(prompt, sink, stats=None, cancel=None, **kw):
+        seen.append(cancel)
+        return real_submit(prompt, sink, stats, cancel, **kw)
+
+    monkeypatch.setattr(eng, "submit", submit)
+    out = eng.generate([5, 6, 7], max_new_tokens=6)
+    assert len(out.token_ids) == 6 and out.finish_reason in ("length", "stop")
+    waits = []
+
+    class Interrupted(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading, "Event", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate([5, 6, 7], max_new_tokens=50)
+    cancel = seen[-1]
+    assert isinstance(cancel, Interrupted) and threading.Event.is_set(cancel)  # set before the interrupt rose
+    from hetero_spec.engine import LOOP_POLL_S
+    assert waits == [LOOP_POLL_S]
+    assert eng.wait_idle(30)  # the cancelled request left
