@@ -100,6 +100,35 @@ def test_interleave_rotates_and_takes_medians():
     assert entry["per_prompt"][0]["wall_s"] == 3.5 and entry["per_prompt"][0]["repeats_s"] == [1.0, 6.0]
 
 
+def test_each_timed_run_waits_for_the_cores_to_settle_untimed(monkeypatch):
+    clock, calls = SimpleNamespace(t=0.0), []
+
+    def settle():
+        calls.append("settle")
+        clock.t += 100.0  # not part of any run's time
+
+    def run(name, prompt):
+        calls.append(name)
+        clock.t += 1.0
+        return RunOutput([1])
+
+    runs, _ = harness.interleave(["a", "b"], [[1], [2]], 1, run, clock=lambda: clock.t, settle=settle)
+    assert calls == ["settle", "a", "settle", "b", "settle", "b", "settle", "a"]
+    assert {w for name in runs for prompt in runs[name] for w, _ in prompt} == {1.0}
+    # quiesce: returns at the first slice in which the process used no CPU, or at its limit
+    now, cpu = SimpleNamespace(t=0.0), iter([0.0, 0.02, 0.02, 0.04, 0.04, 0.04])  # busy, busy, then idle
+    monkeypatch.setattr(harness.time, "monotonic", lambda: now.t)
+    monkeypatch.setattr(harness.time, "sleep", lambda s: setattr(now, "t", now.t + s))
+    monkeypatch.setattr(harness.os, "times", lambda: (next(cpu), 0.0))
+    harness.quiesce(limit_s=1.0, slice_s=0.02)
+    assert round(now.t, 3) == 0.06 and list(cpu) == []  # three slices: the third was idle
+    busy = iter(range(0, 1000))
+    monkeypatch.setattr(harness.os, "times", lambda: (float(next(busy)), 0.0))  # never idle
+    now.t = 0.0
+    harness.quiesce(limit_s=0.1, slice_s=0.02)
+    assert 0.1 <= now.t < 0.13
+
+
 def test_an_output_that_changes_between_repeats_fails_unless_the_target_is_quantized():
     runs = [[(1.0, RunOutput([1, 2])), (1.0, RunOutput([1, 3]))]]
     assert harness._measured("hetero_spec", runs, {}, quantized=False)["reason"] == \
@@ -342,3 +371,26 @@ def test_make_demo_names_known_systems():
     demo = next(line for line in makefile.splitlines() if "bench" in line and "bench-out/demo" in line)
     unknown = set(demo.split("--systems", 1)[1].split()[0].split(",")) - set(SYSTEMS)
     assert not unknown, f"make demo names systems the bench does not have: {sorted(unknown)}"
+
+
+def test_a_system_that_tunes_itself_runs_the_first_two_prompts_untimed_at_setup(copy_config, tmp_path, monkeypatch):
+    """gamma auto (or runtime.mode auto) moves as it runs: like a peer's calibration, setup runs it on the first
+    two prompts, whole, before anything is timed; a fixed gamma without --gammas does not."""
+    from hetero_spec.bench.harness import BenchContext
+    from hetero_spec.bench.systems import HeteroSpec
+    from hetero_spec.config import load_config
+    from hetero_spec.engine import Engine
+
+    seen = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompt, **kw: seen.append((list(prompt), kw["max_new_tokens"]))
+                        or real(self, prompt, **kw))
+    for gamma, expected in (("auto", [(PROMPTS[0], 8), (PROMPTS[1], 8)]), (3, [])):
+        settings = BenchSettings(config=copy_config, out=tmp_path, max_new_tokens=8)
+        ctx = BenchContext(settings, load_config(copy_config, {"speculation.gamma": gamma}), PROMPTS)
+        system, seen[:] = HeteroSpec(), []
+        system.setup(ctx)
+        try:
+            assert seen == expected, gamma
+        finally:
+            system.close()

@@ -121,6 +121,18 @@ class System:
         pass
 
 
+def quiesce(limit_s: float = 0.3, slice_s: float = 0.02) -> None:
+    """Wait until this process uses no CPU for a slice (at most limit_s), before a timed run: ONNX Runtime's pool
+    threads spin for about 40 ms after a run, and a system timed while its predecessor's threads still spin shares
+    the cores with them (on the demo pair, a 64-token run of one system right after another's: 0.81-0.92x)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = sum(os.times()[:2])
+        time.sleep(slice_s)
+        if sum(os.times()[:2]) - before < slice_s / 4:
+            return
+
+
 def timed(run: Callable[..., Any], *args: Any, clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     """(seconds, run(*args)): the output's own_wall_s (a RunOutput's own clock) when set, else the clock around it."""
     started = clock()
@@ -135,7 +147,8 @@ def tune(system: System, ctx: BenchContext, run: Callable[..., RunOutput], candi
     if len(candidates) < 2:
         return candidates[0]
     run(candidates[0], ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))
-    times = {c: sum(timed(run, c, p, ctx.max_new)[0] for p in ctx.prompts[:2]) for c in candidates}  # timed later too
+    times = {c: sum(quiesce() or timed(run, c, p, ctx.max_new)[0] for p in ctx.prompts[:2])  # timed later too
+             for c in candidates}
     system.calibration = {" ".join(str(x) for x in (c if isinstance(c, tuple) else (c,)) if x is not None):
                           round(v, 4) for c, v in times.items()}
     return min(times, key=times.get)
@@ -154,10 +167,12 @@ def proc_state(state: tuple | None = None) -> tuple:
 
 def interleave(names: Sequence, prompts: Sequence, repeats: int, run: Callable[[Any, Any], Any],
                must: Sequence = (), say: Callable[[str], None] = lambda text: None,
-               clock: Callable[[], float] = time.perf_counter) -> tuple[dict[Any, list], dict[Any, str]]:
+               clock: Callable[[], float] = time.perf_counter,
+               settle: Callable[[], None] = lambda: None) -> tuple[dict[Any, list], dict[Any, str]]:
     """Run every name on every prompt `repeats` times, interleaved: the order rotates from prompt to prompt and
     repeat to repeat, so that no system always runs right after the same neighbour (and machine noise hits all
-    alike). run(name, prompt) -> its output, `timed`. A name whose run raises is dropped, its error kept; one in
+    alike). run(name, prompt) -> its output, `timed`, each after settle(), untimed. A name whose run raises is
+    dropped, its error kept; one in
     `must` stops everything. Returns ({name: [[(seconds, output) per repeat] per prompt]}, {name: error})."""
     names, failed, start = list(names), {}, clock()
     runs: dict[Any, list] = {n: [[] for _ in prompts] for n in names}  # per prompt, its repeats
@@ -166,6 +181,7 @@ def interleave(names: Sequence, prompts: Sequence, repeats: int, run: Callable[[
             shift = (index * repeats + repeat) % len(names) if names else 0
             for name in [n for n in names[shift:] + names[:shift] if n not in failed]:
                 try:
+                    settle()
                     runs[name][index].append(timed(run, name, prompt, clock=clock))
                 except Exception as exc:  # one system's failure is reported, the others go on
                     if name in must:
@@ -262,7 +278,7 @@ def run_pass(ctx: BenchContext, names: list[str], repeats: int, say: Callable[[s
             live[name] = (system, proc_state(), setup_s)  # a placement that moved re-pinned: its next run keeps that
             return out
 
-        runs, failed = interleave(live, ctx.prompts, repeats, run, must=(REFERENCE,), say=say)
+        runs, failed = interleave(live, ctx.prompts, repeats, run, must=(REFERENCE,), say=say, settle=quiesce)
         for name, (system, state, setup_s) in live.items():
             extra = {"setup_s": setup_s, "cpus": sorted(state[0] or []), **system.describe(ctx),
                      **({"calibration_s": system.calibration} if system.calibration else {})}
@@ -488,7 +504,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"{count} prompt{'s' * (count != 1)}{where} x {settings['max_new_tokens']} new tokens"
              f"{' (EOS ignored)' * bool(settings.get('ignore_eos'))}, {decoding}, {gamma.format_map(settings)}, "
              f"{cpu['cpu_count']} CPUs ({cpu['cpu_model']}); interleaved per prompt, the order rotating, after one "
-             f"untimed warm-up per system; a prompt's time is the median of {settings['repeats']} run(s).", ""]
+             f"untimed warm-up per system (one that tunes itself: the first two prompts), each run after the cores "
+             f"settle; a prompt's time is the median of {settings['repeats']} run(s).", ""]
     for bench_pass in report.get("passes") or [report]:
         if bench_pass.get("precision"):
             lines += ["", "## " + ", ".join(f"{k} {v}" for k, v in bench_pass["precision"].items()), ""]

@@ -21,6 +21,11 @@ class _Engine(System):
         self.setting = self.engine.config.speculation.gamma if self.speculative else None
         if ctx.gammas and self.speculative and self.setting != "auto":  # auto picks its own each round
             self.setting = tune(self, ctx, self._run, ctx.gammas)
+        elif self.speculative and (self.setting == "auto" or ctx.config.runtime.mode == "auto"):
+            # it tunes itself as it runs (gamma, the layout between requests): the first two prompts, untimed, as a
+            # peer's calibration runs them, so that it is timed settled, not while it still moves
+            for prompt in ctx.prompts[:2]:
+                self._run(self.setting, prompt, ctx.max_new)
 
     def _run(self, gamma: Any, prompt: list[int], max_new: int) -> RunOutput:
         out = self.engine.generate(prompt, max_new_tokens=max_new, temperature=self.temperature, seed=SEED, gamma=gamma)
