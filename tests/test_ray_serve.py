@@ -191,6 +191,30 @@ def test_serving_ray_settings_are_validated(llama_target, llama_copy_onnx):
     assert deployment_options(two)["num_replicas"] == 2
 
 
+def test_replicas_that_do_not_fit_the_machine_are_an_error_before_ray_starts(llama_target, llama_copy_onnx,
+                                                                           monkeypatch):
+    """Two replicas of 2 CPUs on a 2-core machine: Ray would start one and keep the other pending for good (every
+    request then went to one replica). A clear error names the key, the CPUs and the fix, before Ray starts."""
+    two = build_config({**_cfg(llama_target, llama_copy_onnx, cpus_per_replica=None),
+                        "runtime": {"mode": "two_process"}}, source="r.yaml")
+    with pytest.raises(ConfigError) as e:
+        ray_serve.check_fits(two, 2)
+    assert (e.value.source, e.value.key_path, e.value.value) == ("r.yaml", "serving.ray.num_replicas", 2)
+    assert e.value.problem.startswith("2 replicas of 2 CPUs each (target.threads 1 + draft.threads 1, the "
+                                      "two_process layout) need 4, and this machine has 2")
+    assert "set serving.ray.cpus_per_replica: 1" in e.value.problem
+    ray_serve.check_fits(two, 4)  # fits
+    ray_serve.check_fits(build_config(_cfg(llama_target, llama_copy_onnx)), 2)  # 2 x cpus_per_replica 1
+    scaling = build_config({**_cfg(llama_target, llama_copy_onnx), "serving": {"ray": {
+        "cpus_per_replica": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 3}}}})
+    with pytest.raises(ConfigError, match=r"serving\.ray\.autoscaling\.max_replicas = 3: 3 replicas of 1 CPUs"):
+        ray_serve.check_fits(scaling, 2)
+    monkeypatch.setattr(ray_serve, "_ray", lambda: pytest.fail("Ray was started before the check"))
+    monkeypatch.setattr("hetero_spec.runtime.cpus.allowed", lambda: [0, 1])
+    with pytest.raises(ConfigError, match="serving.ray.num_replicas"):
+        ray_serve.serve_ray(two)
+
+
 def test_the_ingress_is_haproxy_when_found_and_a_missing_binary_is_named(llama_target, llama_copy_onnx,
                                                                          monkeypatch):
     def env(ingress: str, found: bool) -> dict:

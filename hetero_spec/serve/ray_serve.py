@@ -66,6 +66,25 @@ def replica_cpus(config: Config) -> float:
     return float((config.target.threads or 1) + worker)
 
 
+def check_fits(config: Config, cpus: int) -> None:
+    """A local Ray instance has this machine's `cpus`: a replica that does not fit there is never started (Serve
+    keeps it pending, without a word, and the first replica serves alone), so that is a ConfigError before Ray
+    starts, naming the setting to change. Autoscaling: its max_replicas must fit."""
+    ray_cfg, per = config.serving.ray, replica_cpus(config)
+    key, count = (("serving.ray.num_replicas", ray_cfg.num_replicas) if ray_cfg.autoscaling is None
+                  else ("serving.ray.autoscaling.max_replicas", ray_cfg.autoscaling.max_replicas))
+    if count * per <= cpus:
+        return
+    how = ("serving.ray.cpus_per_replica" if ray_cfg.cpus_per_replica is not None else
+           f"target.threads {config.target.threads or 1}" + (f" + draft.threads {config.draft.threads}, the "
+           f"{config.runtime.mode} layout" if config.runtime.mode in ("two_process", "auto") else ""))
+    fit = cpus // count
+    fix = (f"set serving.ray.cpus_per_replica: {fit} (each replica then decodes on {fit} "
+           f"core{'s' * (fit != 1)}), or run fewer replicas" if fit >= 1 else "run fewer replicas")
+    raise config.error(key, count, f"{count} replicas of {per:g} CPUs each ({how}) need {count * per:g}, and this "
+                       f"machine has {cpus}: Ray would start {int(cpus // per)} and keep the rest pending; {fix}")
+
+
 def deployment_options(config: Config) -> dict:
     """serving.ray as `serve.deployment` options: replicas or autoscaling, the per-replica request limit and
     the Ray resources of one replica."""
@@ -176,11 +195,14 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
               model_name: str | None = None) -> int:
     """Deploy on Ray Serve (a local Ray instance unless `address`) and block until SIGINT/SIGTERM; Serve then
     drains the replicas (each closes its Engine, and with it its draft worker)."""
+    address = address or config.serving.ray.address
+    if not address:  # a cluster's nodes have their own resources (and may be added)
+        from ..runtime.cpus import allowed
+        check_fits(config, len(allowed()))
     # before Ray starts (its processes inherit it); what the user set stays; a cluster keeps its own
     for key, value in local_env(config).items():
         os.environ.setdefault(key, value)
     ray, serve = _ray()
-    address = address or config.serving.ray.address
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              **({} if address else {"_metrics_export_port": config.serving.ray.metrics_export_port}))
     main = threading.current_thread() is threading.main_thread()
