@@ -41,17 +41,22 @@ def _command(sub, name: str, run, help: str, description: str, config: str | Non
     command's own options."""
     parser = sub.add_parser(name, help=help, description=description, **parser_options)
     parser.set_defaults(run=run, model=None, draft=None)
-    if config and "--model" in models:
-        parser.add_argument("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
-    if config and "--draft" in models:
-        parser.add_argument("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
     if config:
+        add_model_flags(parser.add_argument, models)
         parser.add_argument("--config", required=not models, help=f"{config}; --model and --draft override it"
                             if models else config)
     if overrides:
         parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                             help=overrides)
     return parser.add_argument
+
+
+def add_model_flags(add, models: tuple[str, ...] = ("--model", "--draft")) -> None:
+    """--model and --draft (those named in `models`) on a command's parser (its add_argument)."""
+    if "--model" in models:
+        add("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
+    if "--draft" in models:
+        add("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
 
 
 def model_flags(args) -> dict[str, Any]:

@@ -35,9 +35,8 @@ def add_bench_parser(sub) -> None:
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog=epilog)
     add = parser.add_argument
-    from ..cli import DRAFT_HELP, MODEL_HELP
-    add("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
-    add("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
+    from ..cli import add_model_flags
+    add_model_flags(add)
     add("--config", type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml); --model and "
         "--draft override it")
     add("--out", default=Path("bench-out"), type=Path, help="output directory (default bench-out)")
