@@ -127,16 +127,12 @@ def encode(msg: _Msg, arrays: tuple[np.ndarray, ...] = ()) -> list:
     return [_ENCODER.encode(msg), *contiguous]
 
 
-def _buffer(frame):
-    return frame.buffer if hasattr(frame, "buffer") else frame  # a zmq.Frame (copy=False), or bytes
-
-
 def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
     """Frames -> (message, arrays). Raises MalformedMessage on anything that does not fit."""
     if not frames:
         raise MalformedMessage("empty message")
     try:
-        msg = _DECODER.decode(bytes(_buffer(frames[0])))
+        msg = _DECODER.decode(frames[0])  # a zmq.Frame (copy=False) or bytes: either is a buffer
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedMessage(f"bad header: {exc}") from None
     name = type(msg).__name__
@@ -152,10 +148,10 @@ def decode(frames: list) -> tuple[_Msg, list[np.ndarray]]:
             raise MalformedMessage(f"bad array meta {meta} in {name}: expected {want_dtype}, {want_ndim}-D")
         if any(not 0 <= d <= MAX_DIM for d in meta.shape):
             raise MalformedMessage(f"bad array meta {meta} in {name}: dimensions must be in [0, {MAX_DIM}]")
-        buf = _buffer(frame)
+        buf = memoryview(frame)
         # Python ints: no overflow, and at most MAX_DIM ** ndim
-        if len(buf) != math.prod(meta.shape) * np.dtype(_DTYPES[want_dtype]).itemsize:
-            raise MalformedMessage(f"array frame of {len(buf)} bytes does not match {meta}")
+        if buf.nbytes != math.prod(meta.shape) * np.dtype(_DTYPES[want_dtype]).itemsize:
+            raise MalformedMessage(f"array frame of {buf.nbytes} bytes does not match {meta}")
         arrays.append(np.frombuffer(buf, dtype=_DTYPES[want_dtype]).reshape(meta.shape))
     if isinstance(msg, Proposal) and len(arrays) == 2 and arrays[1].shape[0] != arrays[0].shape[0]:
         raise MalformedMessage(f"Proposal with {arrays[0].shape[0]} tokens but {arrays[1].shape[0]} distributions")
