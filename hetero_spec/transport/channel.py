@@ -210,7 +210,8 @@ class Channel:
         sock = _pair(server.ctx, max_msg_bytes)
         if curve is not None:
             server.admit(curve.client_public)
-            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = curve.server_secret, curve.server_public, True
+            sock.curve_secretkey, sock.curve_publickey = curve.server_secret, curve.server_public
+            sock.curve_server = True
         ipc_path = os.path.join(server.dir, f"{name}.sock") if transport == "ipc" else None
         channel = cls(sock, f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}", ipc_path,
                       client_key=curve.client_public if curve else None, server=server)
