@@ -68,41 +68,6 @@ class Worker:
         return {"draft_provider": self.ready.providers[0], **fallback} if self.ready.providers else fallback
 
 
-@dataclass
-class ProcessLauncher:
-    """Starts `python -m hetero_spec.runtime.draft_worker` on a fresh channel of the engine's context.
-    CURVE keys (ephemeral per worker unless configured) go to the worker through its stdin pipe."""
-
-    server: ServerContext
-
-    def launch(self, spec: WorkerSpec, generation: int) -> Worker:
-        runtime, draft = spec.runtime, spec.draft
-        curve = None
-        if runtime.transport == "tcp" or runtime.curve:  # CURVE keys: configured (required beyond loopback), or new
-            curve = CurveKeys.load(runtime.curve_keys) if runtime.curve_keys else CurveKeys.generate()
-        channel = Channel.bind(self.server, runtime.transport, runtime.host, runtime.port, curve,
-                               name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
-        cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", channel.endpoint,
-               "--model", str(draft.model), "--providers", json.dumps([p if isinstance(p, str) else p.model_dump() for p in draft.providers]), "--threads", str(draft.threads),
-               "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
-               "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
-               "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
-               *(["--keys-stdin"] if curve is not None else [])]
-        err_path = os.path.join(self.server.dir, f"worker-{generation}.log")
-        try:
-            with open(err_path, "wb") as err:
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if curve else subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=err)
-            if curve is not None:
-                with contextlib.suppress(OSError):  # it died at once; readiness reports why
-                    proc.stdin.write(curve.client_handover())
-                    proc.stdin.close()
-        except BaseException:
-            channel.close()
-            raise
-        return Worker(proc=proc, channel=channel, generation=generation, stderr_path=err_path)
-
-
 class RemoteProcess:
     """Stands in for the Popen of a worker on another host: it runs as long as the link says so (heartbeat)."""
 
@@ -116,24 +81,6 @@ class RemoteProcess:
     terminate = kill = wait = poll
 
 
-@dataclass
-class RemoteLauncher:
-    """runtime.worker remote: bind runtime.host:runtime.port over TCP with the target's CURVE key, admit the keys
-    of runtime.worker_keys, and wait there for a worker started elsewhere (`hetero-spec draft-worker --connect`)."""
-
-    server: ServerContext
-
-    def launch(self, spec: WorkerSpec, generation: int) -> Worker:
-        runtime = spec.runtime
-        curve, clients = admitted_keys(runtime.curve_keys, runtime.worker_keys)
-        channel = Channel.bind(self.server, "tcp", runtime.host, runtime.port, curve, name=f"worker-{generation}",
-                               max_msg_bytes=spec.max_msg_bytes, watch=True)
-        for key in clients[1:]:
-            self.server.admit(key)
-        return Worker(proc=RemoteProcess(), channel=channel, generation=generation,
-                      server_fingerprint=key_fingerprint(curve.server_public))
-
-
 class DraftSupervisor:
     """Owns the current worker. Only the thread serving a request talks on the channel; the restart thread only
     spawns a new worker and hands it over once it is ready. `launcher` and `clock` are seams for tests."""
@@ -145,7 +92,7 @@ class DraftSupervisor:
             raise WorkerStartError(why)
         self._server = ServerContext() if launcher is None else None
         self.remote = runtime.worker == "remote"
-        self.launcher = launcher or (RemoteLauncher if self.remote else ProcessLauncher)(self._server)
+        self.launcher = launcher or self
         self._lock, self._closing = threading.Lock(), threading.Event()
         self._worker: Worker | None = None
         self._pending: Worker | None = None  # a restarted worker, adopted by current()
@@ -153,6 +100,52 @@ class DraftSupervisor:
         self.generation = self.restarts = self.failures = 0
         self._consecutive = 0  # failures since a worker was last heard from (the restart backoff)
         self.last_failure = ""
+
+    def launch(self, spec: WorkerSpec, generation: int) -> Worker:
+        """The default launcher (`launcher` replaces it in tests): a process of ours, or a remote worker's link."""
+        return (self._launch_remote if self.remote else self._launch_process)(spec, generation)
+
+    def _launch_process(self, spec: WorkerSpec, generation: int) -> Worker:
+        """`python -m hetero_spec.runtime.draft_worker` on a fresh channel of the engine's context. CURVE
+        keys (ephemeral per worker unless configured) go to the worker through its stdin pipe."""
+        runtime, draft = spec.runtime, spec.draft
+        curve = None
+        if runtime.transport == "tcp" or runtime.curve:  # CURVE keys: configured (required beyond loopback), or new
+            curve = CurveKeys.load(runtime.curve_keys) if runtime.curve_keys else CurveKeys.generate()
+        channel = Channel.bind(self._server, runtime.transport, runtime.host, runtime.port, curve,
+                               name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
+        cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", channel.endpoint,
+               "--model", str(draft.model), "--providers", json.dumps([p if isinstance(p, str) else p.model_dump() for p in draft.providers]), "--threads", str(draft.threads),
+               "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
+               "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
+               "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
+               *(["--keys-stdin"] if curve is not None else [])]
+        err_path = os.path.join(self._server.dir, f"worker-{generation}.log")
+        try:
+            with open(err_path, "wb") as err:
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if curve else subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=err)
+            if curve is not None:
+                with contextlib.suppress(OSError):  # it died at once; readiness reports why
+                    proc.stdin.write(curve.client_handover())
+                    proc.stdin.close()
+        except BaseException:
+            channel.close()
+            raise
+        return Worker(proc=proc, channel=channel, generation=generation, stderr_path=err_path)
+
+    def _launch_remote(self, spec: WorkerSpec, generation: int) -> Worker:
+        """runtime.worker remote: bind runtime.host:runtime.port over TCP with the target's CURVE key, admit
+        the keys of runtime.worker_keys, and wait there for a worker started elsewhere (`hetero-spec draft-worker
+        --connect`)."""
+        runtime = spec.runtime
+        curve, clients = admitted_keys(runtime.curve_keys, runtime.worker_keys)
+        channel = Channel.bind(self._server, "tcp", runtime.host, runtime.port, curve, name=f"worker-{generation}",
+                               max_msg_bytes=spec.max_msg_bytes, watch=True)
+        for key in clients[1:]:
+            self._server.admit(key)
+        return Worker(proc=RemoteProcess(), channel=channel, generation=generation,
+                      server_fingerprint=key_fingerprint(curve.server_public))
 
     @property
     def thread_ids(self) -> list[int]:
