@@ -421,8 +421,7 @@ class KvPool:
         return self.cache[0].shape[2] if self.cache else 0
 
     def n_past(self, slot: int) -> int:
-        state = self._states.get(slot)
-        return state.n_past if state is not None else 0
+        return getattr(self._states.get(slot), "n_past", 0)  # a free slot caches nothing
 
     def acquire(self) -> DecoderState | None:
         """A fresh state in a free slot (None: every slot is taken)."""

@@ -36,9 +36,7 @@ class CorpusTable:
 
     def next(self, ids: list[int]) -> tuple[int, int] | None:
         """(the next token, the context length it was found at) for the text ids, or None."""
-        for length in ORDERS:
-            if len(ids) < length:
-                continue
+        for length in (n for n in ORDERS if n <= len(ids)):
             keys, nexts = self.tables[length]
             key = _hash(ids[-length:])
             i = int(np.searchsorted(keys, np.uint64(key)))

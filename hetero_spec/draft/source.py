@@ -66,8 +66,7 @@ class LocalSource:
         return None  # one kind: nothing to choose among
 
     def propose(self, seqs: list[Seq], rows: list[RowPlan], budget_s: float = 0.0) -> list[Draft]:
-        for seq, row in zip(seqs, rows):
-            self._proposed[seq.id] = row.k > 0 and seq.id in self._props
+        self._proposed.update((seq.id, row.k > 0 and seq.id in self._props) for seq, row in zip(seqs, rows))
         live = [i for i, seq in enumerate(seqs) if self._proposed[seq.id]
                 and self._guarded(seq, "catch-up", self._ready, seq, rows[i].probing) is not None]
         if not live:

@@ -32,8 +32,7 @@ class CpuPlan:
             import torch
             self._orig_threads = torch.get_num_threads()
         self.threads = config.target.threads
-        worker_cpus = draft_cpus(config)
-        if worker_cpus is not None:
+        if (worker_cpus := draft_cpus(config)) is not None:
             spare = len(self._orig_cpus - set(worker_cpus))  # the cores left to the target
             log.info("two_process: draft worker pinned to cpus %s; target uses %d torch thread(s)", worker_cpus, spare)
             self.threads = self.threads or spare
