@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .config import load_config, parse_override
+from .draft.export import LOG_NAME, PRECISIONS, PROVIDERS, export_draft
+from .draft.weights import weight_report
 from .errors import ConfigError, HeteroSpecError
+from .gguf_source import cached_hf, is_gguf
+from .metrics import Stats
+from .validation import check_prompt_text, decode_utf8, request_args
 
 EPILOG = """examples:
   hetero-spec generate --model models/target --draft models/draft --prompt "def parse(" --max-new-tokens 64
@@ -78,7 +84,6 @@ def model_flags(args) -> dict[str, Any]:
 
 def overrides(args) -> dict[str, Any]:
     """The config overrides of a command's --model, --draft and --set; without --config, the target must be named."""
-    from .config import parse_override
     merged = model_flags(args) | dict(map(parse_override, args.overrides))
     if args.config is None and "target.model" not in merged:
         raise ConfigError("--model", "", None, "required without --config: the target, a GGUF file, a Hugging Face "
@@ -109,7 +114,6 @@ def _add_generate(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    from .draft.export import PRECISIONS, PROVIDERS
     arg = _command(sub, "export", _cmd_export,
                    "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
                    "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
@@ -280,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_prompt(arg: str | None) -> str:
     """--prompt, or all of standard input; either must be UTF-8 (the error names the bad byte's offset).
     Undecodable argv bytes reach Python as lone surrogates (surrogateescape), stdin is read as bytes."""
-    from .validation import check_prompt_text, decode_utf8
     if arg is not None:
         return check_prompt_text(arg, "--prompt")
     if sys.stdin is None or sys.stdin.isatty():
@@ -292,10 +295,7 @@ def _read_prompt(arg: str | None) -> str:
 
 
 def _cmd_generate(args) -> None:
-    from .config import load_config
     from .engine import Engine
-    from .metrics import Stats
-    from .validation import request_args
     prompt = _read_prompt(args.prompt)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
@@ -323,9 +323,6 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_export(args) -> None:
-    from .draft.export import LOG_NAME, export_draft
-    from .draft.weights import weight_report
-    from .gguf_source import cached_hf, is_gguf
     model = cached_hf(args.model, "hetero-spec export", "--model", onnx=True) if is_gguf(args.model) else args.model
     out = export_draft(model, args.out, args.precision, args.execution_provider, block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
@@ -361,7 +358,6 @@ def _cmd_serve(args) -> int:
     _require(0 < args.port < 65536, "--port", args.port, "must be in 1..65535")
     _require(args.ray or args.address is None, "--address", args.address, "only with --ray")
     if args.ray:
-        from .config import load_config
         from .serve.ray_serve import serve_ray
         return serve_ray(load_config(args.config, overrides=overrides(args)), host=args.host,
                          port=args.port, address=args.address, model_name=args.model_name)
@@ -384,7 +380,6 @@ def _cmd_load(args) -> None:
 
 def _cmd_soak(args) -> None:
     from .bench.soak import run_soak
-    from .config import load_config
     _require(min(args.streams, args.max_tokens) >= 1, "--streams/--max-tokens", (args.streams, args.max_tokens),
              "must be >= 1")
     _require(args.duration > 0 and 0 <= args.warmup < args.duration, "--duration/--warmup",

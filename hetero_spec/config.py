@@ -69,10 +69,6 @@ def provider_name(entry: ProviderEntry | str) -> str:
     return entry if isinstance(entry, str) else entry.name
 
 
-def _cpu_provider() -> list[ProviderEntry | str]:
-    return ["CPUExecutionProvider"]
-
-
 class TargetConfig(_Section):
     model: Path | None = None
     """Local Hugging Face decoder-only checkpoint directory (config.json + weights + tokenizer.json), or, for the onnx
@@ -85,7 +81,7 @@ class TargetConfig(_Section):
     use into $HETERO_SPEC_CACHE (default ~/.cache/hetero_spec). `auto`: torch on CUDA, onnx on a CPU when
     the architecture can be exported. The default stays torch so that an existing config keeps the numerics
     of its reference (fp32 ONNX and PyTorch kernels may round differently)."""
-    providers: Providers = Field(default_factory=_cpu_provider)
+    providers: Providers = ["CPUExecutionProvider"]  # pydantic copies it per instance
     """ONNX Runtime execution providers of the onnx backend, in order of preference: names, or entries with
     options (see draft.providers)."""
     device: str = "auto"
@@ -155,7 +151,7 @@ class DraftConfig(_Section):
     """With a Hugging Face `model` directory: the precision of the draft's export, made once on first use into
     $HETERO_SPEC_CACHE; unset: int8, the fastest draft precision measured with the demo pair (docs/benchmarks.md).
     With an exported `model`: must be unset (the export has its precision)."""
-    providers: Providers = Field(default_factory=_cpu_provider)
+    providers: Providers = ["CPUExecutionProvider"]
     """ONNX Runtime execution providers, in order of preference: names (`[CPUExecutionProvider]`), or entries
     `{name, options, device, fallback}` (docs/npu.md): `{name: OpenVINOExecutionProvider, device: npu,
     fallback: cpu}`. Checked before any model loads: a provider this onnxruntime does not know, one not available
@@ -360,7 +356,7 @@ class ServingConfig(_Section):
     """Rounds that a batch plan of one shared pass without drafts holds, while the batch keeps its size, before
     every row's gamma and the plan are asked again (each row's choice searches gamma, about 0.1 ms a row: on a small
     model the price of a row in a shared pass). 0: asked every round."""
-    ray: RayConfig = Field(default_factory=lambda: RayConfig())
+    ray: RayConfig = Field(default_factory=RayConfig)
     """`hetero-spec serve --ray`: replicas on Ray Serve (docs/serving.md, "Replicas on Ray Serve")."""
 
 

@@ -6,6 +6,7 @@ before anything heavy loads, so a bad file fails at once."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -102,11 +103,9 @@ def convertible() -> set[str]:
     newer integrations/gguf path's."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     archs = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # keys of its mapping, not architectures
-    try:
+    with contextlib.suppress(ImportError):  # older transformers: the legacy loader only
         from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
         archs |= set(GGUF_CONFIG_ARCHS)
-    except ImportError:  # older transformers: the legacy loader only
-        pass
     return archs
 
 

@@ -40,10 +40,9 @@ def _check_remote(cfg: Config) -> None:
     if runtime.mode != "two_process":
         raise cfg.error("runtime.worker", "remote", f"needs runtime.mode: two_process (got {runtime.mode!r})")
     if runtime.transport != "tcp" or not runtime.port:
-        raise cfg.error("runtime.port" if runtime.transport == "tcp" else "runtime.transport",
-                        runtime.port if runtime.transport == "tcp" else runtime.transport,
-                        "runtime.worker remote needs runtime.transport: tcp and a fixed runtime.port for workers to "
-                        "connect to")
+        key = "port" if runtime.transport == "tcp" else "transport"  # the one at fault
+        raise cfg.error(f"runtime.{key}", getattr(runtime, key), "runtime.worker remote needs runtime.transport: tcp "
+                        "and a fixed runtime.port for workers to connect to")
     if runtime.curve_keys is None:
         raise cfg.error("runtime.curve_keys", None, "runtime.worker remote needs the target's CURVE keys "
                         "(`hetero-spec keys --out DIR`)")
@@ -122,8 +121,7 @@ def check_vocab(target_dir: Path, draft_dir: Path, source: str = "<config>") -> 
 
 def _vocab_diff(target: dict[str, int], draft: dict[str, int], examples: int = 3) -> str:
     """Sizes when they differ, then the first few tokens (by target id) whose ids differ."""
-    out = [] if len(target) == len(draft) else [
-        f"the target's has {len(target)} tokens, the draft's {len(draft)}"]
+    out = [] if len(target) == len(draft) else [f"the target's has {len(target)} tokens, the draft's {len(draft)}"]
     diffs = [f"token {tok!r} is id {i} in the target's tokenizer but "
              + ("missing from the draft's" if draft.get(tok) is None else f"id {draft[tok]} in the draft's")
              for tok, i in sorted(target.items(), key=lambda kv: kv[1]) if draft.get(tok) != i]
