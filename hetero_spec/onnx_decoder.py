@@ -145,8 +145,7 @@ def _probe(providers: SessionProviders, entries: list, source: str, key: str) ->
         reported = taken.get(name) if name in classic else None
         if (reported or name == "CPUExecutionProvider") and (unknown := sorted(set(options) - set(reported or {}))):
             takes = ", ".join(sorted(reported or {})) or "none"
-            raise ConfigError(source, f"{key}[{i}].options", unknown[0], f"not an option of {name} (it takes: "
-                              f"{takes})")
+            raise ConfigError(source, f"{key}[{i}].options", unknown[0], f"not an option of {name} (it takes: {takes})")
 
 
 def check_providers(providers: list, source: str = "<config>", key: str = "draft.providers") -> None:

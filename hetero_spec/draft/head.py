@@ -24,8 +24,7 @@ HEAD_SOURCE = "head_source.txt"  # the export the copy was pruned from
 
 def corpus_files() -> list[Path]:
     """The corpus: the standard library's .py files (site-packages excluded), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py") if "site-packages" not in p.parts)
 
 
 def corpus_token_ids(tokenizer_json: Path, files: list[Path] | None = None) -> list[np.ndarray]:
