@@ -75,7 +75,7 @@ class StreamBuffer:
         would have, for free; (tested, accepted) as `Acceptance.observe` counts them (greedy and coupled requests:
         acceptance is token equality). A mismatch drops the stream (the worker rebases on the Sync, one epoch on)."""
         matched, agree = self._match(ids)
-        return matched + (not agree), matched  # a mismatch tested one token more
+        return (matched, matched) if agree else (matched + 1, matched)
 
     def usable(self, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """Tokens for positions >= len(ids), if the stream agrees with every committed token it covers."""
