@@ -255,8 +255,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         if rest := matcher.feed("", final=True):
             yield rest
 
-    async def respond(prompt: str | list[int], max_tokens: int | None, req, endpoint: str, request: Request,
-                      chat: bool):
+    async def respond(prompt: str | list[int], max_tokens: int | None, req, request: Request, chat: bool):
         job = await start(prompt, req, max_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         ended: list[str] = []  # done() ran (once)
@@ -266,17 +265,17 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             flying.append(True)
             metrics.in_flight.inc()
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        def choice(text: str | None, final: bool = False) -> dict[str, Any]:
+            """A stream's delta, or the whole answer's message; the last carries the finish reason."""
+            finish = FINISH.get(job.stats.finish_reason, "stop") if final else None
             if chat:
-                body = {"delta": {"content": text} if text is not None else {}} if delta else \
+                body = {"delta": {"content": text} if text is not None else {}} if req.stream else \
                     {"message": {"role": "assistant", "content": text}}
                 return {"index": 0, **body, "finish_reason": finish}
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-        def finish_reason() -> str:
-            return FINISH.get(job.stats.finish_reason, "stop")
-
-        def body(obj: str, choices: list, **more) -> dict[str, Any]:
+        def body(choices: list, **more) -> dict[str, Any]:
+            obj = ("chat.completion.chunk" if req.stream else "chat.completion") if chat else "text_completion"
             return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": choices,
                     **more}
 
@@ -288,7 +287,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             if flying:
                 metrics.in_flight.dec()
             if req.stream:  # a stream's outcome is known only at its end (CountResponses counts the rest)
-                metrics.requests.labels(endpoint=endpoint, status=STREAM_STATUS[status]).inc()
+                metrics.requests.labels(endpoint="chat" if chat else "completions", status=STREAM_STATUS[status]).inc()
             if status == "cancelled":
                 metrics.cancelled.inc()
             metrics.observe(job.stats)
@@ -301,34 +300,32 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 done("error")
                 raise
             done("ok")
-            return JSONResponse(body("chat.completion" if chat else "text_completion",
-                                     [choice(text, finish_reason(), delta=False)], usage=_usage(job.stats)))
+            return JSONResponse(body([choice(text, final=True)], usage=_usage(job.stats)))
         request.state.counted_by_stream = True
 
-        def event(choices: list, **more) -> str:
-            return "data: " + json.dumps(body("chat.completion.chunk" if chat else "text_completion", choices,
-                                              **more)) + "\n\n"
+        def event(data: dict[str, Any]) -> str:
+            return f"data: {json.dumps(data)}\n\n"
 
         async def events() -> AsyncIterator[str]:
             status = "cancelled"
             fly()  # from the first event on: a response that never starts is never in flight
             try:
                 if chat:
-                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                    yield event(body([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]))
                 async for piece in pieces(job, req):
                     if await request.is_disconnected():
                         return
-                    yield event([choice(piece, None, delta=True)])
-                yield event([choice(None if chat else "", finish_reason(), delta=True)])
+                    yield event(body([choice(piece)]))
+                yield event(body([choice(None if chat else "", final=True)]))
                 if req.stream_options and req.stream_options.include_usage:
-                    yield event([], usage=_usage(job.stats))
+                    yield event(body([], usage=_usage(job.stats)))
                 yield "data: [DONE]\n\n"
                 status = "ok"
             except Exception as exc:  # the stream has started: report in-band, as OpenAI does
                 status = "error"
                 log.exception("request %s failed", rid)
-                yield "data: " + json.dumps(ApiError(500, f"generation failed: {exc}", kind="server_error").body()) \
-                    + "\n\n"
+                yield event(ApiError(500, f"generation failed: {exc}", kind="server_error").body())
             finally:
                 done(status)
 
@@ -339,7 +336,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        return await respond(req.prompt_value(), req.max_tokens or 16, req, "completions", request, chat=False)
+        return await respond(req.prompt_value(), req.max_tokens or 16, req, request, chat=False)
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(req: ChatRequest, request: Request):
@@ -351,7 +348,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             prompt = render_chat(template, req.messages)
         except Exception as exc:  # a template that refuses the conversation (raise_exception) or fails
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-        return await respond(prompt, req.limit(), req, "chat", request, chat=True)
+        return await respond(prompt, req.limit(), req, request, chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -162,11 +162,8 @@ def chat_template(model_dir: Path | None) -> tuple[str, dict[str, str]] | None:
             return None
     if not tpl.strip():
         return None
-
-    def token_text(token: Any) -> str:  # a string, or an added token's {"content": ...}
-        return token.get("content", "") if isinstance(token, dict) else (token or "")
-
-    return tpl, {name: token_text(cfg.get(name)) for name in ("bos_token", "eos_token")}
+    special = {name: cfg.get(name) or "" for name in ("bos_token", "eos_token")}  # a string, or an added token
+    return tpl, {name: tok.get("content", "") if isinstance(tok, dict) else tok for name, tok in special.items()}
 
 
 def render_chat(template: tuple[str, dict[str, str]], messages: list[ChatMessage]) -> str:
