@@ -56,14 +56,12 @@ class NgramProposer(Lookup):
             for size, table in index.items():
                 if end >= size:
                     key = tuple(ids[end - size:end])
-                    prev = table.get(key)
-                    table[key] = (end - size, prev[0] if prev is not None else -1)
+                    table[key] = (end - size, table.get(key, (-1,))[0])  # the latest start becomes the one before
 
     def propose(self, k: int) -> Draft:
         ids, self._last, match = self.ids, [], 0
         for size in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            hit = self._index[size].get(tuple(ids[-size:]))
-            start = hit[1] if hit is not None else -1  # hit[0] is the suffix itself
+            start = self._index[size].get(tuple(ids[-size:]), (-1, -1))[1]  # [0] is the suffix itself
             if start >= 0 and (cont := ids[start + size:start + size + k]):
                 self._last, match = cont, size
                 break
