@@ -297,8 +297,7 @@ def _read_prompt(arg: str | None) -> str:
 def _cmd_generate(args) -> None:
     from .engine import Engine
     prompt = _read_prompt(args.prompt)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)
+    sampling = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
     config = load_config(args.config, overrides=overrides(args))
     request_args(config, flags=True, **sampling)  # bad arguments fail now, not after the models have loaded
     with Engine(config) as eng:

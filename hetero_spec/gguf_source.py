@@ -210,7 +210,6 @@ def _convert(path: Path, out: Path, info: GGUFInfo, say: Callable[[str], None], 
         f"and the EOS ids {list(info.eos_ids)}")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    del model
     if info.chat_template and not (out / "chat_template.jinja").is_file():
         (out / "chat_template.jinja").write_text(info.chat_template)
     if not (out / "tokenizer.json").is_file():

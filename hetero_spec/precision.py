@@ -85,14 +85,14 @@ def resolve_draft(cfg: Config) -> Config:
     if draft.kind != "onnx" or draft.model is None:
         return cfg
     model = Path(draft.model)
-    hf_checkpoint = (model / "config.json").is_file() and not (model / "model.onnx").is_file()
-    if draft.precision is None and not hf_checkpoint:
+    is_export, has_config = (model / "model.onnx").is_file(), (model / "config.json").is_file()
+    if draft.precision is None and (is_export or not has_config):  # not a Hugging Face checkpoint to export
         return _pruned(cfg)
-    if (model / "model.onnx").is_file():
+    if is_export:
         raise cfg.error("draft.precision", draft.precision,
                         f"draft.model ({model}) is already an ONNX export with its own precision; give the "
                         "Hugging Face checkpoint to export it at draft.precision, or drop draft.precision")
-    if not (model / "config.json").is_file():
+    if not has_config:
         raise cfg.error("draft.model", str(model),
                         "draft.precision needs a Hugging Face checkpoint here (config.json and weights)")
     from .target.export_cache import cached_export, exportable

@@ -41,11 +41,10 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers
+        self.status, self.param, self.kind, self.code, self.headers = status, param, kind, code, headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
