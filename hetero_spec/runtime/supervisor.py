@@ -115,7 +115,8 @@ class DraftSupervisor:
         channel = Channel.bind(self._server, runtime.transport, runtime.host, runtime.port, curve,
                                name=f"worker-{generation}", max_msg_bytes=spec.max_msg_bytes)
         cmd = [sys.executable, "-m", "hetero_spec.runtime.draft_worker", "--endpoint", channel.endpoint,
-               "--model", str(draft.model), "--providers", json.dumps([p if isinstance(p, str) else p.model_dump() for p in draft.providers]), "--threads", str(draft.threads),
+               "--model", str(draft.model), "--threads", str(draft.threads),
+               "--providers", json.dumps([p if isinstance(p, str) else p.model_dump() for p in draft.providers]),
                "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
                "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
                "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
