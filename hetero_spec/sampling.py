@@ -160,17 +160,20 @@ def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n:
     return sample_from(residual, u_sample)
 
 
-def verify_coupled(draft_ids: list[int], p: np.ndarray, noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
+def verify_coupled(draft_ids: list[int], p: np.ndarray | Callable[[int], np.ndarray],
+                   noise: Callable[[int], np.ndarray]) -> tuple[int, int]:
     """Gumbel-max coupled verification: (n_accepted, next_token), the longest prefix of draft_ids [k] with
     x_i == y_i, then y_n, where y_i = `coupled_choice(p_i, noise(i))` is the target's own sample: the block is
-    what target-only sampling emits. p: [k + 1, vocab]; noise(i) -> [vocab], a callable so that rows after the
-    first rejection are never drawn."""
+    what target-only sampling emits. p: [k + 1, vocab], or p(i) -> p_i [vocab]; noise(i) -> [vocab]: callables,
+    so that rows after the first rejection are never computed nor drawn."""
     k = len(draft_ids)
-    if p.ndim != 2 or p.shape[0] != k + 1:
-        raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")
+    if isinstance(p, np.ndarray):
+        if p.ndim != 2 or p.shape[0] != k + 1:
+            raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")
+        p = p.__getitem__
     n = 0
     while True:
-        y = coupled_choice(p[n], noise(n))
+        y = coupled_choice(p(n), noise(n))
         if n == k or draft_ids[n] != y:
             return n, y
         n += 1

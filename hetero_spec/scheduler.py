@@ -89,10 +89,11 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
     base = len(ids)
     if params.greedy:
         accepted, next_token = verify_greedy(draft.ids, out)
-    elif params.coupled:
-        p = logits_to_probs(out, params)  # [k + 1, vocab]
-        accepted, next_token = verify_coupled(draft.ids, p,
-                                              lambda i: exponential_noise(params.seed, base + i, p.shape[1]))
+    elif params.coupled:  # a position's probabilities only where it is reached (~0.45 ms each at 152k tokens)
+        if out.shape[0] != len(draft.ids) + 1:
+            raise ValueError(f"logits must be [k+1={len(draft.ids) + 1}, vocab], got shape {out.shape}")
+        accepted, next_token = verify_coupled(draft.ids, lambda i: logits_to_probs(out[i:i + 1], params)[0],
+                                              lambda i: exponential_noise(params.seed, base + i, out.shape[1]))
     else:
         p = logits_to_probs(out, params)  # [k + 1, vocab]
         u_acc = np.array([position_uniforms(params.seed, base + i, STREAM_ACCEPT)[0] for i in range(len(draft.ids))])
@@ -326,7 +327,7 @@ class Scheduler:
         target, source, controller = eng.target, eng.source, eng.controller
         seqs = [s for s in self._seqs if s.prefill_done]  # the rows still prefilling wait for their prompt
         drafts = [Draft(ids=[]) for _ in seqs]
-        rows = [RowPlan() for _ in seqs]
+        rows, share = [RowPlan() for _ in seqs], None
         if source is not None:
             # 1) plan
             plan = controller.plan([s.control for s in seqs], [s.room(target.context_len) for s in seqs],
@@ -354,7 +355,7 @@ class Scheduler:
                                     not any(d.ids for d in drafts), verify_s)
         for seq, row, draft, out in zip(seqs, rows, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe
-                self._finish_round(eng, seq, row, draft, out, verify_s, span, n_rows=len(seqs))
+                self._finish_round(eng, seq, row, draft, out, verify_s, span, n_rows=len(seqs), draft_s=share)
             except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                 log.exception("scheduler: request %d failed", seq.id)
                 self._end(eng, seq, exc)
@@ -366,8 +367,9 @@ class Scheduler:
             controller.observe_costs(costs.token_s, costs.transfer_s)
 
     def _finish_round(self, eng: Engine, seq: Seq, row: RowPlan, draft: Draft, out: Any, verify_s: float,
-                      span: tuple[float, float], n_rows: int) -> None:
-        """n_rows: the rows of this round's pass (rows before this one may have left the batch already)."""
+                      span: tuple[float, float], n_rows: int, draft_s: float | None = None) -> None:
+        """n_rows: the rows of this round's pass (rows before this one may have left the batch already); draft_s:
+        the row's share of the round's drafting."""
         stats, req = seq.stats, seq.req
         stats.time_verify_s += verify_s
         if eng.config.runtime.trace:
@@ -375,7 +377,8 @@ class Scheduler:
         accepted, next_token = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), accepted)
         if eng.source is not None:
-            eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row)
+            eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row,
+                                   draft_s=draft_s)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
         emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:accepted], next_token], req, seq.generated,

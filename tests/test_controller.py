@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hetero_spec.tuning.controller import (EXPLORE, PROBE_EVERY, PROBE_GAMMA, Controller, Tuning)
+from hetero_spec.tuning.controller import EXPLORE, PROBE_BUDGET, PROBE_EVERY, PROBE_GAMMA, Controller, Tuning
 from hetero_spec.tuning.cost_model import CostModel
 
 
@@ -79,6 +79,34 @@ def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
         ctl.observe(sc, 0, 0, 0.005)
     ctl.observe(sc, PROBE_GAMMA, 1, 0.005)  # this probe hits
     assert t.probe_every == PROBE_EVERY
+
+
+def test_a_draft_that_never_pays_costs_at_most_the_probe_budget():
+    """Failed re-probes wait until the rounds at gamma 0 since cost 1 / PROBE_BUDGET times the probe's measured
+    cost above a plain round. A useless draft whose probe costs 8 steps (a catch-up of the text, then its drafts):
+    from its first probe on (the one before any cost is known), on the clock the costs make, the probes' share of
+    the time is within the budget, where doubling alone (the period capped at PROBE_EVERY_MAX) spends more."""
+    step_s, probe_draft_s = 0.03, 0.2
+
+    def share_of_time(rounds: int, measured: bool) -> tuple[float, int]:
+        profile = CostModel(verify_fixed_s=0.02, verify_per_token_s=0.01, draft_token_s=0.02)  # V(0) = step_s
+        t = Tuning(profile=profile, prior_acceptance=0.0, prior_weight=1e6)
+        ctl = Controller(t, "in_process", batch_blocks=False)
+        sc, probe_s, total_s, probed = ctl.stream("auto"), 0.0, 0.0, False
+        for _ in range(rounds):
+            g = ctl.plan([sc], [1000]).ks[0]
+            verify_s = profile.verify(g)
+            round_s = verify_s + (probe_draft_s if g else 0.0)
+            ctl.observe(sc, g, 0, verify_s, draft_s=(probe_draft_s if g else 0.0) if measured else None)
+            if probed:
+                probe_s, total_s = probe_s + round_s - step_s, total_s + round_s
+            probed = probed or g > 0
+        return probe_s / total_s, t.probe_every
+
+    share, period = share_of_time(20000, measured=True)
+    assert share <= PROBE_BUDGET and period >= (probe_draft_s + 0.02) / (PROBE_BUDGET * step_s)
+    unpriced, _ = share_of_time(20000, measured=False)
+    assert unpriced > 1.2 * PROBE_BUDGET  # the floor is what keeps it in budget
 
 
 def test_never_slower_than_the_target_alone_by_prediction():

@@ -94,6 +94,21 @@ def test_verify_coupled_shapes_checked():
         coupled_choice(np.ones(4) / 4, np.ones(5))
 
 
+def test_verify_coupled_computes_only_the_rows_it_reaches():
+    """p given as a callable: the rows after the first rejection are never computed (their softmax over a large
+    vocabulary is the host's main cost of a sampled block), and the result equals the array form's."""
+    rng = np.random.default_rng(3)
+    p = rng.random((5, 6))
+    p /= p.sum(-1, keepdims=True)
+    for trial in range(50):
+        noise = lambda i: exponential_noise(trial, 7 + i, 6)  # noqa: E731
+        y = [coupled_choice(p[i], noise(i)) for i in range(5)]
+        draft = [y[0], (y[1] + 1) % 6, *y[2:4]]  # rejected at position 1
+        asked = []
+        lazy = verify_coupled(draft, lambda i: asked.append(i) or p[i], noise)
+        assert lazy == verify_coupled(draft, p, noise) == (1, y[1]) and asked == [0, 1]
+
+
 # -- marginals: a chi-square test over seeds -----------------------------------------------------------
 N_SEEDS = 20_000
 P = np.array([0.05, 0.30, 0.0, 0.25, 0.15, 0.0, 0.25])

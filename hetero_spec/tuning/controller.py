@@ -6,6 +6,7 @@ hardware's in the one `Tuning`. The policies, in words: docs/features-tuning.md,
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,10 @@ EXPLORE = (1, 2, 4)  # gammas tried while the cost model is still unknown (short
 PROBE_EVERY = 16  # rounds at gamma 0 before a re-probe at PROBE_GAMMA; doubles per failed probe, up to MAX
 PROBE_EVERY_MAX = 512
 PROBE_GAMMA = 2
+#: after a failed probe, the next waits until the rounds at gamma 0 since have cost 1 / PROBE_BUDGET times what the
+#: probe cost above a plain round (measured: the draft's catch-up and drafts, the longer pass), so that a draft that
+#: never pays costs at most about PROBE_BUDGET of the time
+PROBE_BUDGET = 0.01
 RECENT = 5  # passes per block length whose median is that length's measured cost
 SHARED_SIZES = 64  # shared-pass sizes kept (padded block passes take many: rows x (k + 1) positions)
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
@@ -116,9 +121,16 @@ class Tuning:
     def global_acceptance(self) -> float:
         return self.acceptance.rate(self.prior_acceptance, self.prior_weight)
 
-    def probed(self, hit: bool) -> None:
-        """A probe's outcome (the one probe schedule): a miss doubles the period, a hit resets it."""
-        self.probe_every = PROBE_EVERY if hit else min(PROBE_EVERY_MAX, 2 * self.probe_every)
+    def probed(self, hit: bool, cost_s: float | None = None) -> None:
+        """A probe's outcome (the one probe schedule): a hit resets the period; a miss doubles it (up to
+        PROBE_EVERY_MAX), and makes it at least the rounds at gamma 0 that the probe's measured cost above a plain
+        round (cost_s) is PROBE_BUDGET of."""
+        if hit:
+            self.probe_every = PROBE_EVERY
+            return
+        model = self.model()
+        floor = 0 if cost_s is None or model is None else math.ceil(cost_s / (PROBE_BUDGET * model.verify(0)))
+        self.probe_every = max(floor, min(PROBE_EVERY_MAX, 2 * self.probe_every))
 
     def observe_verify(self, k: int, verify_s: float) -> None:
         """One verification pass of k drafts (k + 1 tokens), whoever drafted them."""
@@ -370,18 +382,25 @@ class Controller:
 
     # -- 5) observe ----------------------------------------------------------------------------------------
     def observe(self, stream: StreamControl, k: int, n: int, verify_s: float | None,
-                row: RowPlan | None = None) -> None:
+                row: RowPlan | None = None, draft_s: float | None = None) -> None:
         """One stream's round as planned in row (default: its last plan): k drafts, n accepted; verify_s None when
-        the pass was shared with other rows."""
+        the pass was shared with other rows; draft_s: what drafting (or waiting for the drafts) took."""
         row = row or RowPlan(probing=stream.probing)
         stream.acceptance.observe(k, n)
         self.tuning.acceptance.observe(k, n)
         if verify_s is not None:
             self.tuning.observe_verify(k, verify_s)
+        cost_s = self._probe_cost(k, verify_s, draft_s)
         if row.strategy is not None and k > 0:
-            self.chooser.observe_round(row.strategy, k, n, stream=stream.stream_id)
+            self.chooser.observe_round(row.strategy, k, n, stream=stream.stream_id, cost_s=cost_s)
         elif row.probing and k > 0:
-            self.tuning.probed(n > 0)
+            self.tuning.probed(n > 0, cost_s)
+
+    def _probe_cost(self, k: int, verify_s: float | None, draft_s: float | None) -> float | None:
+        """What a round of k drafts cost above a plain round: its drafting and its pass, less one step."""
+        if draft_s is None or (model := self.tuning.model()) is None:
+            return None
+        return max(0.0, draft_s + (model.verify(k) if verify_s is None else verify_s) - model.verify(0))
 
     def observe_costs(self, token_s: float | None, transfer_s: float | None) -> None:
         """The draft source's measured costs (DraftSource.costs)."""
@@ -501,15 +520,16 @@ class StrategyChooser:
         """A strategy's record; a lookup's per matched length ("ngram@3") starts when that length first drafts."""
         return self.stats.setdefault(name, StrategyStats())
 
-    def observe_round(self, name: str, drafted: int, accepted: int, stream: int = 0) -> None:
+    def observe_round(self, name: str, drafted: int, accepted: int, stream: int = 0,
+                      cost_s: float | None = None) -> None:
         """A round `name` drafted for `stream`: its acceptance (drafted tokens, of which accepted); the outcome of
-        that stream's re-probe, if it was one."""
+        that stream's re-probe, if it was one (cost_s: what it cost above a plain round, Tuning.probed)."""
         record = self._stats(name)
         record.rounds += 1
         record.last_round = self._round
         record.acceptance.observe(drafted, accepted)
         if self._probing.get(stream) == name and drafted:
-            self.tuning.probed(accepted > 0)
+            self.tuning.probed(accepted > 0, cost_s)
             del self._probing[stream]
 
     def forget(self, stream: int) -> None:
