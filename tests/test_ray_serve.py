@@ -101,6 +101,8 @@ def _complete(client, prompt: str, max_tokens: int = 24) -> tuple[str, str]:
 def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(deployed):
     client, refs, _, metrics_port = deployed
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    health = client.get("/health").json()  # the fixture waited for both replicas: every one is up
+    assert health["status"] == "ok" and health["replicas"] == {"by_state": {"RUNNING": 2}, "all_ready": True}
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda p: _complete(client, p), PROMPTS))
     assert [text for text, _ in got] == [refs[p] for p in PROMPTS]
@@ -234,6 +236,22 @@ def test_the_ingress_is_haproxy_when_found_and_a_missing_binary_is_named(llama_t
     monkeypatch.undo()
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/opt/haproxy")
     assert ray_serve.haproxy_found()
+
+
+def test_health_says_whether_every_replica_is_up():
+    """replica_report reads serve.status(): all_ready only when every deployment is HEALTHY (it has the replicas
+    Serve wants) and they all run; one still starting, or an upscale under way, is not ready."""
+    from types import SimpleNamespace as NS
+
+    def status(deployment_status, **states):
+        deployment = NS(status=deployment_status, replica_states=states)
+        return NS(applications={"app": NS(deployments={"hetero_spec": deployment})})
+
+    assert ray_serve.replica_report(status("HEALTHY", RUNNING=2), "app") == {"by_state": {"RUNNING": 2},
+                                                                               "all_ready": True}
+    assert not ray_serve.replica_report(status("UPDATING", RUNNING=1, STARTING=1), "app")["all_ready"]
+    assert not ray_serve.replica_report(status("UPSCALING", RUNNING=1), "app")["all_ready"]
+    assert not ray_serve.replica_report(status("HEALTHY", RUNNING=2), "other app")["all_ready"]
 
 
 def test_replicas_get_disjoint_cores():

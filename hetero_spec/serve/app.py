@@ -179,8 +179,10 @@ def _usage(stats: Stats) -> dict[str, int]:
             "total_tokens": stats.prompt_tokens + stats.new_tokens}
 
 
-def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, own_engine: bool = True):
-    """The FastAPI app serving `engine` as model `model_name`. own_engine: close the Engine at shutdown."""
+def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, own_engine: bool = True,
+               replicas: Callable[[], dict] | None = None):
+    """The FastAPI app serving `engine` as model `model_name`. own_engine: close the Engine at shutdown.
+    replicas: the deployment's replicas for /health (serve --ray: ray_serve.replica_report)."""
     metrics, created = ServeMetrics(), int(time.time())
     template = chat_template(getattr(engine.target, "model_dir", None) or engine.config.target.model)
 
@@ -365,6 +367,11 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
         metrics.draft_restarts.set(report.get("draft_restarts", 0))
         healthy = report.get("target") == "ok" and report.get("draft") in ("ok", "in_process", "none")
+        if replicas is not None:  # this replica's health stands; whether every replica is up is said beside it
+            try:
+                report["replicas"] = await asyncio.wait_for(asyncio.to_thread(replicas), health_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - Serve's controller did not answer: say so, stay healthy
+                report["replicas"] = {"all_ready": False, "reason": f"{type(exc).__name__}: {exc}"}
         return JSONResponse({"status": "ok" if healthy else "unhealthy", **report}, status_code=200 if healthy else 503)
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})

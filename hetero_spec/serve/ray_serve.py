@@ -124,6 +124,20 @@ def mirror_metrics(registry, gauge_for, tags: dict[str, str]) -> int:
     return len(samples)
 
 
+def replica_report(status, app: str) -> dict:
+    """/health's `replicas` under Ray Serve, from `serve.status()`: the application's replicas by state, and
+    all_ready, true once every deployment has the replicas Serve wants (status HEALTHY) and all of them run."""
+    app_status = status.applications.get(app)
+    deployments = list(app_status.deployments.values()) if app_status is not None else []
+    states: dict[str, int] = {}
+    for deployment in deployments:
+        for state, count in deployment.replica_states.items():
+            name = getattr(state, "value", state)
+            states[name] = states.get(name, 0) + count
+    steady = bool(deployments) and all(getattr(d.status, "value", d.status) == "HEALTHY" for d in deployments)
+    return {"by_state": states, "all_ready": steady and set(states) == {"RUNNING"}}
+
+
 class Replica:
     """One Engine behind the app of serve/app.py; the Serve deployment class (see `application`)."""
 
@@ -140,7 +154,8 @@ class Replica:
             pin_threads([int(t) for t in os.listdir("/proc/self/task")], mine)
             log.info("replica %s pinned to cpus %s", self.tag, mine)
         self.engine = Engine.from_config(config)
-        self.web = create_app(self.engine, model_name or config.target.model.name)
+        self.web = create_app(self.engine, model_name or config.target.model.name,
+                              replicas=lambda: replica_report(serve.status(), ctx.app_name))
         self.web.middleware("http")(self._label)
         self._unwell_since: float | None = None
 
