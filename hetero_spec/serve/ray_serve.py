@@ -73,6 +73,9 @@ def check_fits(config: Config, cpus: int) -> None:
     ray_cfg, per = config.serving.ray, replica_cpus(config)
     key, count = (("serving.ray.num_replicas", ray_cfg.num_replicas) if ray_cfg.autoscaling is None
                   else ("serving.ray.autoscaling.max_replicas", ray_cfg.autoscaling.max_replicas))
+    if (per_node := ray_cfg.max_replicas_per_node) is not None and count > per_node:
+        raise config.error("serving.ray.max_replicas_per_node", per_node, f"a local Ray instance is one node: "
+                           f"{key} {count} would leave {count - per_node} pending; join a cluster (--address)")
     if count * per <= cpus:
         return
     how = ("serving.ray.cpus_per_replica" if ray_cfg.cpus_per_replica is not None else
@@ -98,7 +101,8 @@ def deployment_options(config: Config) -> dict:
     scale = ({"num_replicas": ray_cfg.num_replicas} if ray_cfg.autoscaling is None
              else {"autoscaling_config": ray_cfg.autoscaling.model_dump()})
     gpu = str(config.target.device).startswith("cuda")
-    return {"max_ongoing_requests": ray_cfg.max_ongoing_requests or batch, **scale,
+    spread = {"max_replicas_per_node": ray_cfg.max_replicas_per_node} if ray_cfg.max_replicas_per_node else {}
+    return {"max_ongoing_requests": ray_cfg.max_ongoing_requests or batch, **scale, **spread,
             "ray_actor_options": {"num_cpus": replica_cpus(config), "num_gpus": 1 if gpu else 0},
             "health_check_period_s": ray_cfg.health_check_period_s,
             "health_check_timeout_s": ray_cfg.health_check_timeout_s}
@@ -221,7 +225,7 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              **({} if address else {"_metrics_export_port": config.serving.ray.metrics_export_port}))
     main = threading.current_thread() is threading.main_thread()
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(proxy_location=config.serving.ray.proxy_location, http_options={"host": host, "port": port})
     name = model_name or config.target.model.name
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
               logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
