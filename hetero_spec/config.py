@@ -270,6 +270,10 @@ class RayAutoscaling(_Section):
     """Most replicas Serve starts."""
     target_ongoing_requests: float = Field(default=4.0, gt=0)
     """Requests per replica that Serve's autoscaler aims for (in flight or queued at the replica)."""
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    """How long the load must call for more replicas before Serve adds one (Serve's default)."""
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+    """How long the load must call for fewer replicas before Serve removes one (Serve's default)."""
 
     @model_validator(mode="after")
     def _check_range(self) -> RayAutoscaling:
