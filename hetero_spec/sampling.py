@@ -86,9 +86,7 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
     x = logits.astype(np.float64)
     if params.greedy:
-        out = np.zeros_like(x)
-        out[np.arange(x.shape[0]), x.argmax(axis=-1)] = 1.0
-        return out
+        return (np.arange(x.shape[-1]) == x.argmax(axis=-1)[:, None]).astype(np.float64)
     x = x / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[:, -params.top_k][:, None]
@@ -99,12 +97,9 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=-1)
-        cum = np.cumsum(sorted_p, axis=-1)
-        drop_sorted = (cum - sorted_p) >= params.top_p  # keep tokens until mass reaches top_p
-        drop_sorted[:, 0] = False
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, axis=-1)
-        probs = np.where(drop, 0.0, probs)
+        drop = (np.cumsum(sorted_p, axis=-1) - sorted_p) >= params.top_p  # keep tokens until mass reaches top_p
+        drop[:, 0] = False
+        np.put_along_axis(probs, order, np.where(drop, 0.0, sorted_p), axis=-1)  # the dropped ones zeroed, in place
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
@@ -171,9 +166,7 @@ def verify_coupled(draft_ids: list[int], p: np.ndarray | Callable[[int], np.ndar
         if p.ndim != 2 or p.shape[0] != k + 1:
             raise ValueError(f"p must be [k+1={k + 1}, vocab], got shape {p.shape}")
         p = p.__getitem__
-    n = 0
-    while True:
+    for n in range(k + 1):
         y = coupled_choice(p(n), noise(n))
         if n == k or draft_ids[n] != y:
             return n, y
-        n += 1
