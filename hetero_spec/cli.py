@@ -39,16 +39,18 @@ DRAFT_HELP = ("the draft: a GGUF file, a Hugging Face checkpoint (exported once 
               "ONNX export, or ngram (prompt lookup, the default) or none (the target alone)")
 
 
-def _command(sub, name: str, run, help: str, description: str, config: str | None = CONFIG_HELP,
+def _command(sub, name: str, run, help: str, config: str | None = CONFIG_HELP,
              overrides: str | None = "override a config key, validated like the file (repeatable)",
-             models: tuple[str, ...] = ("--model", "--draft"), **parser_options):
-    """Add a subcommand's parser, which runs `run(args)`, with --config and --set unless their help is None, and
-    the model flags named in `models` (without which --config is required); return its add_argument for the
-    command's own options."""
+             models: bool = True, **parser_options):
+    """Add a subcommand's parser, which runs `run(args)` and is described by run's docstring, with --config and
+    --set unless their help is None, and --model and --draft when `models` (without which --config is required);
+    return its add_argument for the command's own options."""
+    description = " ".join((run.__doc__ or "").split())  # one paragraph, as argparse shows it (None: python -OO)
     parser = sub.add_parser(name, help=help, description=description, **parser_options)
     parser.set_defaults(run=run, model=None, draft=None)
     if config:
-        add_model_flags(parser.add_argument, models)
+        if models:
+            add_model_flags(parser.add_argument)
         parser.add_argument("--config", required=not models, help=f"{config}; --model and --draft override it"
                             if models else config)
     if overrides:
@@ -57,12 +59,10 @@ def _command(sub, name: str, run, help: str, description: str, config: str | Non
     return parser.add_argument
 
 
-def add_model_flags(add, models: tuple[str, ...] = ("--model", "--draft")) -> None:
-    """--model and --draft (those named in `models`) on a command's parser (its add_argument)."""
-    if "--model" in models:
-        add("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
-    if "--draft" in models:
-        add("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
+def add_model_flags(add) -> None:
+    """--model and --draft on a command's parser (its add_argument)."""
+    add("--model", metavar="FILE.gguf|DIR", help=MODEL_HELP)
+    add("--draft", metavar="FILE.gguf|DIR|ngram|none", help=DRAFT_HELP)
 
 
 def model_flags(args) -> dict[str, Any]:
@@ -98,9 +98,8 @@ def _require(holds: bool, flag: str, value: Any, why: str) -> None:
 
 def _add_generate(sub) -> None:
     arg = _command(sub, "generate", _cmd_generate, "generate a completion with speculative decoding",
-                   "Generate a completion. Greedy output (temperature 0) is token-identical to the target model alone; "
-                   "sampled output keeps its distribution.", overrides="override any config key, validated like the "
-                   "file (repeatable), e.g. --set speculation.gamma=6 --set draft.kind=ngram",
+                   overrides="override any config key, validated like the file (repeatable), e.g. --set "
+                   "speculation.gamma=6 --set draft.kind=ngram",
                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     arg("--prompt", help="prompt text; read from standard input when omitted and stdin is not a terminal")
     arg("--max-new-tokens", type=int, help="most tokens to generate (default: generation.max_new_tokens)")
@@ -115,11 +114,8 @@ def _add_generate(sub) -> None:
 
 def _add_export(sub) -> None:
     arg = _command(sub, "export", _cmd_export,
-                   "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)",
-                   "Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using "
-                   "onnxruntime-genai's model builder, optionally quantized. Prints one progress line per stage on "
-                   "stderr; the builder's full output goes to OUT/export.log.", config=None, overrides=None,
-                   aliases=["export-draft"])
+                   "export a Hugging Face checkpoint to an ONNX draft (alias: export-draft)", config=None,
+                   overrides=None, aliases=["export-draft"])
     arg("--model", required=True, help="Hugging Face model directory (config.json, weights, "
         "tokenizer.json), or a GGUF file (converted once to a Hugging Face checkpoint in the cache first)")
     arg("--out", required=True, help="output directory for model.onnx and genai_config.json")
@@ -132,20 +128,12 @@ def _add_export(sub) -> None:
 
 def _add_keys(sub) -> None:
     arg = _command(sub, "keys", _cmd_keys, "create CURVE keys for a TCP link beyond loopback (runtime.curve_keys)",
-                   "Create a directory (mode 0700) with ZeroMQ CURVE certificates: server.key_secret (the target) and "
-                   "client.key_secret (the draft worker), plus their public halves. Point runtime.curve_keys at it; "
-                   "every TCP link is then authenticated with these keys. Without it, TCP on loopback uses a fresh "
-                   "key pair per worker.", config=None, overrides=None)
+                   config=None, overrides=None)
     arg("--out", required=True, help="directory to create (must not hold keys already)")
 
 
 def _add_draft_worker(sub) -> None:
     arg = _command(sub, "draft-worker", _cmd_draft_worker, "run a draft worker on this host for a remote target",
-                   "Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port (the "
-                   "target runs runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, using the "
-                   "keys of a `hetero-spec keys` directory (client.key_secret and the target's server.key). The worker "
-                   "outlives its targets: when the target restarts, it connects again. It exits on SIGTERM or Ctrl-C, "
-                   "or with code 2 when the target refuses its key.",
                    config=None, overrides=None, formatter_class=argparse.RawDescriptionHelpFormatter,
                    epilog="example (docs/features-two-process.md, \"Draft workers on other hosts\"):\n"
                           "  hetero-spec draft-worker --connect tcp://10.0.0.5:5555 --keys keys/ --model draft-onnx/")
@@ -159,6 +147,10 @@ def _add_draft_worker(sub) -> None:
 
 
 def _cmd_draft_worker(args) -> int:
+    """Load an ONNX draft and draft for a target on another host: connect to its runtime.host:port (the target runs
+    runtime.mode: two_process with runtime.worker: remote) over TCP with CURVE, using the keys of a `hetero-spec keys`
+    directory (client.key_secret and the target's server.key). The worker outlives its targets: when the target
+    restarts, it connects again. It exits on SIGTERM or Ctrl-C, or with code 2 when the target refuses its key."""
     from .runtime import draft_worker
     _require(args.connect.startswith("tcp://"), "--connect", args.connect, "must be tcp://HOST:PORT")
     _require(Path(args.keys).is_dir(), "--keys", args.keys, "no such directory (make one with `hetero-spec keys`)")
@@ -179,19 +171,14 @@ def _cmd_draft_worker(args) -> int:
 
 def _add_profile(sub) -> None:
     arg = _command(sub, "profile", _cmd_profile, "measure this machine's costs, fit the cost model, recommend gamma",
-                   "Measure, on the configured target backend and draft: verification time of k = 0..16 draft tokens, "
-                   "the draft's time per token, transfer and prefill time, acceptance on calibration prompts and "
-                   "goodput at a few gammas; the same for each --draft and target precision; and each layout and core "
-                   "split this machine allows, predicted and measured. Write PROFILE.yaml (the fitted cost model, "
-                   "recommended gamma, draft, layout and precision) and PROFILE.png (goodput against gamma). Use it "
-                   "with speculation: {gamma: auto, profile: PROFILE.yaml}.",
-                   config="YAML config (its target and onnx draft are measured)", models=())
-    arg("--out", required=True, help="profile to write (YAML; the plot goes next to it as .png)")
+                   config="YAML config (its target and onnx draft are measured)", models=False)
+    arg("--out", required=True, type=Path, help="profile to write (YAML; the plot goes next to it as .png)")
     arg("--quick", action="store_true", help="fewer points and prompts (under 2 minutes here)")
-    arg("--prompts-file", metavar="FILE", help='calibration prompts: JSONL, one {"prompt": "text"} or '
+    arg("--prompts-file", metavar="FILE", type=Path, help='calibration prompts: JSONL, one {"prompt": "text"} or '
         '{"token_ids": [...]} per line (default: held-out prompts)')
-    arg("--draft", dest="drafts", action="append", default=[], metavar="DIR", help="another ONNX draft to measure "
-        "next to draft.model, e.g. another precision (repeatable): its time per token, acceptance and best gamma")
+    arg("--draft", dest="drafts", action="append", default=[], type=Path, metavar="DIR", help="another ONNX draft to "
+        "measure next to draft.model, e.g. another precision (repeatable): its time per token, acceptance and best "
+        "gamma")
     arg("--no-placement", action="store_true",
         help="skip measuring each layout and core split (runtime.mode / runtime.cpus: auto)")
     arg("--no-precisions", action="store_true", help="skip measuring each target precision (fp32, int8, int4 on an "
@@ -200,11 +187,7 @@ def _add_profile(sub) -> None:
 
 def _add_serve(sub) -> None:
     arg = _command(sub, "serve", _cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, health, metrics)",
-                   "Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, POST "
-                   "/v1/chat/completions (when the tokenizer has a chat template), GET /v1/models, GET /health (probes "
-                   "the target and the draft worker; 503 when either is down or hung) and GET /metrics (Prometheus). "
-                   "Streaming is server-sent events (stream: true). Requests are batched by the Engine. Binds "
-                   "loopback unless --host says otherwise.", formatter_class=argparse.RawDescriptionHelpFormatter,
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
                    epilog="examples:\n"
                           "  hetero-spec serve --config configs/cpu-demo.yaml --port 8000\n"
                           "  hetero-spec serve --config configs/cpu-demo.yaml --ray --set serving.ray.num_replicas=2\n"
@@ -222,11 +205,7 @@ def _add_serve(sub) -> None:
 
 def _add_load(sub) -> None:
     arg = _command(sub, "load", _cmd_load, "throughput and latency against concurrency (target-only and hetero_spec)",
-                   "For target-only and for the config's engine, and each concurrency level, client threads send the "
-                   "held-out prompts to one Engine: aggregate tokens/s, per-request latency p50/p95, time to first "
-                   "token, and whether outputs equal the first level's (greedy). The Engine decodes up to "
-                   "serving.max_batch requests together. Runs are interleaved over --repeats; ratios are paired. "
-                   "Writes OUT/load.json and OUT/load.md.", models=())
+                   models=False)
     arg("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
     arg("--requests", type=int, default=16, help="requests per level (default 16)")
     arg("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -237,14 +216,7 @@ def _add_load(sub) -> None:
 
 def _add_soak(sub) -> None:
     arg = _command(sub, "soak", _cmd_soak, "concurrent streams against a real server: lost requests, tokens, RSS",
-                   "Start `hetero-spec serve` on a free loopback port, take a greedy reference answer per prompt, "
-                   "then keep --streams streaming completions going for --duration seconds, a share of them cut by "
-                   "their client and a share malformed: requests lost (errors, no [DONE], a malformed request "
-                   "answered otherwise than expected), outputs or usage that differ from the reference, the server's "
-                   "RSS every second (flat: at most 10 % growth after --warmup), and /metrics against what was sent "
-                   "(every error counted, nothing left in flight). The server is stopped at the end. Writes "
-                   "OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met.",
-                   overrides="override a config key of the server (repeatable)", models=())
+                   overrides="override a config key of the server (repeatable)", models=False)
     arg("--streams", type=int, default=32, help="concurrent streams (default 32)")
     arg("--duration", type=float, default=60.0, help="seconds of soak (default 60)")
     arg("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -295,6 +267,8 @@ def _read_prompt(arg: str | None) -> str:
 
 
 def _cmd_generate(args) -> None:
+    """Generate a completion. Greedy output (temperature 0) is token-identical to the target model alone; sampled
+    output keeps its distribution."""
     from .engine import Engine
     prompt = _read_prompt(args.prompt)
     sampling = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
@@ -322,6 +296,9 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_export(args) -> None:
+    """Export a local Hugging Face decoder (with tokenizer.json) to ONNX with a KV cache using onnxruntime-genai's
+    model builder, optionally quantized. Prints one progress line per stage on stderr; the builder's full output goes
+    to OUT/export.log."""
     model = cached_hf(args.model, "hetero-spec export", "--model", onnx=True) if is_gguf(args.model) else args.model
     out = export_draft(model, args.out, args.precision, args.execution_provider, block_size=args.block_size)
     print(f"exported {args.model} -> {out / 'model.onnx'} ({args.precision}, {args.execution_provider}); "
@@ -330,29 +307,36 @@ def _cmd_export(args) -> None:
 
 
 def _cmd_keys(args) -> None:
-    import zmq.auth
-
-    from .transport.channel import key_fingerprint, write_keys
+    """Create a directory (mode 0700) with ZeroMQ CURVE certificates: server.key_secret (the target) and
+    client.key_secret (the draft worker), plus their public halves. Point runtime.curve_keys at it; every TCP link is
+    then authenticated with these keys. Without it, TCP on loopback uses a fresh key pair per worker."""
+    from .transport.channel import CurveKeys, key_fingerprint, write_keys
     out = Path(args.out)
     if any(out.glob("*.key_secret")):
         raise HeteroSpecError(f"--out {str(out)!r} already holds keys; choose a new directory")
-    write_keys(out)
-    prints = {name: key_fingerprint(zmq.auth.load_certificate(str(out / f"{name}.key"))[0])
-              for name in ("server", "client")}
+    keys = CurveKeys.load(write_keys(out))
     print(f"wrote CURVE keys to {out}: server.key_secret, client.key_secret (keep them private); "
-          f"set runtime.curve_keys: {out}\nfingerprints (as the logs name them): server {prints['server']}, "
-          f"client {prints['client']}")
+          f"set runtime.curve_keys: {out}\nfingerprints (as the logs name them): server "
+          f"{key_fingerprint(keys.server_public)}, client {key_fingerprint(keys.client_public)}")
 
 
 def _cmd_profile(args) -> None:
+    """Measure, on the configured target backend and draft: verification time of k = 0..16 draft tokens, the draft's
+    time per token, transfer and prefill time, acceptance on calibration prompts and goodput at a few gammas; the same
+    for each --draft and target precision; and each layout and core split this machine allows, predicted and
+    measured. Write PROFILE.yaml (the fitted cost model, recommended gamma, draft, layout and precision) and
+    PROFILE.png (goodput against gamma). Use it with speculation: {gamma: auto, profile: PROFILE.yaml}."""
     from .profile_cmd import run_profile
-    run_profile(Path(args.config), Path(args.out), quick=args.quick,
-                prompts_file=Path(args.prompts_file) if args.prompts_file else None,
-                overrides=overrides(args), drafts=[Path(d) for d in args.drafts],
-                placement=not args.no_placement, precisions=not args.no_precisions)
+    run_profile(Path(args.config), args.out, quick=args.quick, prompts_file=args.prompts_file,
+                overrides=overrides(args), drafts=args.drafts, placement=not args.no_placement,
+                precisions=not args.no_precisions)
 
 
 def _cmd_serve(args) -> int:
+    """Serve the config's Engine over HTTP, OpenAI-compatible: POST /v1/completions, POST /v1/chat/completions (when
+    the tokenizer has a chat template), GET /v1/models, GET /health (probes the target and the draft worker; 503 when
+    either is down or hung) and GET /metrics (Prometheus). Streaming is server-sent events (stream: true). Requests
+    are batched by the Engine. Binds loopback unless --host says otherwise."""
     from .serve import serve
     _require(0 < args.port < 65536, "--port", args.port, "must be in 1..65535")
     _require(args.ray or args.address is None, "--address", args.address, "only with --ray")
@@ -365,6 +349,10 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_load(args) -> None:
+    """For target-only and for the config's engine, and each concurrency level, client threads send the held-out
+    prompts to one Engine: aggregate tokens/s, per-request latency p50/p95, time to first token, and whether outputs
+    equal the first level's (greedy). The Engine decodes up to serving.max_batch requests together. Runs are
+    interleaved over --repeats; ratios are paired. Writes OUT/load.json and OUT/load.md."""
     from .bench.load import run_load
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -378,6 +366,12 @@ def _cmd_load(args) -> None:
 
 
 def _cmd_soak(args) -> None:
+    """Start `hetero-spec serve` on a free loopback port, take a greedy reference answer per prompt, then keep
+    --streams streaming completions going for --duration seconds, a share of them cut by their client and a share
+    malformed: requests lost (errors, no [DONE], a malformed request answered otherwise than expected), outputs or
+    usage that differ from the reference, the server's RSS every second (flat: at most 10 % growth after --warmup),
+    and /metrics against what was sent (every error counted, nothing left in flight). The server is stopped at the
+    end. Writes OUT/soak.json, OUT/soak.md and OUT/server.log; the report says whether the goal was met."""
     from .bench.soak import run_soak
     _require(min(args.streams, args.max_tokens) >= 1, "--streams/--max-tokens", (args.streams, args.max_tokens),
              "must be >= 1")
