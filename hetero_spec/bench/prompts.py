@@ -6,6 +6,7 @@ import argparse
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -109,15 +110,15 @@ def humaneval_prompt_ids(config: Config, count: int | None = None) -> list[list[
     return [[int(t) for t in tok.encode(text, add_special_tokens=False)] for text in texts]
 
 
-def parse_prompts_arg(text: str) -> int | str:
-    """`--prompts`: a count, or `humaneval[:N]` or `mt-bench[:N]` (returned as text, checked)."""
+def parse_prompts_arg(text: str) -> int | tuple[str, int | None]:
+    """`--prompts`: a count, or `humaneval[:N]` or `mt-bench[:N]` (returned as (suite, N or None), checked)."""
     text = text.strip()
     if text.removeprefix("-").isdigit():
         return int(text)
     name, _, count = text.partition(":")
     if name not in SUITES or (count and not count.isdigit()):
         raise argparse.ArgumentTypeError(f"expected a number, humaneval[:N] or mt-bench[:N], got {text!r}")
-    return text
+    return name, int(count) if count else None
 
 
 #: the prompt suites --prompts names
@@ -138,8 +139,7 @@ def mtbench_questions(count: int | None = None) -> list[dict[str, Any]]:
     by_category: dict[str, list[dict]] = {}
     for question in questions:
         by_category.setdefault(question["category"], []).append(question)
-    spread = [q for rank in range(max(map(len, by_category.values()))) for qs in by_category.values()
-              if rank < len(qs) for q in [qs[rank]]]
+    spread = [q for rank in itertools.zip_longest(*by_category.values()) for q in rank if q is not None]
     return spread[:count] if count else spread
 
 
