@@ -18,7 +18,7 @@ from typing import Any
 
 from .controller import layout_rate
 from .cost_model import CostModel, fit_line
-from .profile import beside, decoder_token_s, prefilled, transfer_points, verify_points
+from .profile import beside, decoder_token_s, prefilled, transfer_points, verify_once, verify_points
 
 #: the cache entries' format: 2 added the side-by-side slowdowns (an entry without them is measured again)
 CACHE_VERSION = 2
@@ -127,8 +127,7 @@ def _probe_prompt(vocab: int) -> list[int]:
 
 def measure_verify(target, reps: int = 7) -> tuple[float, float]:
     """The verify line (fixed, per token) of a loaded target, after a 64-token context."""
-    points = verify_points(target, _probe_prompt(target.vocab_width), list(VERIFY_KS), reps)
-    c0, c1 = fit_line([(float(x), y) for x, y in points])
+    c0, c1 = fit_line(verify_points(target, _probe_prompt(target.vocab_width), list(VERIFY_KS), reps))
     return max(c0, 0.0), max(c1, 0.0)
 
 
@@ -149,10 +148,7 @@ def measure_corun(target, dec, reps: int = 7) -> tuple[float, float]:
     t_beside = beside(lambda: _draft_token_s(dec, 1), lambda: measure_verify(target, reps))
     prompt, k = _probe_prompt(target.vocab_width), VERIFY_KS[-1]
     with prefilled(target, prompt) as ([state], base):
-        def verify_once():
-            target.verify(state, prompt[-1], prompt[:k], True)
-            target.rollback(state, base)
-        d_beside = beside(verify_once, lambda: _draft_token_s(dec, reps))
+        d_beside = beside(lambda: verify_once(target, state, prompt, base, k), lambda: _draft_token_s(dec, reps))
     slow_t = (t_beside[0] + k * t_beside[1]) / max(t_alone[0] + k * t_alone[1], 1e-9)  # a block of 8 drafts
     return max(1.0, slow_t), max(1.0, d_beside / max(d_alone, 1e-9))
 
