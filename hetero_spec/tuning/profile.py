@@ -35,11 +35,10 @@ def load_tuning(path: Path | None, source: str = "<config>") -> Tuning:
         batch = raw.get("batch") or {}
         for rows, secs in (batch.get("shared_pass_s") or {}).items():
             tuning.shared.observe(int(rows), float(secs))
-        if batch.get("recommended_max_batch") is not None:
-            tuning.recommended_batch = int(batch["recommended_max_batch"])
-        rec = (raw.get("precision") or {}).get("recommended")
-        if rec is not None:
-            tuning.recommended_precision = str(rec)
+        if (most := batch.get("recommended_max_batch")) is not None:
+            tuning.recommended_batch = int(most)
+        if (precision := (raw.get("precision") or {}).get("recommended")) is not None:
+            tuning.recommended_precision = str(precision)
     except (TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(source, "speculation.profile", str(path), f"bad batch.shared_pass_s ({exc})") from None
     return tuning
