@@ -10,6 +10,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from statistics import median_high
 from typing import TYPE_CHECKING
 
 from ..draft.select import LOOKUPS
@@ -49,8 +50,7 @@ class SharedPassCost:
     """S(t): seconds of one target pass over t positions shared by several requests: the median of the last RECENT
     passes of t where seen, else the line fitted to those medians (why medians: docs/features-batching.md)."""
 
-    _recent: dict[int, deque] = field(default_factory=dict)
-    _medians: dict[int, float] = field(default_factory=dict)
+    _recent: dict[int, deque] = field(default_factory=dict)  # positions -> its last RECENT passes' seconds
     _line: tuple[float, float] | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
@@ -58,27 +58,25 @@ class SharedPassCost:
         recent.append(seconds)
         self._recent[positions] = recent  # the most recently seen size last
         if len(self._recent) > SHARED_SIZES:  # the line is refitted each round: the size seen longest ago goes
-            oldest = next(iter(self._recent))
-            del self._recent[oldest], self._medians[oldest]
-        self._medians[positions] = sorted(recent)[len(recent) // 2]
+            del self._recent[next(iter(self._recent))]
         self._line = None
 
     @property
     def points(self) -> list[tuple[int, float]]:
         """(positions, median seconds) per size seen."""
-        return sorted(self._medians.items())
+        return sorted((positions, median_high(recent)) for positions, recent in self._recent.items())
 
     def line(self) -> tuple[float, float] | None:
         """(c0, c1), or None until two distinct sizes have been seen."""
-        if self._line is None and len(self._medians) >= 2:
+        if self._line is None and len(self._recent) >= 2:
             c0, c1 = fit_line(self.points)
             self._line = max(c0, 0.0), max(c1, 0.0)
         return self._line
 
     def cost(self, positions: int, model: CostModel | None) -> float | None:
         """Predicted seconds for a shared pass; until two sizes are known, the one-request verify curve, if any."""
-        if (seen := self._medians.get(positions)) is not None and len(self._medians) >= 2:
-            return seen
+        if positions in self._recent and len(self._recent) >= 2:
+            return median_high(self._recent[positions])
         if (line := self.line()) is not None:
             return line[0] + line[1] * positions
         return model.verify(positions - 1) if model is not None else None
@@ -140,7 +138,7 @@ class Tuning:
         self._add_point(k + 1, verify_s, sign=1.0)
         recent = self._recent.setdefault(k, deque(maxlen=RECENT))
         recent.append(verify_s)
-        self.measured[k] = sorted(recent)[len(recent) // 2]  # a median: one stalled pass does not move it
+        self.measured[k] = median_high(recent)  # a median: one stalled pass does not move it
 
     def _add_point(self, x: float, y: float, sign: float) -> None:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
