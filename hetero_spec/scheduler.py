@@ -302,12 +302,12 @@ class Scheduler:
         """Cache the prompts of the rows that joined, oldest first: whole while no row decodes (nobody waits), else at
         most serving.prefill_chunk tokens this round, so a long prompt never stalls the streams that decode."""
         chunk = eng.config.serving.prefill_chunk
-        budget = chunk if chunk and any(s.prefill_done for s in self._seqs) else None
+        budget = chunk if chunk and any(s.prefill_done for s in self._seqs) else float("inf")
         for seq in [s for s in self._seqs if not s.prefill_done]:
-            if budget is not None and budget <= 0:
+            if budget <= 0:
                 return
             total = len(seq.prompt_ids) - 1
-            stop = total if budget is None else min(total, seq.prefilled + budget)
+            stop = min(total, seq.prefilled + budget)
             try:
                 eng.target.prefill(seq.state, seq.prompt_ids, seq.prefilled, stop)
             except Exception as exc:  # noqa: BLE001 - this request fails; the batch goes on
@@ -315,8 +315,7 @@ class Scheduler:
                 self._release(eng, seq)
                 seq.ticket.put(exc)
                 continue
-            if budget is not None:
-                budget -= stop - seq.prefilled
+            budget -= stop - seq.prefilled
             seq.prefilled, seq.prefill_done = stop, stop >= total
             if seq.prefill_done:
                 seq.stats.time_prefill_s = time.perf_counter() - seq.t_start
