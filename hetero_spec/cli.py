@@ -16,7 +16,7 @@ from .draft.weights import weight_report
 from .errors import ConfigError, HeteroSpecError
 from .gguf_source import cached_hf, is_gguf
 from .metrics import Stats
-from .validation import check_prompt_text, decode_utf8, request_args
+from .validation import check_prompt_text, request_args
 
 EPILOG = """examples:
   hetero-spec generate --model models/target --draft models/draft --prompt "def parse(" --max-new-tokens 64
@@ -255,15 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_prompt(arg: str | None) -> str:
     """--prompt, or all of standard input; either must be UTF-8 (the error names the bad byte's offset).
-    Undecodable argv bytes reach Python as lone surrogates (surrogateescape), stdin is read as bytes."""
+    Undecodable bytes reach Python as lone surrogates (surrogateescape): argv's as Python decodes it, stdin's as
+    its bytes are decoded here."""
     if arg is not None:
         return check_prompt_text(arg, "--prompt")
     if sys.stdin is None or sys.stdin.isatty():
         raise HeteroSpecError("--prompt is required when standard input is a terminal "
                               '(e.g. --prompt "def parse(", or pipe the prompt in)')
-    if (raw := getattr(sys.stdin, "buffer", None)) is None:  # a text-only stream (io.StringIO)
-        return check_prompt_text(sys.stdin.read(), "standard input")
-    return decode_utf8(raw.read(), "standard input")
+    raw = getattr(sys.stdin, "buffer", None)  # None: a text-only stream (io.StringIO)
+    text = sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+    return check_prompt_text(text, "standard input")
 
 
 def _cmd_generate(args) -> None:

@@ -43,6 +43,5 @@ class BenchError(HeteroSpecError):
 class QueueFullError(HeteroSpecError):
     """serving.max_waiting requests already wait for a place in the batch: try again later."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    retry_after_s: float = 1.0
+    """When to try again (the server's Retry-After)."""

@@ -29,15 +29,14 @@ def _bound(value: Any) -> Any:
     return value
 
 
-def check_field(section: BaseModel, name: str, value: Any, label: str | None = None) -> Any:
+def check_field(section: BaseModel, name: str, value: Any, label: str) -> Any:
     """value validated as the config field `name` of `section` (same type and bounds); RequestError naming
-    the argument (label, default name) and the value otherwise."""
+    the argument (label) and the value otherwise."""
     probe = section.model_copy()  # sections validate on assignment; the config itself is untouched
     try:
         setattr(probe, name, value)
     except ValidationError as exc:
         err = exc.errors()[0]
-        label = label or name
         where = label + "".join(f"[{p}]" for p in err["loc"][1:])  # stop_token_ids[2]
         shown = value if where == label else err.get("input")
         raise RequestError(f"{where} = {shown!r}: {_problem(err)}") from None
@@ -83,15 +82,6 @@ def check_prompt_text(text: str, source: str = "prompt") -> str:
                            "the prompt must be UTF-8 text")
     raise RequestError(f"{source}: lone surrogate U+{code:04X} at character {bad_at} (byte offset {offset}) "
                        "is not valid Unicode text")
-
-
-def decode_utf8(data: bytes, source: str) -> str:
-    """bytes -> str, strictly; a RequestError naming the first invalid byte and its offset otherwise."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"{source}: not valid UTF-8: byte 0x{data[exc.start]:02x} at byte offset "
-                           f"{exc.start}; the prompt must be UTF-8 text") from None
 
 
 def prompt_token_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, model_dir: Any) -> list[int]:
