@@ -331,8 +331,7 @@ def _prompts(settings: BenchSettings, config: Config, given: list[list[int]] | N
         ids, source = prompts.humaneval_prompt_ids(config, settings.prompts), {"kind": "humaneval"}
     elif settings.mtbench:
         from ..engine import Engine
-        alone = {"draft.kind": "none", "draft.candidates": [], "runtime.mode": "in_process", "runtime.cpus": None}
-        with Engine.from_config(config, overrides=alone) as target:  # the first turns' answers, greedy
+        with Engine.from_config(config, overrides={**ALONE, "runtime.cpus": None}) as target:  # first turns' answers
             ids, labels = prompts.mtbench_prompt_ids(config, settings.prompts, lambda first: target.generate(
                 first, max_new_tokens=settings.max_new, temperature=0.0).text)
         source = {"kind": "mt-bench", "questions": len(ids) // 2, "labels": labels}
