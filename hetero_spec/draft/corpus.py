@@ -85,7 +85,7 @@ class CorpusTable:
 TABLE = "corpus.npz"
 
 
-def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
+def cached_table(tokenizer_json: Path) -> CorpusTable:
     """The table of the standard library tokenized with this tokenizer, made once into the cache (~1 minute)."""
     from . import head
     files = head.corpus_files()
@@ -98,7 +98,7 @@ def cached_table(tokenizer_json: Path, progress=None) -> CorpusTable:
             f"files, once, into {entry}")
         scratch.mkdir(parents=True)
         CorpusTable.build(head.corpus_token_ids(tokenizer_json, files)).save(scratch / TABLE)
-    build_once(entry, lambda e: (e / TABLE).is_file(), build, f"draft: using the corpus table {entry}", progress)
+    build_once(entry, lambda e: (e / TABLE).is_file(), build, f"draft: using the corpus table {entry}")
     return CorpusTable.load(entry / TABLE)
 
 

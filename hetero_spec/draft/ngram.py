@@ -20,14 +20,14 @@ class Lookup:
         self.sync(prompt_ids)  # a request's prompt is taken as any committed text is
 
     def limit_catchup(self, window: int) -> None:
-        pass  # a lookup's catch-up is an index update at most: nothing to limit
+        """Nothing to limit: a lookup's catch-up is an index update at most."""
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         self._extend([*self._last[:n_accepted], next_token])
         self._last = []
 
     def close(self) -> None:
-        pass
+        """Nothing to free: a lookup holds no model."""
 
 
 class NgramProposer(Lookup):

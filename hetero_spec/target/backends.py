@@ -63,7 +63,7 @@ def builder_ep(providers: list | None) -> str:
     return BUILDER_EP.get(provider_name(providers[0]) if providers else "CPUExecutionProvider", "cpu")
 
 
-def onnx_model_dir(cfg, source: str = "<config>") -> Path:
+def onnx_model_dir(cfg) -> Path:
     """The ONNX directory the onnx backend loads: target.model itself, or its cached export at the precision,
     for the builder's provider matching target.providers (checked first: an export takes minutes)."""
     model = Path(cfg.model)
@@ -71,7 +71,7 @@ def onnx_model_dir(cfg, source: str = "<config>") -> Path:
         return model
     if cfg.providers:
         from ..onnx_decoder import check_providers
-        check_providers(cfg.providers, source, key="target.providers")
+        check_providers(cfg.providers, key="target.providers")
     return cached_export(model, precision_of(cfg), execution_provider=builder_ep(cfg.providers))
 
 
