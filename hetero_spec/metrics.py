@@ -28,10 +28,8 @@ class Stats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        if drafted > 0:
-            self.tested += accepted + (1 if accepted < drafted else 0)
-        if len(self.accept_hist) <= accepted:
-            self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.tested += accepted + (1 if accepted < drafted else 0)  # nothing drafted: nothing tested
+        self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))  # grown to reach accepted (or kept)
         self.accept_hist[accepted] += 1
 
     @property
