@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, build_config, load_config
+from .draft.select import LOOKUPS, prompt_window
+from .draft.source import LocalSource, SelectingSource
 from .errors import ConfigError, EngineClosedError
 from .gguf_source import resolve as resolve_gguf
 from .metrics import Stats
@@ -25,7 +27,6 @@ from .sampling import SamplingParams
 from .scheduler import DONE, Request, Scheduler, Ticket, check_request, is_last
 from .target.backends import _device_is_cuda, choose_backend, load_target, target_spin
 from .tuning import placement as pl
-from .draft.select import LOOKUPS
 from .tuning.controller import Controller
 from .tuning.profile import load_tuning, seed_verify_curve
 from .validation import check_stop_ids, prompt_token_ids, request_args
@@ -294,7 +295,6 @@ class Engine:
         for kind in draft.candidates:  # the worker runs even when only the n-gram lookup is chosen among
             if kind not in cands:
                 cands[kind] = self._local(config, kind, slots, catchup_skip=draft.catchup_skip if lookup else None)
-        from .draft.source import SelectingSource
         names = list(draft.candidates)
         self.controller.selection(names, {n: "two_process" if cands[n].drafts_ahead else "in_process" for n in names},
                                   {n: cands[n].costs for n in names})
@@ -306,8 +306,6 @@ class Engine:
             return None
         from .draft.ngram import NgramProposer
         from .draft.onnx_drafter import OnnxDrafter
-        from .draft.select import prompt_window
-        from .draft.source import LocalSource
         draft = config.draft
         if kind == "ngram":
             return LocalSource(NgramProposer(max_n=draft.ngram.max_n, min_n=draft.ngram.min_n))
