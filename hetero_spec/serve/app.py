@@ -14,46 +14,23 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel
 
 from ..engine import Detokenizer, Engine
 from ..errors import HeteroSpecError, PromptTooLongError, QueueFullError, RequestError
 from ..metrics import Stats
 from .limits import BodyLimits, uvicorn_options
 from .metrics import ServeMetrics
-from .schema import ChatRequest, CompletionRequest, StopMatcher, chat_template, render_chat
+from .schema import ApiError, ChatRequest, CompletionRequest, ErrorBody, StopMatcher, chat_template, render_chat
 
 log = logging.getLogger("hetero_spec.serve")
 
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's error body and an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.param, self.kind, self.code, self.headers = status, param, kind, code, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class Job:
-    """One request: its rounds' token ids (Engine.astream_tokens), its stats and its cancel event."""
-
-    chunks: AsyncIterator[list[int]]
-    stats: Stats
-    cancel: threading.Event
 
 
 #: pydantic's error types -> what the 400 says of the named field
@@ -83,19 +60,6 @@ def invalid_request(error: dict[str, Any], content_type: str = "application/json
     param = ".".join(loc) or None
     msg = _INVALID.get(error.get("type", ""), error.get("msg", "invalid value"))
     return ApiError(400, f"{param or 'body'}: {msg}", param=param)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error body: every error of /v1/ has it."""
-
-    error: ErrorDetail
 
 
 #: what the completion endpoints answer (the OpenAPI schema at /openapi.json; tests/test_fuzz.py holds the server to it)
@@ -222,17 +186,17 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             raise ApiError(404, f"The model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(prompt: str | list[int], req, max_tokens: int | None) -> Job:
+    async def start(prompt: str | list[int], req, max_tokens: int | None, stats: Stats,
+                    cancel: threading.Event) -> AsyncIterator[list[int]]:
+        """The request's rounds' token ids (Engine.astream_tokens)."""
         if bad := req.unsupported():
             raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
-        stats, cancel = Stats(), threading.Event()
         try:  # validated here, in the caller: a RequestError is a 400 before anything streams
             prompt = engine.prompt_ids(prompt)  # tokenized once, here: its length is checked against the context
             check_fits(len(prompt), max_tokens, engine.target.context_len)
-            return Job(await engine.astream_tokens(prompt, stats, cancel, max_new_tokens=max_tokens,
-                                                   temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                                   stop_token_ids=req.stop_token_ids,
-                                                   ignore_eos=req.ignore_eos), stats, cancel)
+            return await engine.astream_tokens(prompt, stats, cancel, max_new_tokens=max_tokens,
+                                               temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except RequestError as exc:
@@ -243,21 +207,9 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
         except HeteroSpecError as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
 
-    async def pieces(job: Job, req) -> AsyncIterator[str]:
-        """Text pieces, cut at the first stop string (which then ends the request)."""
-        matcher = StopMatcher(req.stop_strings())
-        async for text in Detokenizer(engine.decode_text).apieces(job.chunks):
-            if piece := matcher.feed(text):
-                yield piece
-            if matcher.stopped:
-                job.cancel.set()  # the engine stops before its next round
-                job.stats.finish_reason = "stop"
-                break
-        if rest := matcher.feed("", final=True):
-            yield rest
-
     async def respond(prompt: str | list[int], max_tokens: int | None, req, request: Request, chat: bool):
-        job = await start(prompt, req, max_tokens)
+        stats, cancel = Stats(), threading.Event()
+        chunks = await start(prompt, req, max_tokens, stats, cancel)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         ended: list[str] = []  # done() ran (once)
         flying: list[bool] = []  # counted in requests_in_flight
@@ -266,9 +218,22 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
             flying.append(True)
             metrics.in_flight.inc()
 
+        async def pieces() -> AsyncIterator[str]:
+            """Text pieces, cut at the first stop string (which then ends the request)."""
+            matcher = StopMatcher(req.stop_strings())
+            async for text in Detokenizer(engine.decode_text).apieces(chunks):
+                if piece := matcher.feed(text):
+                    yield piece
+                if matcher.stopped:
+                    cancel.set()  # the engine stops before its next round
+                    stats.finish_reason = "stop"
+                    break
+            if rest := matcher.feed("", final=True):
+                yield rest
+
         def choice(text: str | None, final: bool = False) -> dict[str, Any]:
             """A stream's delta, or the whole answer's message; the last carries the finish reason."""
-            finish = FINISH.get(job.stats.finish_reason, "stop") if final else None
+            finish = FINISH.get(stats.finish_reason, "stop") if final else None
             if chat:
                 body = {"delta": {"content": text} if text is not None else {}} if req.stream else \
                     {"message": {"role": "assistant", "content": text}}
@@ -281,7 +246,7 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                     **more}
 
         def done(status: str) -> None:
-            job.cancel.set()  # a disconnect (or anything else) ends the request before its next round
+            cancel.set()  # a disconnect (or anything else) ends the request before its next round
             if ended:
                 return
             ended.append(status)
@@ -291,17 +256,17 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 metrics.requests.labels(endpoint="chat" if chat else "completions", status=STREAM_STATUS[status]).inc()
             if status == "cancelled":
                 metrics.cancelled.inc()
-            metrics.observe(job.stats)
+            metrics.observe(stats)
 
         if not req.stream:
             fly()
             try:
-                text = "".join([p async for p in pieces(job, req)])
+                text = "".join([p async for p in pieces()])
             except BaseException:
                 done("error")
                 raise
             done("ok")
-            return JSONResponse(body([choice(text, final=True)], usage=_usage(job.stats)))
+            return JSONResponse(body([choice(text, final=True)], usage=_usage(stats)))
         request.state.counted_by_stream = True
 
         def event(data: dict[str, Any]) -> str:
@@ -314,13 +279,13 @@ def create_app(engine: Engine, model_name: str, health_timeout_s: float = 5.0, o
                 if chat:
                     yield event(body([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "finish_reason": None}]))
-                async for piece in pieces(job, req):
+                async for piece in pieces():
                     if await request.is_disconnected():
                         return
                     yield event(body([choice(piece)]))
                 yield event(body([choice(None if chat else "", final=True)]))
                 if req.stream_options and req.stream_options.include_usage:
-                    yield event(body([], usage=_usage(job.stats)))
+                    yield event(body([], usage=_usage(stats)))
                 yield "data: [DONE]\n\n"
                 status = "ok"
             except Exception as exc:  # the stream has started: report in-band, as OpenAI does
