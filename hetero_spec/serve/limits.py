@@ -3,11 +3,12 @@ a request's headers (uvicorn has none: a protocol subclass adds it), a deadline 
 ASGI middleware), and uvicorn's own connection limit and keep-alive timeout."""
 
 import asyncio
-import json
 from typing import Any
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .schema import ApiError
 
 
 def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
@@ -86,8 +87,7 @@ class BodyLimits:
 
 async def _refuse(scope, receive, send, status: int, message: str) -> None:
     """OpenAI's error body, and the connection closed after it."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-    await Response(json.dumps(body), status, {"connection": "close"}, "application/json")(scope, receive, send)
+    await JSONResponse(ApiError(status, message).body(), status, {"connection": "close"})(scope, receive, send)
 
 
 def uvicorn_options(serving) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible request schema (the subset hetero_spec serves), stop strings, and chat templates. Strict, as
-OpenAI's API is: an unknown field, a number sent as a string, NaN or an unsupported option is a 400 naming it,
-never silently ignored or coerced (docs/serving.md lists what is accepted)."""
+"""The OpenAI-compatible request schema (the subset hetero_spec serves), its error body, stop strings, and chat
+templates. Strict, as OpenAI's API is: an unknown field, a number sent as a string, NaN or an unsupported option is
+a 400 naming it, never silently ignored or coerced (docs/serving.md lists what is accepted)."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,31 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code, self.headers = status, param, kind, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body: every error of /v1/ has it."""
+
+    error: ErrorDetail
 
 
 class _Strict(BaseModel):
