@@ -11,6 +11,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import Counter
 
 from ..config import Config
 from ..errors import HeteroSpecError
@@ -133,13 +134,11 @@ def replica_report(status, app: str) -> dict:
     all_ready, true once every deployment has the replicas Serve wants (status HEALTHY) and all of them run."""
     app_status = status.applications.get(app)
     deployments = list(app_status.deployments.values()) if app_status is not None else []
-    states: dict[str, int] = {}
+    states: Counter[str] = Counter()  # a state is an enum in Ray, a string in tests: its value
     for deployment in deployments:
-        for state, count in deployment.replica_states.items():
-            name = getattr(state, "value", state)
-            states[name] = states.get(name, 0) + count
+        states.update({getattr(state, "value", state): count for state, count in deployment.replica_states.items()})
     steady = bool(deployments) and all(getattr(d.status, "value", d.status) == "HEALTHY" for d in deployments)
-    return {"by_state": states, "all_ready": steady and set(states) == {"RUNNING"}}
+    return {"by_state": dict(states), "all_ready": steady and set(states) == {"RUNNING"}}
 
 
 class Replica:
