@@ -142,9 +142,8 @@ def rejection_accept(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, 
 def rejection_next(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, n: int, u_sample: float) -> int:
     """The token after n accepted ones: recovered from norm(max(0, p_n - q_n)) if n < k, else the
     bonus token from p_k (0-based rows). q None means one-hot on the draft token."""
-    k = len(draft_ids)
-    if n == k:
-        return sample_from(p[k], u_sample)
+    if n == len(draft_ids):
+        return sample_from(p[n], u_sample)
     if q is None:
         residual = p[n].copy()
         residual[draft_ids[n]] = 0.0
