@@ -409,9 +409,9 @@ def command_line(settings: BenchSettings) -> str:
     parts = ["hetero-spec", "bench", *config, "--out", str(settings.out), "--prompts", prompts,
              "--max-new-tokens", str(settings.max_new), "--gammas", ",".join(map(str, gammas)) if gammas else "config"]
     skip = {"config", "out", "prompts", "max_new_tokens", "gammas", "humaneval", "mtbench", "quick", "overrides"}
-    for field in fields(settings):
-        if field.name not in skip and (value := getattr(settings, field.name)) not in (None, field.default, [], ()):
-            parts += ["--" + field.name.replace("_", "-"),
+    for option in fields(settings):
+        if option.name not in skip and (value := getattr(settings, option.name)) not in (None, option.default, [], ()):
+            parts += ["--" + option.name.replace("_", "-"),
                       ",".join(value) if isinstance(value, (list, tuple)) else str(value)]
     parts += [a for k, v in settings.overrides.items()
               for a in ("--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
