@@ -3,15 +3,12 @@
 quantized output is identical to that target alone rather than to the checkpoint: docs/features-precision.md."""
 
 import logging
-from pathlib import Path
 
 from .config import Config, provider_name
 
 log = logging.getLogger("hetero_spec.precision")
 
 _FROM_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-ONNX_CPU = ("fp32", "int8", "int4")
-ONNX_GPU = ("fp32", "fp16", "int8", "int4")  # the builder's precisions for a GPU provider's export
 
 
 def resolve_auto(cfg: Config, recommended: str | None) -> Config:
@@ -21,13 +18,13 @@ def resolve_auto(cfg: Config, recommended: str | None) -> Config:
     if target.precision != "auto":
         return cfg
     out = cfg.model_copy(deep=True)
-    if target.allow_lossy and recommended is not None:
-        out.target.precision = recommended
-        why = "the profile's recommendation (allow_lossy)"
+    out.target.precision = recommended if target.allow_lossy else None  # None: from dtype
+    if not target.allow_lossy:
+        why = "allow_lossy is off: the checkpoint's own precision"
+    elif recommended is None:
+        why = "no profile recommends one (speculation.profile, `hetero-spec profile`): the checkpoint's own"
     else:
-        out.target.precision = None  # from dtype
-        why = ("allow_lossy is off: the checkpoint's own precision" if not target.allow_lossy else
-               "no profile recommends one (speculation.profile, `hetero-spec profile`): the checkpoint's own")
+        why = "the profile's recommendation (allow_lossy)"
     log.warning("target.precision auto: %s (%s)", out.target.precision or f"from dtype {target.dtype}", why)
     return out
 
@@ -62,18 +59,18 @@ def _check_backend(cfg: Config, backend: str, cuda: bool, precision: str) -> Non
                             f"{precision}{' on CUDA' if cuda else ''} needs torchao, which is not installed; use the "
                             "onnx backend (int8, int4 on a CPU) or fp16/bf16")
         return
-    if target.model is not None and (Path(target.model) / "model.onnx").is_file():
+    if target.model is not None and (target.model / "model.onnx").is_file():
         if target.precision is not None:
             log.info("target.precision %s: target.model is already an export (%s); it is used as it is", precision,
                      target.model)
         return
     first = provider_name(target.providers[0]) if target.providers else "CPUExecutionProvider"
-    if first == "CPUExecutionProvider" and precision not in ONNX_CPU:
+    if first == "CPUExecutionProvider" and precision not in ("fp32", "int8", "int4"):
         raise cfg.error("target.precision", precision, "the ONNX model builder's CPU export computes in fp32: choose "
                         "fp32, int8 or int4 for the CPU provider (fp16 needs a GPU provider's export: "
                         "target.providers: [CUDAExecutionProvider] or [DmlExecutionProvider]; or the torch backend "
                         "on CUDA)")
-    if first != "CPUExecutionProvider" and precision not in ONNX_GPU:
+    if first != "CPUExecutionProvider" and precision not in ("fp32", "fp16", "int8", "int4"):
         raise cfg.error("target.precision", precision, f"the ONNX model builder exports fp32, fp16, int8 or int4 for "
                         f"{first}: choose one of them (bf16: the torch backend on CUDA)")
 
@@ -84,7 +81,7 @@ def resolve_draft(cfg: Config) -> Config:
     draft = cfg.draft
     if draft.kind != "onnx" or draft.model is None:
         return cfg
-    model = Path(draft.model)
+    model = draft.model
     is_export, has_config = (model / "model.onnx").is_file(), (model / "config.json").is_file()
     if draft.precision is None and (is_export or not has_config):  # not a Hugging Face checkpoint to export
         return _pruned(cfg)
@@ -109,12 +106,12 @@ def resolve_draft(cfg: Config) -> Config:
 
 def _pruned(cfg: Config) -> Config:
     """draft.head: a config whose draft.model is the export's copy with its LM head pruned (made once)."""
-    if cfg.draft.head is None or not (Path(cfg.draft.model) / "model.onnx").is_file():
+    if cfg.draft.head is None or not (cfg.draft.model / "model.onnx").is_file():
         return cfg
     from .draft.head import cached_pruned
     out = cfg.model_copy(deep=True)
     try:
-        out.draft.model = cached_pruned(Path(cfg.draft.model), cfg.draft.head)
+        out.draft.model = cached_pruned(cfg.draft.model, cfg.draft.head)
     except ValueError as exc:
         raise cfg.error("draft.head", cfg.draft.head, str(exc)) from None
     out.draft.head = None
