@@ -512,17 +512,6 @@ def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None
     return cfg
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> tuple[str, None, str]:
-    """(where, None, what) of a YAML error, on one line: "line 2, column 1", "not valid YAML: could not find
-    expected ':' (while scanning a simple key)"."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    problem = getattr(exc, "problem", None) or str(exc)
-    context = getattr(exc, "context", None)
-    what = " ".join(f"{problem}{f' ({context})' if context else ''}".split())
-    return where, None, f"not valid YAML: {what}"
-
-
 #: what a command line without --config starts from (`hetero-spec serve --model M --draft D`): every choice that
 #: `auto` makes by measurement on this machine, the rest the fields' defaults
 COMMAND_LINE = {"target": {"backend": "auto"}, "speculation": {"gamma": "auto"},
@@ -540,5 +529,12 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), *_yaml_problem(exc), show_value=False) from None
+        # where and what, on one line: "line 2, column 1: not valid YAML: could not find expected ':' (while
+        # scanning a simple key)"
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        what = " ".join(f"{problem}{f' ({context})' if context else ''}".split())
+        raise ConfigError(str(path), where, None, f"not valid YAML: {what}", show_value=False) from None
     return build_config(raw, source=str(path), base_dir=path.parent, overrides=overrides)
