@@ -8,7 +8,7 @@ docs/architecture.md ("onnx"); the shared one costs 25 % less per step at a 1000
 from __future__ import annotations
 
 import functools
-import importlib
+import importlib.util
 import json
 import logging
 import re
@@ -54,6 +54,10 @@ class SessionProviders:
 
 
 @functools.cache
+def _plugin_installed(name: str) -> bool:
+    return importlib.util.find_spec(PLUGIN_EPS[name][0]) is not None
+
+
 def _plugin_devices(name: str) -> tuple[list[Any], str]:
     """A plugin EP's devices on this machine, registered once per process; no devices: why not."""
     module, package = PLUGIN_EPS[name]
@@ -62,7 +66,8 @@ def _plugin_devices(name: str) -> tuple[list[Any], str]:
     except ImportError:
         return [], f"its plugin is not installed (pip install {package})"
     try:
-        ort.register_execution_provider_library(name, library)
+        if not any(d.ep_name == name for d in ort.get_ep_devices()):  # onnxruntime refuses a second registration
+            ort.register_execution_provider_library(name, library)
     except Exception as exc:  # onnxruntime raises its own exception types
         return [], f"its plugin ({library}) did not load: {' '.join(str(exc).split())}"
     devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
@@ -93,7 +98,8 @@ def resolve_providers(entries: list, source: str = "<config>", key: str = "draft
         where, options = f"{key}[{i}]", {k: str(v).lower() if isinstance(v, bool) else str(v)
                                          for k, v in entry.options.items()}
         devices, why = [], ""
-        if entry.name in PLUGIN_EPS and entry.name not in available:
+        # a plugin EP goes through its devices, even once registered (then onnxruntime lists it as available)
+        if entry.name in PLUGIN_EPS and (entry.name not in available or _plugin_installed(entry.name)):
             devices, why = _plugin_devices(entry.name)
             devices = [d for d in devices if entry.device is None or d.device.type.name.lower() == entry.device]
             why = why or (f"its plugin offers no {entry.device} device here" if not devices else "")
@@ -116,8 +122,9 @@ def resolve_providers(entries: list, source: str = "<config>", key: str = "draft
             out.devices, out.options, out.expected = devices, options, entry.name
         elif not out.devices:
             out.classic.append((entry.name, options))
-    out.classic = out.classic or [("CPUExecutionProvider", {})]
-    out.expected = out.expected if out.devices else out.classic[0][0]
+    if not out.devices:
+        out.classic = out.classic or [("CPUExecutionProvider", {})]
+        out.expected = out.classic[0][0]
     _probe(out, entries, source, key)
     return out
 
