@@ -58,6 +58,22 @@ def test_streams_keep_their_own_state():
     assert ga == 0 and ctl.plan([b], [100]).ks[0] > 0  # a is off; b, with the shared estimate, is not
 
 
+def test_a_drafting_row_tells_a_source_that_drafts_ahead_to_go_on():
+    """In two processes the worker drafts ahead at the row's `ahead`: a sampled stream (no shadow drafting) that
+    the plan asks for k > 0 drafts keeps the worker drafting, and one planned at gamma 0 lets it rest."""
+    t = _tuned(0.8, weight=4.0)
+    ctl = Controller(t, "two_process", batch_blocks=False)
+    fixed, auto = ctl.stream(6), ctl.stream("auto")
+    row = ctl.plan([fixed], [100]).rows[0]
+    assert (row.k, row.ahead) == (6, 6)
+    row = ctl.plan([auto], [100]).rows[0]
+    assert row.k > 0 and row.ahead == row.k
+    for _ in range(5):
+        ctl.observe(auto, 4, 0, None)  # rejected: the stream is switched off
+    row = ctl.plan([auto], [100]).rows[0]
+    assert (row.k, row.ahead) == (0, 0)
+
+
 def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
     """gamma 0 (the target alone): one probe round every probe_every rounds; a failed probe doubles the period
     (kept across streams, on the Tuning), one with an accepted token resets it."""

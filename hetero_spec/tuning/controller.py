@@ -249,7 +249,9 @@ class Controller:
         caps = [max(0, min(G_MAX if s.fixed is None else s.fixed, room - 1)) for s, room in zip(streams, rooms)]
         offered = offers(caps) if offers is not None and self.chooser is not None else None
         if offered is None:
-            rows = [self._row(s, min(self._choose(s), cap)) for s, cap in zip(streams, caps)]
+            for stream in streams:
+                stream.gamma = self._choose(stream)  # a source drafting ahead drafts on at it (0: it rests)
+            rows = [self._row(s, min(s.gamma, cap)) for s, cap in zip(streams, caps)]
         else:
             self.chooser.next_round()
             rows = [self._selected(s, cap, names) for s, cap, names in zip(streams, caps, offered)]
