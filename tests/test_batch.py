@@ -425,9 +425,9 @@ def test_a_row_that_leaves_mid_round_does_not_make_the_next_one_look_alone(llama
         seen = []
         real = eng.controller.observe
 
-        def observe(control, drafted, n_accepted, verify_s, row=None):
+        def observe(control, drafted, n_accepted, verify_s, row=None, draft_s=None):
             seen.append(verify_s)
-            return real(control, drafted, n_accepted, verify_s, row)
+            return real(control, drafted, n_accepted, verify_s, row, draft_s)
 
         eng.controller.observe = observe
         short, long_, stats = Collect(), Collect(), Stats()

@@ -185,7 +185,8 @@ def test_serving_ray_settings_are_validated(llama_target, llama_copy_onnx):
         deployment_options(build_config(cfg(max_waiting=1, max_ongoing_requests=6)))
     opts = deployment_options(build_config(cfg(
         autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2})))
-    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0}
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0,
+                                          "upscale_delay_s": 30.0, "downscale_delay_s": 600.0}  # Serve's defaults
     assert "num_replicas" not in opts and opts["max_ongoing_requests"] == 4
     assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0}  # target.threads 1, in process
     two = build_config({**cfg(num_replicas=2), "runtime": {"mode": "two_process"}})
