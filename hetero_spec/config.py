@@ -492,6 +492,8 @@ def build_config(raw: dict, source: str = "<dict>", base_dir: Path | None = None
     the current directory) when they come from `raw`, against the current directory when from an override."""
     if not isinstance(raw, dict):
         raise ConfigError(source, "", raw, "the top level must be a mapping of sections")
+    if "source" in raw:  # Config.source says where the config came from: it is no key of the file
+        raise ConfigError(source, "source", raw["source"], f"unknown key; {_known_keys([])}")
     raw, overrides = copy.deepcopy(raw), overrides or {}
     _resolve_paths(raw, base_dir or Path.cwd())
     for key, value in overrides.items():

@@ -36,6 +36,7 @@ def test_defaults_and_relative_paths(tmp_path):
     ("draft: {prompt_window: 0}\n", "draft.prompt_window", 0, "an integer >= 1, 'auto' or null"),
     ("target: {prefill_threads: 0}\n", "target.prefill_threads", 0, "an integer >= 1 or 'auto'"),
     ("bogus: {}\n", "bogus", {}, "unknown key"),
+    ("source: x.yaml\n", "source", "x.yaml", "unknown key; the top level has: target"),  # Config's own, not a key
     ("target: {device: tpu}\n", "target.device", "tpu", "cuda"),
 ])
 def test_bad_values_name_file_key_and_value(tmp_path, text, key_path, value, problem):
