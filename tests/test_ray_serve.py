@@ -360,5 +360,6 @@ def test_serve_ray_starts_a_local_instance_with_its_settings_and_drains_on_sigte
     (_, init, env), *rest = calls
     assert init["address"] is None and init["_metrics_export_port"] == 9400
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "5"
-    assert rest == [("start", {"http_options": {"host": "127.0.0.1", "port": 8123}}), ("run", "hetero_spec"),
+    assert rest == [("start", {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": 8123}}),
+                    ("run", "hetero_spec"),
                     ("serve.shutdown",), ("ray.shutdown",)]  # SIGTERM: the same drain as Ctrl-C
