@@ -22,6 +22,7 @@ import yaml
 from hetero_spec import Engine
 from hetero_spec.config import build_config
 from hetero_spec.serve.ray_serve import REPLICA_HEADER
+from tests.fixtures.ray_streams import stream_to_done
 from tests.fixtures.waits import free_port, wait_for
 
 ray = pytest.importorskip("ray")
@@ -82,8 +83,9 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
                            "worker_process_setup_hook": "tests.fixtures.pause_target.setup"}}
     env = {**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)}
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([str(Path(sys.executable).parent / "hetero-spec"), "serve", "--ray", "--address", cluster.address,
-                               "--config", str(config_file), "--port", str(port), "--model-name", MODEL],
+    server = subprocess.Popen([str(Path(sys.executable).parent / "hetero-spec"), "serve", "--ray",
+                               "--address", cluster.address, "--config", str(config_file), "--port", str(port),
+                               "--model-name", MODEL],
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     try:
@@ -109,16 +111,7 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
         started: dict[str, str] = {}
 
         def stream(prompt: str) -> bool:
-            lines = []
-            try:
-                with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                                    "max_tokens": 48, "temperature": 0,
-                                                                    "stream": True}) as r:
-                    started[prompt] = r.headers[REPLICA_HEADER]
-                    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-            except httpx.HTTPError:
-                pass
-            return bool(lines) and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+            return stream_to_done(client, MODEL, prompt, 48, started)
 
         prompts = PROMPTS  # more than one replica takes at once (max_ongoing_requests 8): both get some
         pause.touch()

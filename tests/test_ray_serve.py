@@ -22,6 +22,7 @@ from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError, HeteroSpecError
 from hetero_spec.serve import ray_serve
 from hetero_spec.serve.ray_serve import REPLICA_HEADER, core_slice, deployment_options, mirror_metrics
+from tests.fixtures.ray_streams import stream_to_done
 from tests.fixtures.waits import free_port, wait_for
 
 ray = pytest.importorskip("ray")
@@ -130,18 +131,9 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
     ended: set[str] = set()
 
     def stream(prompt: str) -> bool:
-        """True when the stream ran to [DONE] with no error event."""
-        lines = []
-        try:
-            with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                                "max_tokens": 64, "temperature": 0,
-                                                                "stream": True}) as r:
-                started[prompt] = r.headers[REPLICA_HEADER]
-                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-        except httpx.HTTPError:
-            pass
+        done = stream_to_done(client, MODEL, prompt, 64, started)
         ended.add(prompt)
-        return bool(lines) and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+        return done
 
     prompts = PROMPTS[:8]
     before = set(_replica_pids())
