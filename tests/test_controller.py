@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hetero_spec.tuning.controller import EXPLORE, PROBE_BUDGET, PROBE_EVERY, PROBE_GAMMA, Controller, Tuning
-from hetero_spec.tuning.cost_model import CostModel
+from hetero_spec.tuning.cost_model import CostModel, expected_tokens
 
 
 def _tuned(acceptance: float, draft_token_s: float = 0.0006, weight: float = 1e9) -> Tuning:
@@ -355,6 +355,26 @@ def test_gamma_follows_the_measured_curve_where_it_is_not_a_line():
     assert model.best_gamma(0.9, "in_process")[0] == 1
     t.reset_costs()
     assert t.measured == {} and t.model() is None
+
+
+def test_one_stalled_pass_does_not_take_its_block_length_out_of_the_choice():
+    """A block length seen once, in a stalled pass, is priced on the line until enough passes of it are seen: its
+    own median would price it at the stall, the plan would stop choosing it, and nothing would ever correct it."""
+    fixed, per = 0.0015, 0.0001  # a flat line: V(g) = fixed + per * (g + 1)
+    t = Tuning(prior_acceptance=0.9, prior_weight=1e9)
+    for _ in range(50):  # the passes the line is fitted from (it keeps the last 256)
+        for g in (0, 8):
+            t.observe_verify(g, fixed + per * (g + 1))
+    t.draft_token_s = 0.0003
+    best = t.model().best_gamma(0.9, "in_process")[0]
+    t.observe_verify(best, 20 * (fixed + per * (best + 1)))  # once, stalled
+    model = t.model()
+    assert best not in t.measured and model.verify(best) < 2 * (fixed + per * (best + 1))
+    rate = {g: expected_tokens(0.9, g) / model.round_time(g, 0.9, "in_process") for g in range(1, 17)}
+    assert rate[best] > 0.9 * max(rate.values())  # still a contender, not priced at the stall
+    for _ in range(2):
+        t.observe_verify(best, fixed + per * (best + 1))  # with two normal passes the median is a normal one
+    assert t.measured[best] == pytest.approx(fixed + per * (best + 1))
 
 
 def test_draft_selection_learns_the_verify_line_without_an_engine_wide_draft_cost():

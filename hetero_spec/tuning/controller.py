@@ -28,6 +28,9 @@ PROBE_GAMMA = 2
 #: never pays costs at most about PROBE_BUDGET of the time
 PROBE_BUDGET = 0.01
 RECENT = 5  # passes per block length whose median is that length's measured cost
+#: passes of a block length before their median stands for it (until then the line does): one stalled pass at a
+#: length the plan then stops choosing would otherwise keep that length's cost wrong for good
+MEASURED_AFTER = 3
 SHARED_SIZES = 64  # shared-pass sizes kept (padded block passes take many: rows x (k + 1) positions)
 #: serving.mode latency: the most a joining request may slow a round (predicted), against one request alone
 LATENCY_SLOWDOWN = 1.5
@@ -138,7 +141,8 @@ class Tuning:
         self._add_point(k + 1, verify_s, sign=1.0)
         recent = self._recent.setdefault(k, deque(maxlen=RECENT))
         recent.append(verify_s)
-        self.measured[k] = median_high(recent)  # a median: one stalled pass does not move it
+        if len(recent) >= MEASURED_AFTER:
+            self.measured[k] = median_high(recent)  # a median: one stalled pass does not move it
 
     def _add_point(self, x: float, y: float, sign: float) -> None:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
-from .controller import Tuning
+from .controller import MEASURED_AFTER, Tuning
 from .cost_model import CostModel
 
 
@@ -84,7 +84,7 @@ def verify_points(target, prompt: list[int], drafts: list[int], reps: int) -> li
 CURVE_K = 8  # gamma auto without a profile or placement: the verify curve is measured at start up to this k
 
 
-def seed_verify_curve(tuning: Tuning, target, drafts: range = range(CURVE_K + 1), reps: int = 2,
+def seed_verify_curve(tuning: Tuning, target, drafts: range = range(CURVE_K + 1), reps: int = MEASURED_AFTER,
                       prompt_len: int = 32) -> dict[int, float]:
     """Time `reps` verifications of k drafts for each k and give each to `tuning` as a pass it saw, so gamma auto
     knows the curve's shape (not a line: docs/features-tuning.md) from its first round. Returns k -> seconds."""
