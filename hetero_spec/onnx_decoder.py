@@ -53,11 +53,11 @@ class SessionProviders:
         return {"providers": self.classic}
 
 
-@functools.cache
 def _plugin_installed(name: str) -> bool:
     return importlib.util.find_spec(PLUGIN_EPS[name][0]) is not None
 
 
+@functools.cache
 def _plugin_devices(name: str) -> tuple[list[Any], str]:
     """A plugin EP's devices on this machine, registered once per process; no devices: why not."""
     module, package = PLUGIN_EPS[name]
@@ -66,8 +66,7 @@ def _plugin_devices(name: str) -> tuple[list[Any], str]:
     except ImportError:
         return [], f"its plugin is not installed (pip install {package})"
     try:
-        if not any(d.ep_name == name for d in ort.get_ep_devices()):  # onnxruntime refuses a second registration
-            ort.register_execution_provider_library(name, library)
+        ort.register_execution_provider_library(name, library)
     except Exception as exc:  # onnxruntime raises its own exception types
         return [], f"its plugin ({library}) did not load: {' '.join(str(exc).split())}"
     devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
