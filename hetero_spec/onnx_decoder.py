@@ -173,6 +173,11 @@ class DecoderState:
     # shared layout, one-token steps: input_ids, position_ids and logits buffers bound to `binding` once and
     # rewritten each step; None until the first step, and after a several-token run or a new binding
     step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # shared layout: the attention mask [1, capacity], as wide as the buffers and bound with them: ones over the first
+    # `mask_ones` positions, zeros after (GroupQueryAttention reads the lengths from its sum, not its width), so a
+    # step writes one element instead of binding a new, longer mask
+    mask: np.ndarray | None = None
+    mask_ones: int = 0
 
     @property
     def capacity(self) -> int:
@@ -279,22 +284,27 @@ class OnnxDecoder:
         """A fresh state (shared layout: the slot of a pool of its own, which grows as any pool does)."""
         return KvPool(self, 1).acquire() if self.shared else DecoderState()
 
-    def append(self, state: DecoderState, tokens: list[int], wide: bool = False, last_only: bool = False) -> np.ndarray:
+    def append(self, state: DecoderState, tokens: list[int], wide: bool = False, last_only: bool = False,
+               scratch: bool = False) -> np.ndarray:
         """Run tokens after the state's cached past; returns logits [len(tokens), vocab_width], or [1, vocab_width]
         for the last token with last_only (computed for it alone where the graph has `logits_from`). wide: a run of
-        several tokens goes to the prefill session (prefill_threads), when there is one."""
+        several tokens goes to the prefill session (prefill_threads), when there is one. scratch: the caller reads
+        the logits before the state's next run, so a one-token step may return its bound output buffer itself
+        (no copy: on the demo target the copy was a third of the Python a step costs)."""
         n_new, total = len(tokens), state.n_past + len(tokens)
-        if total > self._ones.shape[1]:
-            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         if n_new == 1 and self.shared:
-            return self._step_shared(state, tokens[0])
+            return self._step_shared(state, tokens[0], scratch)
         rows = 1 if last_only and self.has_logits_from else n_new
         feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
-                 "attention_mask": self._ones[:, :total],  # a contiguous view: no per-step allocation
                  "position_ids": np.arange(state.n_past, total, dtype=np.int64)[None],
                  "logits_from": np.asarray([n_new - rows], dtype=np.int64)}
         session = self._wide if wide and n_new > 1 and self._wide is not None else self.session
-        logits = self._run_shared(state, feeds, rows, session) if self.shared else self._run_copy(state, feeds, session)
+        if self.shared:
+            logits = self._run_shared(state, feeds, rows, session)
+        else:
+            if total > self._ones.shape[1]:
+                self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
+            logits = self._run_copy(state, feeds | {"attention_mask": self._ones[:, :total]}, session)
         state.n_past += n_new
         return self.fit_width(logits[0, -1:] if last_only else logits[0])
 
@@ -308,6 +318,7 @@ class OnnxDecoder:
     def _run_shared(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session) -> np.ndarray:
         """rows: the positions the logits come out for (all fed, or the last one)."""
         state.pool.ensure(state.n_past + feeds["input_ids"].shape[1])
+        feeds["attention_mask"] = self._mask(state, state.n_past + feeds["input_ids"].shape[1])
         if session is self.session:
             binding = state.binding
             state.step = None  # input_ids and logits are bound to this run's arrays now
@@ -327,23 +338,33 @@ class OnnxDecoder:
         binding.bind_output("logits", "cpu", 0, self.logits_dtype, list(logits.shape), logits.ctypes.data)
         return logits
 
-    def _step_shared(self, state: DecoderState, token: int) -> np.ndarray:
-        """append() of one token, shared layout: the step buffers stay bound (DecoderState.step) and only the
-        attention mask, whose length grows, is bound anew (binding every input and the logits cost 0.1-0.2 ms of
-        Python a step). Returns logits [1, vocab_width], a copy: the buffer is the next step's."""
+    def _mask(self, state: DecoderState, total: int) -> np.ndarray:
+        """The state's attention mask (DecoderState.mask) with ones over exactly the first `total` positions."""
+        mask, ones = state.mask, state.mask_ones
+        if total > ones:
+            mask[0, ones:total] = 1
+        elif total < ones:
+            mask[0, total:ones] = 0
+        state.mask_ones = total
+        return mask
+
+    def _step_shared(self, state: DecoderState, token: int, scratch: bool = False) -> np.ndarray:
+        """append() of one token, shared layout: every input and the logits stay bound (DecoderState.step and
+        .mask), so a step only writes the token, its position and one mask element (binding cost 0.1-0.2 ms of
+        Python a step). Returns logits [1, vocab_width]: a copy, or with scratch the bound buffer itself."""
         state.pool.ensure(state.n_past + 1)
-        binding = state.binding
         if state.step is None:
             ids, positions = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
             # backed by the arrays' memory: what a later run reads is their value then
-            feeds = {"input_ids": ids, "position_ids": positions, "logits_from": self._zero}
-            state.step = (ids, positions, self._bind_io(binding, feeds, 1, 1))
+            feeds = {"input_ids": ids, "position_ids": positions, "logits_from": self._zero,
+                     "attention_mask": state.mask}
+            state.step = (ids, positions, self._bind_io(state.binding, feeds, 1, 1))
         ids, positions, logits = state.step
         ids[0, 0], positions[0, 0] = token, state.n_past
-        binding.bind_cpu_input("attention_mask", self._ones[:, :state.n_past + 1])
-        self.session.run_with_iobinding(binding)
+        self._mask(state, state.n_past + 1)
+        self.session.run_with_iobinding(state.binding)
         state.n_past += 1
-        return self.fit_width(logits[0].copy())
+        return self.fit_width(logits[0] if scratch else logits[0].copy())
 
     def _alloc(self, rows: int, needed: int, capacity: int) -> list[np.ndarray]:
         """Zeroed buffers [rows, kv_heads, cap, head_dim]: cap doubles `capacity` (up to the context) or is `needed`."""
@@ -442,6 +463,7 @@ class KvPool:
         if self._states.get(state.slot) is state:
             del self._states[state.slot]
         state.pool, state.binding, state.cache, state.n_past, state.step = None, None, [], 0, None
+        state.mask, state.mask_ones = None, 0
 
     def ensure(self, needed: int) -> None:
         """At least `needed` positions per slot; growing copies every slot's cached positions once."""
@@ -466,3 +488,4 @@ class KvPool:
     def _bind(self, state: DecoderState) -> None:
         views = [buf[state.slot:state.slot + 1] for buf in self.cache]
         state.cache, state.binding, state.step = views, self.decoder._kv_binding(self.decoder.session, views), None
+        state.mask, state.mask_ones = np.zeros((1, self.capacity), dtype=np.int64), 0

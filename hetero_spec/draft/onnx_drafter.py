@@ -104,9 +104,10 @@ class OnnxDrafter:
         """The index in ids after the last cached token."""
         return self._at[-1] + 1 if self._at else self._base
 
-    def _feed(self, start: int, tokens: list[int], last_only: bool = False) -> np.ndarray:
-        """Run tokens that are ids[start:start + len(tokens)] (drafts: the positions they will take)."""
-        logits = self.decoder.append(self.state, tokens, last_only=last_only)
+    def _feed(self, start: int, tokens: list[int], last_only: bool = False, scratch: bool = False) -> np.ndarray:
+        """Run tokens that are ids[start:start + len(tokens)] (drafts: the positions they will take); scratch:
+        the logits are read before the next feed (OnnxDecoder.append)."""
+        logits = self.decoder.append(self.state, tokens, last_only=last_only, scratch=scratch)
         self._at.extend(range(start, start + len(tokens)))
         return logits
 
@@ -185,7 +186,7 @@ class OnnxDrafter:
         for _ in range(max(min(n_tokens, self.context_len - base), 0)):
             start, pending = self._backlog()
             started = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
-            logits = self._feed(start, pending, last_only=True)[-1]
+            logits = self._feed(start, pending, last_only=True, scratch=True)[-1]
             if started:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - started
             tok, q = self._choose(logits, len(self.ids))

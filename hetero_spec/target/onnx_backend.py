@@ -60,10 +60,11 @@ class OnnxTarget:
             state.pool.release(state)
 
     def forward(self, state: DecoderState, tokens: list[int], last_only: bool = False,
-                wide: bool = False) -> np.ndarray:
+                wide: bool = False, scratch: bool = False) -> np.ndarray:
         """Append tokens to the cache; their logits [len(tokens), vocab] (the last row only with last_only).
-        wide: on the prefill session's threads (target.prefill_threads), when there is one."""
-        return self.decoder.append(state, tokens, wide=wide, last_only=last_only)
+        wide: on the prefill session's threads (target.prefill_threads), when there is one; scratch: read before the
+        state's next run (OnnxDecoder.append)."""
+        return self.decoder.append(state, tokens, wide=wide, last_only=last_only, scratch=scratch)
 
     def rollback(self, state: DecoderState, n_keep: int) -> None:
         """Drop cached positions after the first n_keep (the rejected draft tokens); ValueError past the cache."""
@@ -77,7 +78,8 @@ class OnnxTarget:
             self.forward(state, prompt_ids[start:stop], last_only=True, wide=True)
 
     def verify(self, state: DecoderState, last_token: int, draft_ids: list[int], greedy: bool) -> list | np.ndarray:
-        return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
+        # greedy: the argmax is taken at once, so a step's logits are read where the run wrote them
+        return _outputs(self.forward(state, [last_token, *draft_ids], scratch=greedy), greedy)
 
     def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
         """What `verify` returns for each row (state, last_token, draft_ids; a greedy flag per row). Rows without a
