@@ -183,7 +183,12 @@ class OnnxDrafter:
         """Append n_tokens of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
         base, probs = len(self.ids), []
         self.last_catchup_s = 0.0
-        for _ in range(max(min(n_tokens, self.context_len - base), 0)):
+        for i in range(todo := max(min(n_tokens, self.context_len - base), 0)):
+            if i and self.params.greedy:  # the rest: each step feeds the last draft token alone
+                fed = len(self.ids) - 1
+                self.ids.extend(self.decoder.greedy_steps(self.state, self.ids[-1], todo - i))
+                self._at.extend(range(fed, len(self.ids) - 1))
+                break
             start, pending = self._backlog()
             started = time.perf_counter() if len(pending) > 2 else 0.0  # (the last draft + the bonus are normal)
             logits = self._feed(start, pending, last_only=True, scratch=True)[-1]
