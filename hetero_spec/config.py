@@ -121,6 +121,15 @@ class TargetConfig(_Section):
     alone on the demo pair: 0.795x ORT GenAI's plain loop with `run`, 0.885x with `true`; docs/benchmarks.md)."""
     max_context: int | None = Field(default=None, ge=2)
     """Cap on prompt + generated tokens; None uses the model's max_position_embeddings."""
+    block_graph: Literal["none", "int8"] = "none"
+    """onnx backend, a quantized target (precision int8 or int4) on the CPU provider: `int8` keeps a second graph of
+    the same checkpoint with int8 weights per column and activations quantized at run time (ONNX Runtime's
+    DynamicQuantizeMatMul), over the same KV cache, made once from the fp32 export into $HETERO_SPEC_CACHE. At
+    load both graphs are timed on blocks of 2-16 tokens and every pass of a length where the block graph is the
+    faster runs on it (a verified block, a prompt); one-token steps stay on `precision`'s graph. Where the int8
+    kernel is flat in the block's length (AMX, docs/real-pair.md) a block of 8 then costs about 1.4 steps, not
+    2.2. Costs the block graph's memory (a 1.5B: 2.5 GB), and its tokens are that graph's verdicts: output stays
+    within the quantization gap of the target alone (docs/features-precision.md), not identical to it."""
 
     @field_validator("device")
     @classmethod

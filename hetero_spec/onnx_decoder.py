@@ -12,6 +12,8 @@ import importlib.util
 import json
 import logging
 import re
+import statistics
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,7 +199,7 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
-                 spin: bool | str = True, prefill_threads: int | None = None):
+                 spin: bool | str = True, prefill_threads: int | None = None, block_dir: Path | None = None):
         model_dir = Path(model_dir)
         # draft/export.add_logits_from's graph, else the export's own
         path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
@@ -214,6 +216,14 @@ class OnnxDecoder:
         self._wide = self._load(path, providers, self.prefill_threads, False, role) if self.prefill_threads else None
         self.model_dir = model_dir
         self._setup_io(model_dir)
+        # block_dir: a second graph of the same weights in another format over the same KV cache (target.block_graph),
+        # for runs of at least block_from tokens (choose_block_from: where it is the faster); None: one graph
+        self._block, self.block_from = None, None
+        if block_dir is not None:
+            self._block = self._load(Path(block_dir) / "model.onnx", providers, threads, spin, role)
+            if {i.name for i in self._block.get_inputs()} != self.input_names:
+                raise ModelLoadError(f"{role} block graph {str(block_dir)!r} does not take the inputs of "
+                                     f"{str(model_dir)!r}: it must be made from the same model")
         self.vocab_width = vocab_width or self.model_vocab
         # fit_width's scatter (logit i goes to column _head_cols[i]), worked out once: it runs every draft step
         if self.head_tokens is not None:
@@ -298,7 +308,7 @@ class OnnxDecoder:
         feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
                  "position_ids": np.arange(state.n_past, total, dtype=np.int64)[None],
                  "logits_from": np.asarray([n_new - rows], dtype=np.int64)}
-        session = self._wide if wide and n_new > 1 and self._wide is not None else self.session
+        session = self._session_for(n_new, wide)
         if self.shared:
             logits = self._run_shared(state, feeds, rows, session)
         else:
@@ -307,6 +317,42 @@ class OnnxDecoder:
             logits = self._run_copy(state, feeds | {"attention_mask": self._ones[:, :total]}, session)
         state.n_past += n_new
         return self.fit_width(logits[0, -1:] if last_only else logits[0])
+
+    def _session_for(self, n_new: int, wide: bool):
+        """The session a run of n_new tokens goes to: the block graph from block_from tokens on, else a wide run's
+        prefill session when there is one, else the decoder's own."""
+        if self._block is not None and self.block_from is not None and n_new >= self.block_from:
+            return self._block
+        return self._wide if wide and n_new > 1 and self._wide is not None else self.session
+
+    def choose_block_from(self, ks: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16), context: int = 64,
+                          reps: int = 3) -> dict[int, tuple[float, float]]:
+        """Time a run of k tokens after `context` cached tokens on each graph (median of reps, the graphs in turn)
+        and set block_from: the smallest k from which the block graph is the faster at every k measured (None:
+        nowhere). Returns {k: (seconds on the decoder's graph, seconds on the block graph)}."""
+        if self._block is None:
+            return {}
+        state = self.new_state()
+        self.block_from = None
+        self.append(state, [(3 + i) % self.model_vocab for i in range(context)], last_only=True)
+        times: dict[tuple[int, bool], list[float]] = {}
+        for _ in range(reps + 1):  # the first round warms both graphs up (not counted)
+            for k in ks:
+                for on_block in (False, True):
+                    self.block_from = 2 if on_block else None
+                    started = time.perf_counter()
+                    self.append(state, [5] * k)
+                    times.setdefault((k, on_block), []).append(time.perf_counter() - started)
+                    self.rewind(state, context)
+        self.block_from = None
+        costs = {k: (statistics.median(times[k, False][1:]), statistics.median(times[k, True][1:])) for k in ks}
+        for k in reversed(ks):
+            if costs[k][1] >= costs[k][0]:
+                break
+            self.block_from = k
+        if state.pool is not None:
+            state.pool.release(state)
+        return costs
 
     def _run_copy(self, state: DecoderState, feeds: dict[str, np.ndarray], session) -> np.ndarray:
         past = state.cache or [np.zeros(self.kv_shape, dtype=self.kv_dtype) for _ in self.past_names]

@@ -46,8 +46,26 @@ def check_target(cfg: Config, backend: str, cuda: bool) -> str:
     return precision
 
 
+def _check_block_graph(cfg: Config, backend: str, precision: str) -> None:
+    """target.block_graph int8: a quantized onnx target on the CPU provider, from a checkpoint (it is made from the
+    fp32 export), so that only a target already within a quantization gap of its checkpoint takes a second one."""
+    target = cfg.target
+    first = provider_name(target.providers[0]) if target.providers else "CPUExecutionProvider"
+    why = ("needs the onnx backend" if backend != "onnx" else
+           f"needs a quantized target (target.precision int8 or int4, not {precision}): an fp32 target keeps exact "
+           "greedy identity, which a second graph's verdicts would break" if precision not in ("int8", "int4") else
+           f"runs on the CPU provider only (ONNX Runtime's DynamicQuantizeMatMul), not {first}"
+           if first != "CPUExecutionProvider" else
+           "is made from the checkpoint's fp32 export: target.model must be a Hugging Face directory or a GGUF file, "
+           "not an export" if target.model is not None and (target.model / "model.onnx").is_file() else None)
+    if why:
+        raise cfg.error("target.block_graph", target.block_graph, why)
+
+
 def _check_backend(cfg: Config, backend: str, cuda: bool, precision: str) -> None:
     target = cfg.target
+    if target.block_graph != "none":
+        _check_block_graph(cfg, backend, precision)
     if backend == "onnx" and target.kv_cache_dtype != "auto":
         raise cfg.error("target.kv_cache_dtype", target.kv_cache_dtype, "the onnx backend keeps the export's KV "
                         "cache (fp32 in the builder's CPU graph; the builder quantizes KV caches only for "

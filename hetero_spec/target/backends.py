@@ -90,8 +90,12 @@ def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threa
     <= threads: none)."""
     if cfg.backend == "onnx":
         from .onnx_backend import OnnxTarget
+        block = None
+        if cfg.block_graph == "int8":
+            from .export_cache import cached_block_export
+            block = cached_block_export(cfg.model)
         return OnnxTarget(onnx_model_dir(cfg), providers=cfg.providers, threads=threads, max_context=cfg.max_context,
-                          spin=spin, prefill_threads=prefill_threads)
+                          spin=spin, prefill_threads=prefill_threads, block_dir=block)
     from .verifier import TargetModel
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(cfg.precision, cfg.dtype)
     return TargetModel(cfg.model, device=cfg.device, dtype=dtype, threads=threads, max_context=cfg.max_context,

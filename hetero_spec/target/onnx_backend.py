@@ -3,11 +3,14 @@ builder-exported target (`hetero-spec export --model HF_DIR`); about 3x eager Py
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from ..onnx_decoder import DecoderState, OnnxDecoder
+
+log = logging.getLogger(__name__)
 
 
 class OnnxTokenizer:
@@ -34,9 +37,17 @@ class OnnxTarget:
     batch_blocks = False
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
-                 max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None):
+                 max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None,
+                 block_dir: Path | None = None):
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
-                                   prefill_threads=prefill_threads)
+                                   prefill_threads=prefill_threads, block_dir=block_dir)
+        #: block_dir (target.block_graph): {k: (seconds of a k-token pass on the target's graph, on the block graph)},
+        #: measured now; blocks of decoder.block_from tokens or more run on the block graph
+        self.block_costs = self.decoder.choose_block_from() if block_dir is not None else {}
+        if block_dir is not None:
+            log.info("target.block_graph: passes of %s tokens or more on the block graph (%s)",
+                     self.decoder.block_from, ", ".join(f"{k}: {a * 1e3:.1f} / {b * 1e3:.1f} ms"
+                                                        for k, (a, b) in self.block_costs.items()))
         self.model_dir, self.vocab_width = self.decoder.model_dir, self.decoder.vocab_width
         self.context_len = min(self.decoder.context_len, max_context or self.decoder.context_len)
         eos = self.decoder.genai_config.get("eos_token_id")
