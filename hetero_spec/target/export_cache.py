@@ -18,6 +18,8 @@ from concurrent.futures import ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
+
 from ..draft.export import quant_options, stderr_progress
 
 log = logging.getLogger(__name__)
@@ -118,16 +120,15 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
 
 #: the block graph's precision (target.block_graph): int8 weights per output column, activations quantized per tensor
 #: at run time (ONNX Runtime's DynamicQuantizeMatMul, its u8s8 QGEMM: VNNI, AMX where the CPU has it)
-BLOCK_PRECISION = "int8-dynamic"
+BLOCK_PRECISION = "int8-block"
 
 
 def cached_block_export(model_dir: Path, root: Path | None = None,
                         progress: Callable[[str], None] | None = None) -> Path:
     """The block graph of model_dir (target.block_graph: int8): its fp32 export (cached_export) with every MatMul's
-    weights quantized to int8 per column by onnxruntime.quantization.quantize_dynamic, made once and cached. The
-    graph keeps the fp32 export's inputs (logits_from too: its LM head runs after the Slice), outputs and KV cache
-    layout, so both sessions share one cache. Making it holds the fp32 model in memory about three times over (a
-    1.5B: 22 GB at peak, once)."""
+    weights int8 per column (_quantize_int8), made once and cached. The graph keeps the fp32 export's inputs
+    (logits_from too: its LM head runs after the Slice), outputs and KV cache layout, so both sessions share one
+    cache."""
     from ..draft.export import LOGITS_FROM_MODEL
     fp32 = cached_export(model_dir, "fp32", root, progress)
     entry = entry_dir(model_dir, BLOCK_PRECISION, root)
@@ -147,12 +148,61 @@ def cached_block_export(model_dir: Path, root: Path | None = None,
     return build_once(entry, _complete, export, f"target: using the cached block graph {entry}", progress)
 
 
+def _initializer(tensor, folder: Path):
+    """An fp32 export's initializer as a numpy array; one stored in an external data file is mapped, not read."""
+    from onnx import helper, numpy_helper
+    if tensor.data_location != 1:  # TensorProto.EXTERNAL
+        return numpy_helper.to_array(tensor)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.memmap(folder / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                     shape=tuple(tensor.dims))
+
+
 def _quantize_int8(src: Path, dest: Path) -> None:
-    """src's MatMul weights to int8 per output column (weights in dest's external data file)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process is for convolutional image models
-    quantize_dynamic(src, dest, op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
-                     use_external_data_format=True)
+    """src with every MatMul by a 2-D fp32 initializer replaced by ONNX Runtime's DynamicQuantizeMatMul: the weights
+    int8 per output column (symmetric: scale = max |w| / 127, zero point 0), the activations quantized at run time.
+    One weight at a time is read (mapped from the external data file), so a 1.5B takes about the int8 model's memory,
+    not the fp32 one's; the result's weights go to dest's external data file."""
+    import onnx
+    from onnx import helper, numpy_helper
+    model = onnx.load(str(src), load_external_data=False)
+    graph, folder = model.graph, Path(src).parent
+    weights = {t.name: t for t in graph.initializer}
+    users: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            users[name] = users.get(name, 0) + 1
+    kept, replaced = [], set()
+    for index, node in enumerate(graph.node):
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None or len(weight.dims) != 2 or weight.data_type != onnx.TensorProto.FLOAT:
+            kept.append(node)
+            continue
+        w = np.asarray(_initializer(weight, folder), dtype=np.float32)
+        scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
+        name = weight.name if users[weight.name] == 1 else f"{weight.name}/{index}"
+        graph.initializer.extend([
+            numpy_helper.from_array(np.clip(np.rint(w / scale), -127, 127).astype(np.int8), f"{name}/int8"),
+            numpy_helper.from_array(scale.astype(np.float32), f"{name}/scale"),
+            numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int8), f"{name}/zero_point")])
+        kept.append(helper.make_node("DynamicQuantizeMatMul", [node.input[0], f"{name}/int8", f"{name}/scale",
+                                                               f"{name}/zero_point"], list(node.output),
+                                     name=f"{node.name}/int8", domain="com.microsoft"))
+        replaced.add(weight.name)
+    unused = replaced - {name for node in kept for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name not in unused]:  # the others' data, read now
+        if tensor.data_location == 1:
+            tensor.CopyFrom(numpy_helper.from_array(np.asarray(_initializer(tensor, folder)), tensor.name))
+    remaining = [t for t in graph.initializer if t.name not in unused]
+    del graph.initializer[:]
+    graph.initializer.extend(remaining)
+    del graph.node[:]
+    graph.node.extend(kept)
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save_model(model, str(dest), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{Path(dest).name}.data", size_threshold=1024)
 
 
 def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path, Callable[[str], None]], None],
