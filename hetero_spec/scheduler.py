@@ -279,6 +279,8 @@ class Scheduler:
     def _admit(self, eng: Engine) -> None:
         """Waiting requests join while there is room (serving.max_batch, and serving.mode latency's limit):
         the source begins (a worker reads the prompt meanwhile); the target reads the prompt in _prefill."""
+        if not self._waiting:  # read without the lock: one that arrives now joins next round
+            return
         while len(self._seqs) < eng.config.serving.max_batch and eng.controller.may_join(len(self._seqs)):
             ticket = self._next_waiting()
             if ticket is None:

@@ -10,11 +10,9 @@ import fcntl
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
@@ -137,9 +135,7 @@ def cached_block_export(model_dir: Path, root: Path | None = None,
         say(f"quantizing the target's fp32 export {fp32} to int8 weights (the block graph) once, into the cache "
             f"{entry}")
         scratch.mkdir(parents=True)
-        # in a process of its own: the memory it takes goes back to the system when it ends
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pool.submit(_quantize_int8, fp32 / LOGITS_FROM_MODEL, scratch / "model.onnx").result()
+        _quantize_int8(fp32 / LOGITS_FROM_MODEL, scratch / "model.onnx")
         for path in fp32.iterdir():  # genai_config.json (the KV shapes), the tokenizer files
             if path.is_file() and not path.name.startswith("model.") and path.name != SOURCE_NAME:
                 shutil.copy2(path, scratch / path.name)
