@@ -127,9 +127,9 @@ class TargetConfig(_Section):
     DynamicQuantizeMatMul), over the same KV cache, made once from the fp32 export into $HETERO_SPEC_CACHE. At
     load both graphs are timed on blocks of 2-16 tokens and every pass of a length where the block graph is the
     faster runs on it (a verified block, a prompt); one-token steps stay on `precision`'s graph. Where the int8
-    kernel is flat in the block's length (AMX, docs/real-pair.md) a block of 8 then costs about 1.4 steps, not
-    2.2. Costs the block graph's memory (a 1.5B: 2.5 GB), and its tokens are that graph's verdicts: output stays
-    within the quantization gap of the target alone (docs/features-precision.md), not identical to it."""
+    kernel is flat in the block's length (AMX, docs/real-pair.md) a block of 8 then costs about 1.3 steps, not
+    1.7. Costs the block graph's memory (a 1.5B: 2.5 GB), and its tokens are that graph's verdicts: output stays
+    within a quantization gap of the checkpoint (docs/features-precision.md), not identical to the target alone."""
 
     @field_validator("device")
     @classmethod
