@@ -33,8 +33,9 @@ def main() -> int:
     args = ap.parse_args()
     from hetero_spec import Engine
 
+    # the model draft every round (no per-round choice among lookups: draft.candidates empty)
     fp32 = {"target.backend": "torch", "target.precision": "fp32", "target.device": "cpu", "target.threads": 2,
-            "draft.precision": "fp32", "speculation.gamma": 4}
+            "draft.precision": "fp32", "draft.candidates": [], "speculation.gamma": 4}
     t0 = time.monotonic()
     with Engine.from_config(args.config, overrides={**fp32, "draft.kind": "none", "draft.model": None,
                                                     "draft.precision": None}) as eng:
