@@ -51,13 +51,17 @@ def _check_block_graph(cfg: Config, backend: str, precision: str) -> None:
     fp32 export), so that only a target already within a quantization gap of its checkpoint takes a second one."""
     target = cfg.target
     first = provider_name(target.providers[0]) if target.providers else "CPUExecutionProvider"
-    why = ("needs the onnx backend" if backend != "onnx" else
-           f"needs a quantized target (target.precision int8 or int4, not {precision}): an fp32 target keeps exact "
-           "greedy identity, which a second graph's verdicts would break" if precision not in ("int8", "int4") else
-           f"runs on the CPU provider only (ONNX Runtime's DynamicQuantizeMatMul), not {first}"
-           if first != "CPUExecutionProvider" else
-           "is made from the checkpoint's fp32 export: target.model must be a Hugging Face directory or a GGUF file, "
-           "not an export" if target.model is not None and (target.model / "model.onnx").is_file() else None)
+    why = None
+    if backend != "onnx":
+        why = "needs the onnx backend"
+    elif precision not in ("int8", "int4"):
+        why = (f"needs a quantized target (target.precision int8 or int4, not {precision}): an fp32 target keeps "
+               "exact greedy identity, which a second graph's verdicts would break")
+    elif first != "CPUExecutionProvider":
+        why = f"runs on the CPU provider only (ONNX Runtime's DynamicQuantizeMatMul), not {first}"
+    elif target.model is not None and (target.model / "model.onnx").is_file():
+        why = ("is made from the checkpoint's fp32 export: target.model must be a Hugging Face directory or a GGUF "
+               "file, not an export")
     if why:
         raise cfg.error("target.block_graph", target.block_graph, why)
 
