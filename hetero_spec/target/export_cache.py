@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -165,10 +166,7 @@ def _quantize_int8(src: Path, dest: Path) -> None:
     model = onnx.load(str(src), load_external_data=False)
     graph, folder = model.graph, Path(src).parent
     weights = {t.name: t for t in graph.initializer}
-    users: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            users[name] = users.get(name, 0) + 1
+    users = Counter(name for node in graph.node for name in node.input)
     kept, replaced = [], set()
     for index, node in enumerate(graph.node):
         weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
