@@ -67,12 +67,16 @@ def _lose(cluster, node) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
-def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_target, llama_copy_onnx, tmp_path):
+def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_target, llama_copy_onnx, tmp_path,
+                                                                     monkeypatch):
     raw = _config(llama_target, llama_copy_onnx)
     (config_file := tmp_path / "cluster.yaml").write_text(yaml.safe_dump(raw))
     with Engine.from_config(build_config(raw)) as eng:
         refs = {p: eng.generate(p, max_new_tokens=24, temperature=0.0).text for p in PROMPTS}
     pause = tmp_path / "pause"
+    # the nodes start as docs/scale-out.md says (Serve reads it in the cluster's own processes): with Serve's 5 s
+    # default ready check, a proxy starting on a loaded 1-CPU node is killed and `serve` fails
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
