@@ -355,3 +355,34 @@ def test_serve_ray_starts_a_local_instance_with_its_settings_and_drains_on_sigte
     assert rest == [("start", {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": 8123}}),
                     ("run", "hetero_spec"),
                     ("serve.shutdown",), ("ray.shutdown",)]  # SIGTERM: the same drain as Ctrl-C
+
+
+def test_serve_ray_goes_on_when_serve_s_proxies_start_late(llama_target, llama_copy_onnx, monkeypatch):
+    """serve.start gives up on its HTTP proxies after a fixed 60 s (a loaded node): the controller it started is
+    kept (a second start connects to it) and the application is deployed all the same."""
+    calls: list = []
+
+    class FakeRay:
+        def init(self, **kw):
+            calls.append("init")
+
+        def shutdown(self):
+            calls.append("ray.shutdown")
+
+    class FakeServe:
+        def start(self, **kw):
+            calls.append("start")
+            if calls.count("start") == 1:
+                raise TimeoutError("HTTP proxies not available after 60s.")
+
+        def run(self, app, **kw):
+            calls.append("run")
+
+        def shutdown(self):
+            calls.append("serve.shutdown")
+
+    monkeypatch.setattr(ray_serve, "_ray", lambda: (FakeRay(), FakeServe()))
+    monkeypatch.setattr(ray_serve, "application", lambda config, name: "app")
+    monkeypatch.setattr(ray_serve.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert ray_serve.serve_ray(build_config(_cfg(llama_target, llama_copy_onnx)), port=8124) == 0
+    assert calls == ["init", "start", "start", "run", "serve.shutdown", "ray.shutdown"]

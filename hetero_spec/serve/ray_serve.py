@@ -224,7 +224,12 @@ def serve_ray(config: Config, host: str = "127.0.0.1", port: int = 8000, address
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              **({} if address else {"_metrics_export_port": config.serving.ray.metrics_export_port}))
     main = threading.current_thread() is threading.main_thread()
-    serve.start(proxy_location=config.serving.ray.proxy_location, http_options={"host": host, "port": port})
+    start = {"proxy_location": config.serving.ray.proxy_location, "http_options": {"host": host, "port": port}}
+    try:
+        serve.start(**start)
+    except TimeoutError as exc:  # Serve waits a fixed 60 s for its HTTP proxies; on a loaded node they come later
+        log.warning("%s: going on; the ingress answers once they start (/health says when)", exc)
+        serve.start(**start)  # the controller the first call started: connects, waits for nothing
     name = model_name or config.target.model.name
     serve.run(application(config, model_name), name="hetero_spec", route_prefix="/",
               logging_config={"enable_access_log": False})  # a log line per request costs a replica's core time
