@@ -46,7 +46,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(llama_target
     env = pytest.MonkeyPatch()
     for key, value in ray_serve.local_env(cfg).items():
         env.setenv(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
         "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
     timeline: list[tuple[float, str, int]] = []

@@ -22,7 +22,7 @@ import yaml
 from hetero_spec import Engine
 from hetero_spec.config import build_config
 from hetero_spec.serve.ray_serve import REPLICA_HEADER
-from tests.fixtures.ray_streams import stream_to_done
+from tests.fixtures.ray_streams import every_replica_serves, stream_to_done
 from tests.fixtures.waits import free_port, wait_for
 
 ray = pytest.importorskip("ray")
@@ -106,10 +106,10 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
             r.raise_for_status()
             return r.json()["choices"][0]["text"], r.headers[REPLICA_HEADER]
 
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(complete, PROMPTS))
-        assert [text for text, _ in got] == [refs[p] for p in PROMPTS]
-        assert len({replica for _, replica in got}) == 2  # both nodes' replicas serve
+        # 16 at once, two replicas of 8 each: both nodes' replicas serve
+        got = every_replica_serves(client, MODEL, PROMPTS, 24, pause)
+        assert {p: text for p, (text, _) in got.items()} == refs
+        assert len({replica for _, replica in got.values()}) == 2
 
         # the second node is lost while every stream is mid-run (each round waits on the pause file)
         started: dict[str, str] = {}
@@ -135,10 +135,9 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
 
         cluster.add_node(num_cpus=1)  # the node returns: Serve places the missing replica there
         wait_for(all_ready, "Serve to bring the replica back", 300)
-        with ThreadPoolExecutor(16) as pool:
-            again = list(pool.map(complete, PROMPTS))
-        assert [text for text, _ in again] == [refs[p] for p in PROMPTS]
-        assert len({replica for _, replica in again}) == 2 and failed.isdisjoint(r for _, r in again)
+        again = every_replica_serves(client, MODEL, PROMPTS, 24, pause)
+        assert {p: text for p, (text, _) in again.items()} == refs
+        assert len({r for _, r in again.values()}) == 2 and failed.isdisjoint(r for _, r in again.values())
     finally:
         client.close()
         if pause.exists():

@@ -22,7 +22,7 @@ from hetero_spec.config import build_config
 from hetero_spec.errors import ConfigError, HeteroSpecError
 from hetero_spec.serve import ray_serve
 from hetero_spec.serve.ray_serve import REPLICA_HEADER, core_slice, deployment_options, mirror_metrics
-from tests.fixtures.ray_streams import stream_to_done
+from tests.fixtures.ray_streams import every_replica_serves, stream_to_done
 from tests.fixtures.waits import free_port, wait_for
 
 ray = pytest.importorskip("ray")
@@ -74,7 +74,8 @@ def deployed(llama_target, llama_copy_onnx, tmp_path_factory):
     for key, value in ray_serve.local_env(cfg).items():
         env.setenv(key, value)
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port, runtime_env={
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # never another job's Ray
+             _metrics_export_port=metrics_port, runtime_env={
         "env_vars": {"HETERO_SPEC_TEST_PAUSE_FILE": str(pause), "PYTHONPATH": str(ROOT)},
         "worker_process_setup_hook": "tests.fixtures.pause_target.setup"})
     port = free_port()
@@ -100,14 +101,13 @@ def _complete(client, prompt: str, max_tokens: int = 24) -> tuple[str, str]:
 
 
 def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(deployed):
-    client, refs, _, metrics_port = deployed
+    client, refs, pause, metrics_port = deployed
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
     health = client.get("/health").json()  # the fixture waited for both replicas: every one is up
     assert health["status"] == "ok" and health["replicas"] == {"by_state": {"RUNNING": 2}, "all_ready": True}
-    with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda p: _complete(client, p), PROMPTS))
-    assert [text for text, _ in got] == [refs[p] for p in PROMPTS]
-    assert len({replica for _, replica in got}) == 2
+    got = every_replica_serves(client, MODEL, PROMPTS, 24, pause)
+    assert {p: text for p, (text, _) in got.items()} == refs
+    assert len({replica for _, replica in got.values()}) == 2
     assert bool(_haproxies()) == ray_serve.haproxy_found()  # the ingress `auto` chose
     bad = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
@@ -122,7 +122,7 @@ def test_sixteen_concurrent_requests_equal_one_engine_and_both_replicas_serve(de
         return len(tokens) == 2 and all(v > 0 for v in tokens.values()) and "ray_serve_" in text
 
     wait_for(scraped, "Ray's metrics endpoint to list both replicas' tokens", 120)
-    assert set(tokens) == {replica for _, replica in got}
+    assert set(tokens) == {replica for _, replica in got.values()}
 
 
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(deployed):
