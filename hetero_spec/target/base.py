@@ -31,6 +31,10 @@ class Verifier(Protocol):
     def verify(self, state: Any, last_token: int, draft_ids: list[int], greedy: bool) -> Any:
         """One pass over [last_token, *draft_ids]: argmax ids [k + 1] (greedy) or float32 logits [k + 1, vocab]."""
 
+    def greedy_steps(self, state: Any, last_token: int, n: int) -> list[int]:
+        """n greedy one-token passes, each fed the argmax of the one before, starting with last_token: the n argmax
+        ids, all but the last now cached (what n rounds of verify without a draft give, in one call)."""
+
     def rollback(self, state: Any, n_keep: int) -> None:
         """Keep the first n_keep cached positions (drop the rejected drafts)."""
 

@@ -92,6 +92,9 @@ class OnnxTarget:
         # greedy: the argmax is taken at once, so a step's logits are read where the run wrote them
         return _outputs(self.forward(state, [last_token, *draft_ids], scratch=greedy), greedy)
 
+    def greedy_steps(self, state: DecoderState, last_token: int, n: int) -> list[int]:
+        return self.decoder.greedy_steps(state, last_token, n)
+
     def verify_batch(self, rows: list[tuple[DecoderState, int, list[int]]], greedy: list[bool]) -> list:
         """What `verify` returns for each row (state, last_token, draft_ids; a greedy flag per row). Rows without a
         draft whose states share the pool run as ONE pass; rows with a draft block one per pass (batch_blocks)."""

@@ -158,6 +158,13 @@ class TargetModel:
     def verify(self, state: TargetState, last_token: int, draft_ids: list[int], greedy: bool) -> list[int] | np.ndarray:
         return _outputs(self.forward(state, [last_token, *draft_ids]), greedy)
 
+    def greedy_steps(self, state: TargetState, last_token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            last_token = self.verify(state, last_token, [], True)[0]
+            out.append(last_token)
+        return out
+
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[TargetState, int, list[int]]], greedy: list[bool]) -> list:
         """Verify several requests' blocks in ONE forward pass: what `verify` returns for each row. The rows' caches
