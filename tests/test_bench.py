@@ -366,6 +366,29 @@ def test_child_peaks_see_a_child_process():
     assert peaks and max(peaks.values()) >= 60, peaks  # the child's own 60 MB, not the bench's size
 
 
+def test_descendants_of_a_process_that_ends_while_they_are_listed(tmp_path, monkeypatch):
+    """The sampler lists /proc/PID/task of each child it found: one that ends in between (its directory gone as it
+    is read) has no descendants; its parent's other children are still listed."""
+    import os
+    from pathlib import Path
+
+    from hetero_spec.bench import memory
+
+    for pid, kids in (("1", "2 3"), ("3", "")):
+        (tmp_path / pid / "task" / pid).mkdir(parents=True)
+        (tmp_path / pid / "task" / pid / "children").write_text(kids)
+    gone = tmp_path / "2" / "task"
+    gone.mkdir(parents=True)  # 2 is listed, then ends: its task directory is there, and gone when it is read
+    for name in ("scandir", "listdir"):
+        def read(path=".", _real=getattr(os, name)):
+            if Path(path) == gone:
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+            return _real(path)
+        monkeypatch.setattr(os, name, read)
+    monkeypatch.setattr(memory, "PROC", tmp_path)
+    assert memory.descendants(1) == [2, 3]
+
+
 def test_make_demo_names_known_systems():
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     demo = next(line for line in makefile.splitlines() if "bench" in line and "bench-out/demo" in line)

@@ -27,8 +27,12 @@ def status_mb(pid: int, key: str = "VmHWM") -> float | None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of pid (/proc/PID/task/*/children)."""
-    kids = [int(c) for task in (PROC / str(pid) / "task").glob("*") for c in _read(task / "children").split()]
+    """Every live descendant of pid (/proc/PID/task/*/children); a process that ends meanwhile has none."""
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+    except OSError:  # it ended between its parent's listing and this one
+        return []
+    kids = [int(c) for task in tasks for c in _read(task / "children").split()]
     return kids + [d for k in kids for d in descendants(k)]
 
 
