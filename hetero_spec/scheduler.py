@@ -342,6 +342,10 @@ class Scheduler:
                                    offers=lambda caps: source.offers(seqs, caps),
                                    wait_default_s=max(0.001, max(s.stats.time_prefill_s for s in seqs)))
             rows = plan.rows
+            if (len(self._seqs) == 1 and rows[0].k == 0 and rows[0].steps > 1 and seqs[0].params.greedy
+                    and not source.drafts_ahead and not self._waiting):  # the target alone until the re-probe
+                self._plain_run(eng, seqs[0], rows[0])
+                return
             # 2) propose (only drafts made in another process are waited for, until the plan's deadline)
             started = time.perf_counter()
             drafts = source.propose(seqs, rows, plan.deadline_s or 0.0)
@@ -374,14 +378,16 @@ class Scheduler:
             costs = source.costs()
             controller.observe_costs(costs.token_s, costs.transfer_s)
 
-    def _plain_run(self, eng: Engine, seq: Seq) -> None:
-        """Nothing drafts and one greedy request runs alone (the target alone): several steps in one round
-        (Verifier.greedy_steps), as many as take about PLAIN_RUN_S, within the request's room. A round's Python costs
-        about 0.1 ms: a twentieth of the demo target's step, which ONNX Runtime GenAI's loop does not pay. The tokens
-        are those of one-step rounds; a stop token inside the run ends it, the positions cached after it unused."""
-        stats, req = seq.stats, seq.req
+    def _plain_run(self, eng: Engine, seq: Seq, row: RowPlan | None = None) -> None:
+        """One greedy request runs alone and nothing drafts this round (no draft source; or a local one that the
+        controller rests, row.steps rounds at k 0 before its re-probe): several steps in one round
+        (Verifier.greedy_steps), as many as take about PLAIN_RUN_S (and row.steps), within the request's room. A
+        round's Python costs 0.1-0.5 ms: on the demo pair a twentieth to a fifth of the target's step, which ONNX
+        Runtime GenAI's loop does not pay. The tokens are those of one-step rounds, and the source and the controller
+        hear of each step as of a round; a stop token inside the run ends it, the positions cached after it unused."""
+        stats, req, source = seq.stats, seq.req, eng.source
         n = max(1, min(self.plain_steps_max, int(PLAIN_RUN_S / self._plain_step_s) if self._plain_step_s else 1,
-                       seq.room(eng.target.context_len)))
+                       seq.room(eng.target.context_len), row.steps if row is not None else self.plain_steps_max))
         span = (time.monotonic(), 0.0)
         tokens = eng.target.greedy_steps(seq.state, seq.ids[-1], n)
         span = (span[0], time.monotonic())
@@ -390,9 +396,15 @@ class Scheduler:
         stats.time_verify_s += span[1] - span[0]
         if eng.config.runtime.trace:
             seq.trace.extend([(span[0], span[1], len(seq.ids), 0)] * n)
-        for _ in range(n):
-            stats.record_round(0, 0)
         emitted, seq.generated = commit_tokens(seq.ids, tokens, req, seq.generated, eng.target.context_len, stats)
+        for i, token in enumerate(emitted):
+            stats.record_round(0, 0)
+            if source is not None:
+                eng.controller.observe(seq.control, 0, 0, self._plain_step_s, row, draft_s=0.0)
+                if not stats.finish_reason or i < len(emitted) - 1:  # as _finish_round: not the token that ends it
+                    source.commit(seq, 0, token)
+        if source is not None:
+            eng.controller.ran_plain(seq.control, len(emitted))
         stats.new_tokens = seq.generated
         stats.time_total_s = time.perf_counter() - seq.t_start
         seq.ticket.put(emitted)

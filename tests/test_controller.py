@@ -97,6 +97,34 @@ def test_reprobes_back_off_while_they_fail_and_reset_on_a_hit():
     assert t.probe_every == PROBE_EVERY
 
 
+def test_rounds_at_gamma_0_run_as_one_until_the_re_probe():
+    """A row planned at k 0 may stand for the rounds left before its re-probe (RowPlan.steps); the loop reports the
+    rounds it ran (ran_plain), all of them or fewer, and the probes come on the same rounds as when every round is
+    planned alone, with far fewer plans."""
+    def probes(run: str) -> tuple[list[int], int]:
+        t = Tuning(profile=CostModel(0.005, 0.0005, 0.001), prior_acceptance=0.0, prior_weight=1e6)  # never pays
+        ctl = Controller(t, "in_process", batch_blocks=False)
+        sc, r, at, plans = ctl.stream("auto"), 0, [], 0
+        while r < 8 * PROBE_EVERY:
+            row = ctl.plan([sc], [1000]).rows[0]
+            plans, ran = plans + 1, 1
+            if row.k:
+                assert row.steps == 1
+                at.append(r + 1)
+            elif run != "one":
+                assert 1 <= row.steps <= t.probe_every
+                ran = row.steps if run == "all" else max(1, row.steps - 3)  # "fewer": a run cut short
+                ctl.ran_plain(sc, ran)
+            ctl.observe(sc, row.k, 0, 0.005)
+            r += ran
+        assert sum(sc.choices.values()) == r and sc.choices[PROBE_GAMMA] == len(at)  # every round counted once
+        return at, plans
+
+    one, every, fewer = probes("one"), probes("all"), probes("fewer")
+    assert one[0] == every[0] == fewer[0] and len(one[0]) >= 3
+    assert every[1] <= 2 * len(one[0]) + 2 < one[1] // 4
+
+
 def test_a_draft_that_never_pays_costs_at_most_the_probe_budget():
     """Failed re-probes wait until the rounds at gamma 0 since cost 1 / PROBE_BUDGET times the probe's measured
     cost above a plain round. A useless draft whose probe costs 8 steps (a catch-up of the text, then its drafts):

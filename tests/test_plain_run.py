@@ -51,7 +51,7 @@ def test_runs_of_steps_give_the_target_s_greedy_tokens(engine, llama_target, mon
     # one run per PLAIN_STEPS_MAX tokens, the last one cut to the room left
     full = [scheduler.PLAIN_STEPS_MAX] * (max_new // scheduler.PLAIN_STEPS_MAX)
     assert runs[:len(full)] == full[:len(runs)] and sum(runs) >= len(ref)
-    assert out.stats["rounds"] == sum(runs) and out.stats["new_tokens"] == len(ref)
+    assert out.stats["rounds"] == out.stats["new_tokens"] == len(ref)  # a round a token, as one-step rounds count
 
 
 def test_a_stop_token_inside_a_run_ends_it_there(engine, llama_target, monkeypatch):
@@ -89,3 +89,30 @@ def test_sampled_or_drafted_requests_run_one_pass_a_round(llama_target, llama_co
         runs = _spy(eng, monkeypatch)
         out = eng.generate(PROMPT, max_new_tokens=12, temperature=0.0, gamma=3)
         assert runs == [] and out.token_ids == hf_greedy(llama_target, PROMPT, 12)
+
+
+def test_a_resting_local_draft_lets_the_target_run_steps_until_its_re_probe(llama_target, llama_random_onnx,
+                                                                             monkeypatch):
+    """gamma auto with a draft that is never right: once the controller rests it, rounds at k 0 run as steps (up to
+    the rounds before the re-probe), the draft hears every token, re-probes still come, and the output is the
+    target's."""
+    monkeypatch.setattr(scheduler, "PLAIN_RUN_S", 1e9)
+    with Engine.from_config({"target": {"model": str(llama_target), "dtype": "float32", "backend": "onnx"},
+                             "draft": {"kind": "onnx", "model": str(llama_random_onnx)},
+                             "speculation": {"gamma": "auto"}, "runtime": {"mode": "in_process"}}) as eng:
+        runs = _spy(eng, monkeypatch)
+        probes = []
+        real = eng.controller.plan
+
+        def plan(*args, **kw):
+            out = real(*args, **kw)
+            probes.extend(row.k for row in out.rows if row.probing)
+            return out
+        monkeypatch.setattr(eng.controller, "plan", plan)
+        for prompt in (PROMPT, [40, 41, 42, 43, 44, 40, 41, 42]):
+            out = eng.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            unused = eng.target.vocab_width - 1
+            assert out.token_ids == hf_greedy(llama_target, prompt, MAX_NEW, eos_token_id=unused)
+            assert out.stats["rounds"] <= MAX_NEW
+    assert any(n > 1 for n in runs) and max(runs) <= scheduler.PLAIN_STEPS_MAX, runs
+    assert probes  # the schedule still re-probes the draft

@@ -174,6 +174,7 @@ class StreamControl:
     choices: Counter = field(default_factory=Counter)
     reason: str = ""
     gamma: int = 0  # this round's gamma, before the room left (0: none)
+    steps: int = 1  # gamma 0: the rounds at 0 this round may stand for (RowPlan.steps)
     probing: bool = False  # this round re-probes after rounds at gamma 0
     ahead: int = 0  # the block a source that drafts ahead drafts at: the last gamma > 0
     _round: int = 0
@@ -192,6 +193,9 @@ class RowPlan:
     ahead: int = 0
     strategy: str | None = None
     probing: bool = False
+    #: k 0: the rounds at gamma 0 the row may run as one (the rounds left before its re-probe); the loop runs them as
+    #: one-token steps and reports how many it ran (ran_plain)
+    steps: int = 1
 
 
 @dataclass
@@ -271,12 +275,13 @@ class Controller:
         if stream.gamma > 0:
             stream.ahead = stream.gamma
         ahead = stream.ahead if stream.gamma > 0 or stream.shadow else 0
-        return RowPlan(k=max(0, k), ahead=ahead, strategy=strategy, probing=stream.probing)
+        return RowPlan(k=max(0, k), ahead=ahead, strategy=strategy, probing=stream.probing,
+                       steps=stream.steps if k <= 0 else 1)
 
     def _selected(self, stream: StreamControl, cap: int, names: list[str]) -> RowPlan:
         """Draft selection's row: the strategy the chooser picks among those offered, at its gamma (<= cap); a
         source drafting ahead keeps drafting at the stream's largest block."""
-        stream.probing, stream.gamma = False, G_MAX if stream.fixed is None else stream.fixed
+        stream.probing, stream.gamma, stream.steps = False, G_MAX if stream.fixed is None else stream.fixed, 1
         key, gamma = self.chooser.choose(cap, names, stream=stream.stream_id, round_started=True)
         stream.choices[gamma] += 1
         return self._row(stream, gamma, key)
@@ -287,13 +292,13 @@ class Controller:
         for stream in streams:
             if not counted:
                 stream.choices[0] += 1
-            stream.probing, stream.gamma = False, 0
+            stream.probing, stream.gamma, stream.steps = False, 0, 1
             rows.append(self._row(stream, 0))
         return RoundPlan(rows, shared=True, deadline_s=0.0 if self.layout == "two_process" else None)
 
     def _choose(self, stream: StreamControl) -> int:
         """A stream's gamma as if it ran alone (best predicted goodput; 0: the target alone is best), or a re-probe."""
-        stream.probing = False
+        stream.probing, stream.steps = False, 1
         if stream.fixed is not None:
             return stream.fixed
         stream._round += 1
@@ -316,6 +321,8 @@ class Controller:
                 tuning.rounds_off += 1
                 if tuning.rounds_off >= tuning.probe_every:
                     gamma, tuning.rounds_off, stream.probing = PROBE_GAMMA, 0, True
+                else:  # this round and the ones at 0 before the re-probe may run as one (ran_plain counts them)
+                    stream.steps = tuning.probe_every - tuning.rounds_off
             if gamma or stream._off_rounds == 0:  # the reason is built only when the choice was made afresh
                 round_ms = model.round_time(gamma, a, self.layout) * 1e3
                 stream.reason = (f"a={a:.3f} ({self.layout}): predicted {rate:.1f} tok/s at gamma {gamma} (E="
@@ -412,6 +419,13 @@ class Controller:
             self.tuning.draft_token_s = token_s
         if transfer_s is not None:
             self.tuning.transfer_s = transfer_s
+
+    def ran_plain(self, stream: StreamControl, steps: int) -> None:
+        """The loop ran a row planned at k 0 as `steps` one-token rounds (at most RowPlan.steps): the ones after the
+        first count as rounds at gamma 0 too, for the re-probe schedule and the stream's choices."""
+        if steps > 1:
+            self.tuning.rounds_off += steps - 1
+            stream.choices[0] += steps - 1
 
     def observe_pass(self, rows: int, positions: int, all_single: bool, seconds: float) -> None:
         """One verify_batch call: the shared-pass line learns from it when it was one pass of several rows."""
