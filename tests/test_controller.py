@@ -443,3 +443,42 @@ def test_a_lookup_is_judged_per_matched_length():
     assert sel.choose(8, ["onnx", "ngram@3"])[0] == "ngram@3"
     assert sel.choose(8, ["onnx", "ngram@1"])[0] == "onnx"
     assert {"ngram@1", "ngram@3"} <= set(sel.summary()["strategies"]) and "ngram" not in sel.summary()["strategies"]
+
+
+def test_a_useless_draft_stays_judged_through_long_runs_at_gamma_0():
+    """Rounds at gamma 0 fill the verify window with plain steps; the cost model must outlive that, or the
+    controller explores again (blocks of 1, 2, 4 for each new stream, each feeding the draft its text) and a useless
+    draft costs a few percent for good. Here every round after the first judgement is gamma 0 or a re-probe."""
+    t = Tuning(prior_acceptance=0.7, prior_weight=4.0)
+    ctl = Controller(t, "in_process", batch_blocks=False)
+    step, per_token = 0.030, 0.006
+    t.draft_token_s = 0.020
+
+    def verify(k: int) -> float:
+        return step + per_token * k
+
+    ks, reasons = [], []
+    for stream_no in range(6):  # requests one after another, 300 tokens each
+        sc = ctl.stream("auto", stream_id=stream_no)
+        left = 300
+        while left > 0:
+            plan = ctl.plan([sc], [left + 1])
+            k = plan.ks[0]
+            ks.append(k)
+            reasons.append(sc.reason)
+            if k:  # the draft's catch-up (0.15 s) and its tokens; nothing accepted
+                ctl.observe(sc, k, 0, verify(k), draft_s=0.15 + t.draft_token_s * k)
+                left -= 1
+                continue
+            n = min(plan.rows[0].steps, left)  # the scheduler's plain run: every step observed as a round
+            for _ in range(n):
+                ctl.observe(sc, 0, 0, verify(0), plan.rows[0], draft_s=0.0)
+            ctl.ran_plain(sc, n)
+            left -= n
+        ctl.end(sc)
+    first_judged = ks.index(0)
+    assert first_judged <= len(EXPLORE) + 1
+    assert not any(r.startswith("exploring") for r in reasons[first_judged:])
+    assert set(ks[first_judged:]) <= {0, PROBE_GAMMA}
+    # a failed probe (0.15 s of catch-up and 2 drafts above a 30 ms step) waits some 670 rounds for the next
+    assert ks[first_judged:].count(PROBE_GAMMA) <= 3

@@ -100,6 +100,30 @@ def test_online_model_needs_two_block_lengths_and_a_draft_timing():
     assert m.draft_token_s == pytest.approx(0.0005)
 
 
+def test_the_line_outlives_a_window_of_plain_steps():
+    """After VERIFY_WINDOW passes of one length (rounds at gamma 0) the window cannot fit a line; the model keeps the
+    last line fitted instead of being lost, and a later pass of another length fits it again."""
+    from hetero_spec.tuning.controller import VERIFY_WINDOW
+
+    t = Tuning()
+    t.observe_verify(4, 0.007)
+    t.observe_verify(8, 0.009)
+    t.draft_token_s = 0.0005
+    for _ in range(VERIFY_WINDOW - 1):
+        t.observe_verify(0, 0.004)
+    # the window: the pass of 8 drafts and 255 plain steps, a line through (1, 4 ms) and (9, 9 ms)
+    before = t.model()
+    assert before.verify_per_token_s == pytest.approx(0.005 / 8) and before.verify_fixed_s == pytest.approx(0.003375)
+    t.observe_verify(0, 0.004)  # the pass of 8 leaves the window
+    assert {x for x, _ in t.verify_points} == {1}
+    m = t.model()
+    assert m is not None
+    assert (m.verify_fixed_s, m.verify_per_token_s) == (before.verify_fixed_s, before.verify_per_token_s)
+    assert m.verify(0) == pytest.approx(0.004)  # measured
+    t.observe_verify(8, 0.012)  # a longer pass: the window has two lengths again and refits
+    assert t.model().verify_per_token_s == pytest.approx((0.012 - 0.004) / 8)
+
+
 def test_the_verify_curve_measured_at_start_is_what_the_model_predicts(monkeypatch):
     """seed_verify_curve: V(k) timed per k (a fake target on a fake clock, whose passes take rows in pairs) becomes
     the cost model's curve, where a line through the first lengths would not follow it; real passes take over."""

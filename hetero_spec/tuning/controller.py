@@ -27,6 +27,7 @@ PROBE_GAMMA = 2
 #: probe cost above a plain round (measured: the draft's catch-up and drafts, the longer pass), so that a draft that
 #: never pays costs at most about PROBE_BUDGET of the time
 PROBE_BUDGET = 0.01
+VERIFY_WINDOW = 256  # the last passes the verify line is fitted to
 RECENT = 5  # passes per block length whose median is that length's measured cost
 #: passes of a block length before their median stands for it (until then the line does): one stalled pass at a
 #: length the plan then stops choosing would otherwise keep that length's cost wrong for good
@@ -95,8 +96,9 @@ class Tuning:
     probe_every: int = PROBE_EVERY  # re-probe period while gamma 0 is chosen
     rounds_off: int = 0  # rounds at gamma 0 since the last probe (across streams)
     acceptance: Acceptance = field(default_factory=Acceptance)
-    verify_points: deque = field(default_factory=lambda: deque(maxlen=256))  # (tokens in the pass, seconds)
+    verify_points: deque = field(default_factory=lambda: deque(maxlen=VERIFY_WINDOW))  # (tokens in the pass, s)
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy of verify_points
+    _line: tuple[float, float] | None = None  # (fixed s, s per token): the last line fitted with two lengths or more
     #: k -> the median of the last RECENT passes of k drafts (CostModel.measured: the curve where it was seen)
     measured: dict[int, float] = field(default_factory=dict)
     _recent: dict[int, deque] = field(default_factory=dict)
@@ -110,7 +112,7 @@ class Tuning:
         """Forget the costs (another layout or thread count); acceptance, a property of the draft, is kept."""
         self.profile, self.draft_token_s, self.transfer_s, self.shared = None, None, 0.0, SharedPassCost()
         self.verify_points.clear()
-        self._sums, self.measured, self._recent = [0.0] * 5, {}, {}
+        self._sums, self.measured, self._recent, self._line = [0.0] * 5, {}, {}, None
 
     def seed_costs(self, model: CostModel) -> None:
         """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration."""
@@ -139,6 +141,14 @@ class Tuning:
             self._add_point(*self.verify_points[0], sign=-1.0)  # the oldest leaves the window
         self.verify_points.append((k + 1, verify_s))
         self._add_point(k + 1, verify_s, sign=1.0)
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx  # 0 when every point has the same block length
+        if n >= 2 and spread >= 0.5:
+            c1 = (n * sxy - sx * sy) / spread
+            self._line = (max((sy - c1 * sx) / n, 0.0), max(c1, 0.0))
+        # else the window holds one block length only (after VERIFY_WINDOW rounds at gamma 0 every point is a plain
+        # step): the line stays the last one fitted. The model must not be lost to rounds that test nothing, or the
+        # controller would explore again, drafting blocks of a draft it has already judged useless
         recent = self._recent.setdefault(k, deque(maxlen=RECENT))
         recent.append(verify_s)
         if len(recent) >= MEASURED_AFTER:
@@ -153,13 +163,9 @@ class Tuning:
         running sums: asked every round); None until two block lengths and (need_draft) the draft were timed."""
         if self.profile is not None:
             return self.profile
-        n, sx, sy, sxx, sxy = self._sums
-        spread = n * sxx - sx * sx  # 0 when every point has the same block length
-        if n < 2 or spread < 0.5 or (need_draft and self.draft_token_s is None):
+        if self._line is None or (need_draft and self.draft_token_s is None):
             return None
-        c1 = (n * sxy - sx * sy) / spread
-        return CostModel(max((sy - c1 * sx) / n, 0.0), max(c1, 0.0), self.draft_token_s or 0.0, self.transfer_s,
-                         measured=self.measured)
+        return CostModel(*self._line, self.draft_token_s or 0.0, self.transfer_s, measured=self.measured)
 
 
 @dataclass
