@@ -124,6 +124,25 @@ def test_the_line_outlives_a_window_of_plain_steps():
     assert t.model().verify_per_token_s == pytest.approx((0.012 - 0.004) / 8)
 
 
+def test_a_block_is_priced_against_the_step_of_its_time():
+    """Plain steps are timed every round and blocks rarely: when the machine's load doubles the step, a block timed
+    before costs double too (else drafting looks free against the slow step)."""
+    t = Tuning()
+    t.draft_token_s = 0.01
+    for _ in range(3):
+        t.observe_verify(0, 0.030)
+        t.observe_verify(1, 0.036)
+    assert t.model().verify(1) == pytest.approx(0.036)
+    for _ in range(5):
+        t.observe_verify(0, 0.060)  # the load doubles
+    m = t.model()
+    assert m.verify(0) == pytest.approx(0.060) and m.verify(1) == pytest.approx(0.072)
+    assert t.measured[1] == pytest.approx(0.036)  # what was seen stays as seen (profiles read it)
+    for _ in range(3):
+        t.observe_verify(1, 0.070)  # blocks timed again: their own time, against today's step
+    assert t.model().verify(1) == pytest.approx(0.070)
+
+
 def test_the_verify_curve_measured_at_start_is_what_the_model_predicts(monkeypatch):
     """seed_verify_curve: V(k) timed per k (a fake target on a fake clock, whose passes take rows in pairs) becomes
     the cost model's curve, where a line through the first lengths would not follow it; real passes take over."""

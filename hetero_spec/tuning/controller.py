@@ -101,6 +101,9 @@ class Tuning:
     _line: tuple[float, float] | None = None  # (fixed s, s per token): the last line fitted with two lengths or more
     #: k -> the median of the last RECENT passes of k drafts (CostModel.measured: the curve where it was seen)
     measured: dict[int, float] = field(default_factory=dict)
+    #: k > 0 -> measured[0] when measured[k] was last set: a block's cost is priced against the one-token step of its
+    #: time (model), since plain steps are timed every round and blocks rarely once speculation rests
+    _step_at: dict[int, float] = field(default_factory=dict)
     _recent: dict[int, deque] = field(default_factory=dict)
     draft_token_s: float | None = None
     transfer_s: float = 0.0  # one proposal's transfer (the worker source's measurement)
@@ -112,7 +115,7 @@ class Tuning:
         """Forget the costs (another layout or thread count); acceptance, a property of the draft, is kept."""
         self.profile, self.draft_token_s, self.transfer_s, self.shared = None, None, 0.0, SharedPassCost()
         self.verify_points.clear()
-        self._sums, self.measured, self._recent, self._line = [0.0] * 5, {}, {}, None
+        self._sums, self.measured, self._recent, self._line, self._step_at = [0.0] * 5, {}, {}, None, {}
 
     def seed_costs(self, model: CostModel) -> None:
         """Start the learned costs from a measured model (placement's probes), so gamma auto needs no exploration."""
@@ -153,6 +156,8 @@ class Tuning:
         recent.append(verify_s)
         if len(recent) >= MEASURED_AFTER:
             self.measured[k] = median_high(recent)  # a median: one stalled pass does not move it
+            if k and 0 in self.measured:
+                self._step_at[k] = self.measured[0]
 
     def _add_point(self, x: float, y: float, sign: float) -> None:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
@@ -165,7 +170,12 @@ class Tuning:
             return self.profile
         if self._line is None or (need_draft and self.draft_token_s is None):
             return None
-        return CostModel(*self._line, self.draft_token_s or 0.0, self.transfer_s, measured=self.measured)
+        measured, step = self.measured, self.measured.get(0)
+        if step and self._step_at:
+            # the machine's load moves every pass alike: a block timed when a step took s0 costs step / s0 of it now
+            # (on a shared 2-core machine the step swung 23-48 ms; a block timed in a quiet spell then looked free)
+            measured = {k: v * step / self._step_at[k] if k in self._step_at else v for k, v in measured.items()}
+        return CostModel(*self._line, self.draft_token_s or 0.0, self.transfer_s, measured=measured)
 
 
 @dataclass
