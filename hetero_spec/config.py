@@ -270,10 +270,6 @@ class RuntimeConfig(_Section):
     """First delay before restarting a crashed worker; doubles per failure up to 30 s."""
     trace: bool = False
     """Record per-round draft and verify intervals in stats.extra.timeline (for overlap analysis)."""
-    huge_pages: bool = True
-    """Once the models are loaded, ask Linux to move the large anonymous memory of this process and of the draft
-    worker (the weights ONNX Runtime prepacked) into 2 MB pages (MADV_HUGEPAGE, MADV_COLLAPSE; hugepages.py): fewer
-    page-table walks per step. A hint: where the kernel cannot, nothing changes."""
 
 
 class RayAutoscaling(_Section):

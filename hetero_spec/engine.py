@@ -274,11 +274,6 @@ class Engine:
         if self.source is not None:
             self._parts["source"] = self.source.close
             self.controller.together = self.source.drafts_together
-        self.huge_pages = None  # hugepages.CollapseResult, where runtime.huge_pages asked
-        if config.runtime.huge_pages:
-            from . import hugepages
-            self.huge_pages = hugepages.collapse()
-            log.info("%s", self.huge_pages)
 
     def _make_source(self, config: Config):
         """The draft source: the worker (two_process), a selection (draft.candidates), one local kind, or None."""

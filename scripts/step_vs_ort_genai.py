@@ -37,8 +37,6 @@ def main() -> int:
     ap.add_argument("--genai-first", action="store_true", help="load ORT GenAI's model before ours")
     ap.add_argument("--separate", type=int, default=0, metavar="N",
                     help="N rounds of two processes (ours, then ORT GenAI, the order alternating)")
-    ap.add_argument("--peer-huge-pages", action="store_true",
-                    help="give ORT GenAI's memory huge pages too, as our engine asks for its own (hugepages.collapse)")
     ap.add_argument("--only", choices=["ours", "genai"], help=argparse.SUPPRESS)  # a --separate child
     ap.add_argument("--job", help=argparse.SUPPRESS)  # the child's JSON: export folder and prompt ids
     args = ap.parse_args()
@@ -56,11 +54,7 @@ def main() -> int:
     def genai_model(model_dir: Path):
         config = og.Config(str(model_dir))
         config.overlay(session_options)
-        model = og.Model(config)
-        if args.peer_huge_pages:
-            from hetero_spec.hugepages import collapse
-            print(f"ORT GenAI: {collapse()}", file=sys.stderr)
-        return model
+        return og.Model(config)
 
     n = args.tokens
     if args.only == "genai":  # a --separate child: ORT GenAI alone in this process
@@ -135,7 +129,7 @@ def main() -> int:
 def separate(args) -> int:
     """--separate: each side in a process of its own, N rounds, the order alternating; ratios paired per round."""
     base = [sys.executable, __file__, "--config", args.config, "--tokens", str(args.tokens), "--threads",
-            str(args.threads), "--repeats", str(args.repeats), *(["--peer-huge-pages"] if args.peer_huge_pages else [])]
+            str(args.threads), "--repeats", str(args.repeats)]
 
     def child(side: str, job: dict | None) -> dict:
         extra = ["--job", json.dumps(job)] if job else []

@@ -285,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--max-streams", type=int, default=MAX_STREAMS, help="requests drafted for at once")
     parser.add_argument("--prompt-window", type=int, default=0, help="draft.prompt_window (0: the whole prompt)")
-    parser.add_argument("--no-huge-pages", action="store_true", help="runtime.huge_pages false (hugepages.py)")
     parser.add_argument("--keys-stdin", action="store_true", help="read the CURVE keys from stdin (one JSON line)")
     parser.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
     parser.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
@@ -309,9 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             channel.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)
             return 3
-        if not args.no_huge_pages:
-            from ..hugepages import collapse
-            collapse()
         ready = Ready(pid=os.getpid(), vocab_width=drafter.vocab_width, context_len=drafter.context_len,
                       providers=drafter.decoder.session.get_providers(), fallback=drafter.decoder.provider_notes)
         if not remote:
