@@ -417,3 +417,31 @@ def test_a_system_that_tunes_itself_runs_the_first_two_prompts_untimed_at_setup(
             assert seen == expected, gamma
         finally:
             system.close()
+
+
+def test_calibration_keeps_the_fastest_candidate_through_a_burst_of_load(monkeypatch):
+    """tune() on a fake system whose runs report their own time: candidate `fast` takes 1.0 s a prompt and `slow`
+    1.2 s, but `fast`'s first timed run meets a burst of other load (3.0 s). A candidate counts its fastest round,
+    so the burst does not hand the system the slower setting; with one round it would."""
+    from types import SimpleNamespace
+
+    from hetero_spec.bench import harness
+
+    monkeypatch.setattr(harness, "quiesce", lambda: None)
+    order: list[tuple[str, int]] = []
+
+    def run(candidate, prompt, max_new):
+        if max_new == harness.WARMUP_TOKENS:  # the untimed warm-up
+            return harness.RunOutput([], own_wall_s=0.0)
+        order.append((candidate, prompt[0]))
+        burst = candidate == "fast" and sum(c == "fast" for c, _ in order) == 1
+        return harness.RunOutput([], own_wall_s=3.0 if burst else {"fast": 1.0, "slow": 1.2}[candidate])
+
+    ctx = SimpleNamespace(prompts=[[0], [1]], max_new=64)
+    system = SimpleNamespace()
+    assert harness.tune(system, ctx, run, ["fast", "slow"]) == "fast"
+    assert system.calibration == {"fast": 2.0, "slow": 2.4}
+    # interleaved per prompt, the order rotating: no candidate always runs first
+    assert order[:4] == [("fast", 0), ("slow", 0), ("slow", 1), ("fast", 1)]
+    order.clear()
+    assert harness.tune(SimpleNamespace(), ctx, run, ["fast", "slow"], rounds=1) == "slow"

@@ -26,6 +26,7 @@ from ..tuning.placement import _cpu_model, allowed_cpus
 REFERENCE, SAMPLED_REFERENCE = "target_only", "hetero_spec_target_only"
 DEFAULT_PROMPTS, DEFAULT_MAX_NEW, QUICK_PROMPTS, QUICK_MAX_NEW = 12, 128, 4, 64
 DEFAULT_PROMPT_TOKENS, WARMUP_TOKENS, SEED = 128, 16, 0
+CALIBRATION_ROUNDS = 2  # tune(): rounds of timing each candidate, the fastest round counting
 DEFAULT_GAMMAS = (4, 6, 8, 10, 12)
 PRECISIONS = ("fp32", "int8", "int4")
 CPU_FP32 = {"target.device": "cpu", "target.dtype": "float32"}  # every system computes in fp32 on the CPU
@@ -141,14 +142,24 @@ def timed(run: Callable[..., Any], *args: Any, clock: Callable[[], float] = time
     return (clock() - started if own is None else own), out
 
 
-def tune(system: System, ctx: BenchContext, run: Callable[..., RunOutput], candidates: Sequence) -> Any:
+def tune(system: System, ctx: BenchContext, run: Callable[..., RunOutput], candidates: Sequence,
+         rounds: int = CALIBRATION_ROUNDS) -> Any:
     """A system's best setting before it is compared: warm up, time each candidate on the first two prompts (by
-    `timed`), keep the fastest; the times go to system.calibration."""
+    `timed`) in each of `rounds` rounds, the candidates interleaved per prompt with the order rotating, and keep the
+    fastest. A candidate's time is its fastest round: a burst of other load slows a round and never speeds one, so
+    one burst cannot hand a peer (or us) a worse setting. The times go to system.calibration."""
     if len(candidates) < 2:
         return candidates[0]
     run(candidates[0], ctx.prompts[0], min(WARMUP_TOKENS, ctx.max_new))
-    times = {c: sum(quiesce() or timed(run, c, p, ctx.max_new)[0] for p in ctx.prompts[:2])  # timed later too
-             for c in candidates}
+    names = list(candidates)
+    per_round = {c: [0.0] * rounds for c in names}
+    for r in range(rounds):
+        for i, prompt in enumerate(ctx.prompts[:2]):
+            shift = (r * 2 + i) % len(names)
+            for c in names[shift:] + names[:shift]:
+                quiesce()
+                per_round[c][r] += timed(run, c, prompt, ctx.max_new)[0]  # timed later too
+    times = {c: min(v) for c, v in per_round.items()}
     system.calibration = {" ".join(str(x) for x in (c if isinstance(c, tuple) else (c,)) if x is not None):
                           round(v, 4) for c, v in times.items()}
     return min(times, key=times.get)
