@@ -97,7 +97,11 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
             assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             return _health(client).get("replicas", {}).get("all_ready") is True
 
-        wait_for(all_ready, "both replicas running, one on each node", 300)
+        try:
+            wait_for(all_ready, "both replicas running, one on each node", 300)
+        except AssertionError as exc:  # say where it stood: the replicas' states and the server's last words
+            raise AssertionError(f"{exc}; /health: {_health(client)}; serve.log: "
+                                 f"{(tmp_path / 'serve.log').read_text()[-3000:]}") from None
         assert _health(client)["replicas"]["by_state"] == {"RUNNING": 2}
 
         def complete(prompt: str) -> tuple[str, str]:
