@@ -265,7 +265,8 @@ class Engine:
             threads = cpu_plan.threads
         if prefill == "auto":
             prefill = cpu_plan.prefill_threads if cpu_plan is not None else None
-        self.target = load_target(config.target, threads, spin=target_spin(config), prefill_threads=prefill)
+        self.target = load_target(config.target, threads, spin=target_spin(config), prefill_threads=prefill,
+                                  kernels=config.runtime.kernels)
         self.tokenizer = self.target.tokenizer
         self.target.enable_batching(config.serving.max_batch)
         self.controller = self._make_controller(self.tuning, config.runtime.mode, self.target.batch_blocks,
@@ -318,7 +319,7 @@ class Engine:
         window = prompt_window(draft.prompt_window, draft.candidates, "in_process")
         drafter = OnnxDrafter(draft.model, providers=draft.providers, threads=draft.threads,
                               vocab_width=self.target.vocab_width, spin="run", prompt_window=window,
-                              catchup_skip=catchup_skip)
+                              catchup_skip=catchup_skip, kernels=self.config.runtime.kernels)
         drafter.enable_batching(slots)
         return LocalSource(drafter, together=OnnxDrafter.propose_batch)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from . import kernels as kernels_mod
 from .draft.export import LOGITS_FROM_MODEL
 from .draft.head import HEAD_TOKENS
 from .errors import ConfigError, ModelLoadError
@@ -199,7 +200,8 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, role: str = "draft", shared_buffer: bool | None = None,
-                 spin: bool | str = True, prefill_threads: int | None = None, block_dir: Path | None = None):
+                 spin: bool | str = True, prefill_threads: int | None = None, block_dir: Path | None = None,
+                 kernels: str = "onnxruntime"):
         model_dir = Path(model_dir)
         # draft/export.add_logits_from's graph, else the export's own
         path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
@@ -208,12 +210,17 @@ class OnnxDecoder:
                                  "`hetero-spec export --model HF_DIR --out DIR`)")
         providers = resolve_providers(providers or ["CPUExecutionProvider"], key=f"{role}.providers")
         self.provider_notes = providers.notes  # fallbacks taken (entries with fallback: cpu)
-        self.session = self._load(path, providers, threads, spin, role)
+        # runtime.kernels: the export's 4-bit matmuls on hetero_spec's Q4Rows (kernels/q4rows.c), a graph of the
+        # same weights repacked once into the cache; `path` itself where ONNX Runtime's MatMulNBits runs them
+        path = kernels_mod.graph_for(path, kernels, providers.expected, role)
+        self.kernels = "hetero_spec" if path.parent != model_dir else "onnxruntime"
+        self.session = self._load(path, providers, threads, spin, role, q4rows=self.kernels == "hetero_spec")
         # prefill_threads > threads: a second session over the same KV buffers for runs marked wide (a prompt's
         # prefill): in two processes the worker's core is mostly free during the prompt (docs/features-two-process.md).
         # Its pool threads never spin: after the prefill the other core is the worker's.
         self.prefill_threads = prefill_threads if prefill_threads and prefill_threads > threads else None
-        self._wide = self._load(path, providers, self.prefill_threads, False, role) if self.prefill_threads else None
+        self._wide = self._load(path, providers, self.prefill_threads, False, role,
+                                q4rows=self.kernels == "hetero_spec") if self.prefill_threads else None
         self.model_dir = model_dir
         self._setup_io(model_dir)
         # block_dir: a second graph of the same weights in another format over the same KV cache (target.block_graph),
@@ -237,7 +244,8 @@ class OnnxDecoder:
         self.layout = "shared" if self.shared else "copy"
 
     @staticmethod
-    def _load(path: Path, providers: SessionProviders, threads: int, spin: bool | str, role: str):
+    def _load(path: Path, providers: SessionProviders, threads: int, spin: bool | str, role: str,
+              q4rows: bool = False):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -249,6 +257,8 @@ class OnnxDecoder:
         elif threads > 1 and not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
+            if q4rows:  # a graph with hetero_spec's own kernel (kernels/q4rows.c)
+                opts.register_custom_ops_library(str(kernels_mod.library()))
             session = ort.InferenceSession(str(path), sess_options=opts, enable_fallback=0, **providers.apply(opts))
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ModelLoadError(f"cannot load {role} model {str(path)!r}: {exc}") from exc

@@ -12,6 +12,8 @@ Kernels (MatMulNBits is onnxruntime's blockwise-quantized MatMul; accuracy_level
 default (fp32 compute)):
   int4-b{32,64,128}-acc{0,1,2,3,4}   MatMulNBits, 4 bits, that block size and accuracy_level (1 fp32, 2 fp16, 3 bf16,
                                    4 int8: activations quantized per block, the VNNI u8s8 path)
+  q4rows-b{32,64,128}              hetero_spec's Q4Rows (hetero_spec/kernels/q4rows.c): MatMulNBits' 4-bit weights,
+                                   int8 compute, each chunk of weights unpacked once for up to 8 rows
   int8-b32-acc{0,4}                MatMulNBits, 8 bits
   int8-dq                          DynamicQuantizeMatMul: int8 weights per column, activations quantized per tensor
                                    at run time (u8s8, MLAS's QGEMM)
@@ -33,7 +35,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 DEFAULT_KERNELS = ("fp32", "int8-dq", "int8-b32-acc0", "int8-b32-acc4", "int4-b32-acc0", "int4-b32-acc4",
-                   "int4-b32-acc2", "int4-b32-acc3", "int4-b64-acc4", "int4-b128-acc4", "int4-b128-acc0", "bf16")
+                   "int4-b32-acc2", "int4-b32-acc3", "int4-b64-acc4", "int4-b128-acc4", "int4-b128-acc0", "bf16",
+                   "q4rows-b128")
 
 
 def layer_shapes(config: dict) -> list[tuple[str, int, int]]:
@@ -53,6 +56,18 @@ def _nbits(name: str, k: int, n: int, bits: int, block: int, accuracy: int, rng)
     inits = [numpy_helper.from_array(packed, f"{name}.w"), numpy_helper.from_array(scales, f"{name}.s")]
     node = helper.make_node("MatMulNBits", [f"x_{k}", f"{name}.w", f"{name}.s"], [name], domain="com.microsoft",
                             K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy)
+    return [node], inits
+
+
+def _q4rows(name: str, k: int, n: int, block: int, rng) -> tuple[list, list]:
+    """hetero_spec's Q4Rows node on random 4-bit weights (MatMulNBits' layout, repacked)."""
+    from hetero_spec import kernels
+    blocks = (k + block - 1) // block
+    weights, scales = kernels.repack(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8),
+                                     (rng.random(n * blocks, dtype=np.float32) * 1e-3).astype(np.float32), block)
+    inits = [numpy_helper.from_array(weights, f"{name}.w"), numpy_helper.from_array(scales, f"{name}.s")]
+    node = helper.make_node(kernels.OP, [f"x_{k}", f"{name}.w", f"{name}.s"], [name], domain=kernels.DOMAIN,
+                            K=k, N=n, block_size=block)
     return [node], inits
 
 
@@ -87,6 +102,8 @@ def build(kernel: str, shapes: list[tuple[str, int, int]], layers: int, rng) -> 
             if kernel.startswith(("int4-", "int8-b")):
                 bits, block, accuracy = kernel.split("-")
                 made = _nbits(name, k, n, int(bits[3:]), int(block[1:]), int(accuracy[3:]), rng)
+            elif kernel.startswith("q4rows-"):
+                made = _q4rows(name, k, n, int(kernel.split("-")[1][1:]), rng)
             elif kernel == "int8-dq":
                 made = _dq(name, k, n, rng)
             else:
@@ -97,13 +114,16 @@ def build(kernel: str, shapes: list[tuple[str, int, int]], layers: int, rng) -> 
             outputs.append(helper.make_tensor_value_info(name, out_type, ["M", n]))
     inputs = [helper.make_tensor_value_info(f"x_{k}", TensorProto.FLOAT, ["M", k]) for k in ks]
     graph = helper.make_graph(nodes, kernel, inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+                                                                 helper.make_opsetid("hetero_spec", 1)])
     model.ir_version = 9
     return model.SerializeToString()
 
 
 def weight_mb(kernel: str, shapes, layers: int) -> float:
     params = layers * sum(k * n for _, k, n in shapes)
+    if kernel.startswith("q4rows-"):
+        return params * (0.5 + 4 / int(kernel.split("-")[1][1:])) / 1e6
     if kernel.startswith(("int4-", "int8-b")):
         bits, block = int(kernel.split("-")[0][3:]), int(kernel.split("-")[1][1:])
         return params * (bits / 8 + 4 / block) / 1e6
@@ -127,6 +147,9 @@ def main() -> None:
         opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
+            if kernel.startswith("q4rows-"):
+                from hetero_spec import kernels
+                opts.register_custom_ops_library(str(kernels.library()))
             sessions[kernel] = ort.InferenceSession(build(kernel, shapes, args.layers, rng), opts,
                                                     providers=["CPUExecutionProvider"])
         except Exception as exc:  # a format the CPU provider has no kernel for

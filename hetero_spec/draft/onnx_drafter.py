@@ -22,11 +22,11 @@ class OnnxDrafter:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, spin: bool | str = True, prompt_window: int | None = None,
-                 catchup_skip: int | None = None):
+                 catchup_skip: int | None = None, kernels: str = "onnxruntime"):
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
         self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
-                                 spin=spin), None, prompt_window, catchup_skip)
+                                 spin=spin, kernels=kernels), None, prompt_window, catchup_skip)
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of

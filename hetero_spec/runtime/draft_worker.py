@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--max-streams", type=int, default=MAX_STREAMS, help="requests drafted for at once")
     parser.add_argument("--prompt-window", type=int, default=0, help="draft.prompt_window (0: the whole prompt)")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "onnxruntime", "hetero_spec"),
+                        help="runtime.kernels: which kernels run the draft's 4-bit matmuls")
     parser.add_argument("--keys-stdin", action="store_true", help="read the CURVE keys from stdin (one JSON line)")
     parser.add_argument("--max-msg-bytes", type=int, default=DEFAULT_MAX_MSG_BYTES, help="largest frame accepted")
     parser.add_argument("--keys", default="", help="remote worker: directory with client.key_secret and server.key")
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                                             watch=remote)) as channel:
         try:
             drafter = OnnxDrafter(args.model, providers=providers, threads=args.threads,
-                                  vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None)
+                                  vocab_width=args.vocab_width or None, prompt_window=args.prompt_window or None,
+                                  kernels=args.kernels)
         except Exception as exc:  # report why, then exit non-zero
             channel.send(Failure(error=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.2)

@@ -120,6 +120,7 @@ class DraftSupervisor:
                "--vocab-width", str(spec.vocab_width), "--parent-pid", str(os.getpid()),
                "--max-msg-bytes", str(spec.max_msg_bytes), "--max-streams", str(spec.max_streams),
                "--prompt-window", str(spec.prompt_window or 0), "--cpus", ",".join(map(str, spec.cpus or [])),
+               "--kernels", runtime.kernels,
                *(["--keys-stdin"] if curve is not None else [])]
         err_path = os.path.join(self._server.dir, f"worker-{generation}.log")
         try:

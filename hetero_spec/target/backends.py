@@ -84,10 +84,11 @@ def target_spin(config) -> bool | str:
     return "run" if "onnx" in kinds and config.runtime.mode != "two_process" else True
 
 
-def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None):
+def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threads: int | None = None,
+                kernels: str = "onnxruntime"):
     """The verifier for a resolved backend (cfg: the TargetConfig; its backend is torch or onnx). spin: target.spin
     (OnnxDecoder). prefill_threads: onnx backend, the prompt's prefill on that many threads (a second session; None or
-    <= threads: none)."""
+    <= threads: none). kernels: runtime.kernels (onnx backend)."""
     if cfg.backend == "onnx":
         from .onnx_backend import OnnxTarget
         block = None
@@ -95,7 +96,7 @@ def load_target(cfg, threads: int | None, spin: bool | str = True, prefill_threa
             from .export_cache import cached_block_export
             block = cached_block_export(cfg.model)
         return OnnxTarget(onnx_model_dir(cfg), providers=cfg.providers, threads=threads, max_context=cfg.max_context,
-                          spin=spin, prefill_threads=prefill_threads, block_dir=block)
+                          spin=spin, prefill_threads=prefill_threads, block_dir=block, kernels=kernels)
     from .verifier import TargetModel
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}.get(cfg.precision, cfg.dtype)
     return TargetModel(cfg.model, device=cfg.device, dtype=dtype, threads=threads, max_context=cfg.max_context,

@@ -38,9 +38,9 @@ class OnnxTarget:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None,
                  max_context: int | None = None, spin: bool | str = True, prefill_threads: int | None = None,
-                 block_dir: Path | None = None):
+                 block_dir: Path | None = None, kernels: str = "onnxruntime"):
         self.decoder = OnnxDecoder(model_dir, providers=providers, threads=threads or 1, role="target", spin=spin,
-                                   prefill_threads=prefill_threads, block_dir=block_dir)
+                                   prefill_threads=prefill_threads, block_dir=block_dir, kernels=kernels)
         #: block_dir (target.block_graph): {k: (seconds of a k-token pass on the target's graph, on the block graph)},
         #: measured now; blocks of decoder.block_from tokens or more run on the block graph
         self.block_costs = self.decoder.choose_block_from() if block_dir is not None else {}

@@ -134,7 +134,7 @@ def measure_verify(target, reps: int = 7) -> tuple[float, float]:
 def _draft_decoder(config, threads: int, vocab: int):
     from ..onnx_decoder import OnnxDecoder
     return OnnxDecoder(config.draft.model, providers=config.draft.providers, threads=threads, vocab_width=vocab,
-                       spin="run")
+                       spin="run", kernels=config.runtime.kernels)
 
 
 def _draft_token_s(dec, reps: int = 7) -> float:
@@ -161,7 +161,7 @@ def measure(config, layouts: list[Layout], say=None) -> Costs:
     costs = Costs(verify={}, draft_token_s={lay.draft_threads: 0.0 for lay in layouts})
     for threads in sorted({lay.target_threads for lay in layouts}):
         say(f"target verification at {threads} thread(s)")
-        target = load_target(config.target, threads, spin=target_spin(config))
+        target = load_target(config.target, threads, spin=target_spin(config), kernels=config.runtime.kernels)
         costs.verify[threads], vocab = measure_verify(target), target.vocab_width
         for lay in layouts:
             if onnx and lay.mode == "two_process" and lay.target_threads == threads:
