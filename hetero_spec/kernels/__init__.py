@@ -119,14 +119,16 @@ def matmul(x: np.ndarray, weights: np.ndarray, scales: np.ndarray, block: int) -
 
 
 def _q4rows_node(node, weights: dict) -> tuple[int, int, int] | None:
-    """(K, N, block_size) where this MatMulNBits node can run as Q4Rows: 4 bits, weights and scales initializers,
+    """(K, N, block_size) where this MatMulNBits node can run as Q4Rows: 4 bits with int8 compute (accuracy_level
+    4, the numerics Q4Rows has), weights and scales initializers,
     no zero points, g_idx or bias, N a multiple of 16, block_size a multiple of 16; else None."""
     from onnx import helper
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 3:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     k, n, bits, block = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4), attrs.get("block_size")
-    if bits != 4 or not k or not n or not block or n % 16 or block % 16 or k % block:
+    if bits != 4 or attrs.get("accuracy_level", 0) != 4 or not k or not n or not block or n % 16 or block % 16 \
+            or k % block:
         return None
     if node.input[1] not in weights or node.input[2] not in weights:
         return None
