@@ -18,6 +18,11 @@ def check_config(cfg: Config) -> None:
         from .transport.channel import check_bind_host
         if why := check_bind_host(runtime.host, runtime.curve_keys is not None):
             raise cfg.error("runtime.host", runtime.host, why)
+    if runtime.kernels == "hetero_spec":
+        from .kernels import unsupported
+        if why := unsupported():
+            raise cfg.error("runtime.kernels", runtime.kernels, f"hetero_spec's 4-bit block kernel {why}; "
+                            "runtime.kernels auto or onnxruntime runs ONNX Runtime's MatMulNBits")
     if runtime.worker == "remote":
         _check_remote(cfg)
     elif runtime.mode != "in_process" and runtime.curve_keys is not None:

@@ -133,3 +133,13 @@ def test_runtime_kernels_is_checked(llama_target):
     cfg["runtime"]["kernels"] = "mlas"
     with pytest.raises(ConfigError, match="runtime.kernels"):
         Engine.from_config(cfg)
+
+
+def test_the_config_check_names_runtime_kernels_where_the_cpu_cannot_run_it(llama_target, monkeypatch):
+    from hetero_spec.config import build_config
+    from hetero_spec.preflight import check_config
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"})
+    cfg = _cfg(llama_target, "onnx", "int4")
+    cfg["runtime"]["kernels"] = "hetero_spec"
+    with pytest.raises(ConfigError, match=r"runtime\.kernels.*hetero_spec.*AVX-512 VNNI.*auto or onnxruntime"):
+        check_config(build_config(cfg))
