@@ -143,3 +143,13 @@ def test_the_config_check_names_runtime_kernels_where_the_cpu_cannot_run_it(llam
     cfg["runtime"]["kernels"] = "hetero_spec"
     with pytest.raises(ConfigError, match=r"runtime\.kernels.*hetero_spec.*AVX-512 VNNI.*auto or onnxruntime"):
         check_config(build_config(cfg))
+
+
+@needs_kernel
+def test_auto_falls_back_where_the_kernel_does_not_build(int4_export, tmp_path, monkeypatch):
+    monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert OnnxDecoder(int4_export, role="target", kernels="auto").kernels == "onnxruntime"
+    with pytest.raises(kernels.KernelUnavailable, match=r"runtime.kernels: hetero_spec: .*building .*q4rows.c failed"):
+        OnnxDecoder(int4_export, role="target", kernels="hetero_spec")
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))

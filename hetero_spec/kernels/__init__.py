@@ -60,7 +60,6 @@ def _compiler() -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
 def library(root: Path | None = None) -> Path:
     """The built custom-op library (built once per source and flags, under a file lock); KernelUnavailable if this
     machine cannot run or build it."""
@@ -216,10 +215,8 @@ def graph_for(path: Path, kernels: str = "auto", provider: str = "CPUExecutionPr
     provider than the CPU's, or a graph with no 4-bit matmul Q4Rows takes), or its rewrite with Q4Rows
     (rewrite_graph), made once into $HETERO_SPEC_CACHE/onnx. `auto` falls back to path where this machine cannot
     run the kernel (unsupported()); `hetero_spec` raises KernelUnavailable there."""
-    import json
     import logging
 
-    from ..target.export_cache import build_once, cache_root
     if kernels not in CHOICES:
         raise ValueError(f"runtime.kernels must be one of {', '.join(CHOICES)}, not {kernels!r}")
     log = logging.getLogger(__name__)
@@ -234,6 +231,21 @@ def graph_for(path: Path, kernels: str = "auto", provider: str = "CPUExecutionPr
             raise KernelUnavailable(f"runtime.kernels: hetero_spec: the {role}'s 4-bit block kernel {why}")
         log.info("%s: runtime.kernels auto: ONNX Runtime's MatMulNBits (hetero_spec's kernel %s)", role, why)
         return path
+    try:  # the kernel first: a compiler that fails, or a cache we cannot write, leaves `auto` on ONNX Runtime's
+        library(root)
+        return _rewritten(path, role, root, progress)
+    except (KernelUnavailable, OSError) as exc:
+        if kernels == "hetero_spec":
+            raise KernelUnavailable(f"runtime.kernels: hetero_spec: {exc}") from exc
+        log.warning("%s: runtime.kernels auto: ONNX Runtime's MatMulNBits (%s)", role, exc)
+        return path
+
+
+def _rewritten(path: Path, role: str, root: Path | None, progress) -> Path:
+    """rewrite_graph(path), made once into the cache."""
+    import json
+
+    from ..target.export_cache import build_once, cache_root
     sources = [path, path.with_name(f"{path.name}.data")]
     stamp = {"layout": LAYOUT, "source": str(path.resolve()),
              "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sources if p.exists()]}
