@@ -23,6 +23,7 @@ echo "wheel_check: installing $(basename "$WHEEL") into a clean venv"
 "$WORK/clean/bin/pip" install --quiet "$WHEEL"
 cd "$WORK"  # outside the checkout: only the installed wheel can be imported
 "$WORK/clean/bin/hetero-spec" --version
+"$WORK/clean/bin/python" -c "from hetero_spec import kernels; assert kernels.SOURCE.is_file(), f'the wheel lacks {kernels.SOURCE}'"
 "$WORK/clean/bin/hetero-spec" generate --model "$ROOT/models/target" --draft "$ROOT/models/draft" \
   --prompt "def read_lines(filename):" --max-new-tokens 32 --json > "$WORK/generate.json"
 "$WORK/clean/bin/python" - "$WORK/generate.json" <<'PY'
