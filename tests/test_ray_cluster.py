@@ -98,7 +98,9 @@ def test_two_nodes_serve_one_replica_each_and_a_lost_node_comes_back(llama_targe
             return _health(client).get("replicas", {}).get("all_ready") is True
 
         try:
-            wait_for(all_ready, "both replicas running, one on each node", 300)
+            # under CI-like load (two busy loops beside the suite) a replica took 166 s to be scheduled and
+            # initialized, and the other had initialized but not passed its first health check 140 s later
+            wait_for(all_ready, "both replicas running, one on each node", 480)
         except AssertionError as exc:  # say where it stood: the replicas' states and the server's last words
             raise AssertionError(f"{exc}; /health: {_health(client)}; serve.log: "
                                  f"{(tmp_path / 'serve.log').read_text()[-3000:]}") from None
