@@ -1,10 +1,10 @@
 """hetero_spec's own ONNX Runtime kernels, built from C source with the system compiler on first use.
 
 `Q4Rows` (q4rows.c): a 4-bit matmul that unpacks each chunk of weights once for up to 8 rows, so that a verify
-block of k tokens costs little more than one token's weight read (target.block_graph: int4,
-docs/features-precision.md). `library()` builds the custom-op library once into $HETERO_SPEC_CACHE/kernels and
-returns its path (for SessionOptions.register_custom_ops_library); `repack()` turns MatMulNBits' weights into its
-layout."""
+block of k tokens costs little more than one token's weight read (runtime.kernels, docs/features-precision.md).
+`library()` builds the custom-op library once into $HETERO_SPEC_CACHE/kernels and returns its path (for
+SessionOptions.register_custom_ops_library); `repack()` turns MatMulNBits' weights into its layout;
+`graph_for()` gives the graph a runner loads: the export's, or its rewrite onto Q4Rows (rewrite_graph), cached."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@
  * and k = 8j+4+t in its high nibble. Scales S [N/16, K/B, 16] float.
  *
  * The ONNX Runtime C API is used through the few entries below, declared here by their index in its OrtApi table
- * (the table only ever grows at its end; onnxruntime_c_api.h); CMake-free: hetero_spec/kernels builds this file
- * with the system C compiler on first use. Needs AVX-512 F/BW and VNNI. */
+ * (the table only ever grows at its end; onnxruntime_c_api.h); hetero_spec/kernels builds this file
+ * with the system C compiler on first use. Needs AVX-512 F/BW/DQ/VL and VNNI. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
