@@ -234,11 +234,11 @@ class RuntimeConfig(_Section):
     kernels: Literal["auto", "onnxruntime", "hetero_spec"] = "auto"
     """Which kernels run the 4-bit matmuls of ONNX graphs on the CPU provider (target and draft). `hetero_spec`:
     hetero_spec's Q4Rows (AVX-512 VNNI), which unpacks each chunk of weights once for up to 8 rows, so that a
-    verified block of 8 tokens costs about 1.5 one-token steps, not 2.2 (docs/features-precision.md); the export's
-    weights are repacked once into $HETERO_SPEC_CACHE and the kernel is built with the system C compiler on first
-    use. `onnxruntime`: ONNX Runtime's MatMulNBits. `auto`: hetero_spec where the CPU has AVX-512 VNNI and a C
-    compiler is found, else onnxruntime. Both compute in int8 from the same weights; tokens can differ within the
-    quantization gap (never between a speculative run and the target alone on the same setting)."""
+    verified block of 8 tokens costs about 1.5 one-token steps on the real 1.5B (docs/features-precision.md); the
+    export's weights are repacked once into $HETERO_SPEC_CACHE and the kernel is built with the system C compiler on
+    first use. `onnxruntime`: ONNX Runtime's MatMulNBits. `auto`: hetero_spec where the CPU has AVX-512 VNNI and a C
+    compiler is found, else onnxruntime. Both compute the same int8 product from the same weights, summed in
+    another order, so switching can turn a near-tie; a speculative run and its target alone use the same kernels."""
     mode: Literal["in_process", "two_process", "auto"] = "in_process"
     """`in_process`: draft and target in one process, in turn. `two_process`: the ONNX draft runs in its
     own worker process and drafts the next block while the target verifies the current one. `auto`: the
