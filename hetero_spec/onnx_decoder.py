@@ -212,9 +212,9 @@ class OnnxDecoder:
         self.provider_notes = providers.notes  # fallbacks taken (entries with fallback: cpu)
         # runtime.kernels: the export's 4-bit matmuls on hetero_spec's Q4Rows (kernels/q4rows.c), a graph of the
         # same weights repacked once into the cache; `path` itself where ONNX Runtime's MatMulNBits runs them
-        path = kernels_mod.graph_for(path, kernels, providers.expected, role)
-        self.kernels = "hetero_spec" if path.parent != model_dir else "onnxruntime"
-        self.graph_path = path
+        self.graph_path = kernels_mod.graph_for(path, kernels, providers.expected, role)
+        self.kernels = "onnxruntime" if self.graph_path == path else "hetero_spec"
+        path = self.graph_path
         self.session = self._load(path, providers, threads, spin, role, q4rows=self.kernels == "hetero_spec")
         # prefill_threads > threads: a second session over the same KV buffers for runs marked wide (a prompt's
         # prefill): in two processes the worker's core is mostly free during the prompt (docs/features-two-process.md).

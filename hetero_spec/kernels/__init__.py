@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -140,18 +141,15 @@ def rewrite_graph(src: Path, dest: Path, progress=None) -> int:
     import onnx
     from onnx import helper, numpy_helper
 
-    from ..target.export_cache import _initializer
+    from ..target.export_cache import _initializer, inline_external
     model = onnx.load(str(src), load_external_data=False)  # the weights are mapped one at a time (_initializer)
     graph, folder = model.graph, Path(src).parent
     weights = {t.name: t for t in graph.initializer}
-    users: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            users[name] = users.get(name, 0) + 1
+    users = Counter(name for node in graph.node for name in node.input)
+    shapes = [_q4rows_node(node, weights) for node in graph.node]
+    total = sum(shape is not None for shape in shapes)
     nodes, added, dropped, replaced = [], [], set(), 0
-    candidates = [node for node in graph.node if _q4rows_node(node, weights)]
-    for node in graph.node:
-        shape = _q4rows_node(node, weights)
+    for node, shape in zip(graph.node, shapes):
         if shape is None:
             nodes.append(node)
             continue
@@ -169,16 +167,10 @@ def rewrite_graph(src: Path, dest: Path, progress=None) -> int:
                 dropped.add(name)
         replaced += 1
         if progress and replaced % 32 == 0:
-            progress(f"repacked {replaced} of {len(candidates)} 4-bit matmuls")
+            progress(f"repacked {replaced} of {total} 4-bit matmuls")
     kept = [t for t in graph.initializer if t.name not in dropped]
-    for tensor in kept:  # the others' data, read now as raw bytes (4-bit types too; dest gets a data file of its own)
-        if tensor.data_location == 1:  # TensorProto.EXTERNAL
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            with open(folder / info["location"], "rb") as data:
-                data.seek(int(info.get("offset", 0)))
-                tensor.raw_data = data.read(int(info["length"])) if "length" in info else data.read()
-            del tensor.external_data[:]
-            tensor.data_location = 0  # TensorProto.DEFAULT
+    for tensor in kept:  # the others' data, read now (dest gets a data file of its own)
+        inline_external(tensor, folder)
     del graph.initializer[:]
     graph.initializer.extend(kept + added)
     del graph.node[:]

@@ -156,6 +156,19 @@ def _initializer(tensor, folder: Path):
                      shape=tuple(tensor.dims))
 
 
+def inline_external(tensor, folder: Path) -> None:
+    """An initializer stored in an external data file (under folder) read into the tensor itself, as raw bytes, so
+    that saving the graph elsewhere writes it to the new graph's own data file (4-bit types too). No-op otherwise."""
+    if tensor.data_location != 1:  # TensorProto.EXTERNAL
+        return
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    with open(folder / info["location"], "rb") as data:
+        data.seek(int(info.get("offset", 0)))
+        tensor.raw_data = data.read(int(info["length"])) if "length" in info else data.read()
+    del tensor.external_data[:]
+    tensor.data_location = 0  # TensorProto.DEFAULT
+
+
 def _quantize_int8(src: Path, dest: Path) -> None:
     """src with every MatMul by a 2-D fp32 initializer replaced by ONNX Runtime's DynamicQuantizeMatMul: the weights
     int8 per output column (symmetric: scale = max |w| / 127, zero point 0), the activations quantized at run time.
@@ -186,8 +199,7 @@ def _quantize_int8(src: Path, dest: Path) -> None:
         replaced.add(weight.name)
     unused = replaced - {name for node in kept for name in node.input}
     for tensor in [t for t in graph.initializer if t.name not in unused]:  # the others' data, read now
-        if tensor.data_location == 1:
-            tensor.CopyFrom(numpy_helper.from_array(np.asarray(_initializer(tensor, folder)), tensor.name))
+        inline_external(tensor, folder)
     remaining = [t for t in graph.initializer if t.name not in unused]
     del graph.initializer[:]
     graph.initializer.extend(remaining)
