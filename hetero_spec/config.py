@@ -168,10 +168,11 @@ class DraftConfig(_Section):
     threads: int = Field(default=1, ge=1)
     """ONNX Runtime intra-op threads for the draft."""
     head: int | None = Field(default=None, ge=16)
-    """onnx draft: keep only the draft LM head's rows for the N most frequent tokens (FR-Spec), counted once
-    over the Python standard library's source with the draft's tokenizer, special tokens always included; made
-    once per export into the cache (draft/head.py). The draft then proposes only those tokens, at a cheaper
-    step; the output is unchanged (verification is the target's). null: the whole vocabulary."""
+    """onnx draft: keep only N rows of the draft LM head (FR-Spec): the special tokens, three quarters of the rest
+    the most frequent in the Python standard library's source (counted once with the draft's tokenizer), the
+    others by the tokenizer's BPE merge rank (frequent in its own training text: prose and chat); made once per
+    export into the cache (draft/head.py). The draft then proposes only those tokens, at a cheaper step; the
+    output is unchanged (verification is the target's). null: the whole vocabulary."""
     prompt_window: Annotated[int | Literal["auto"] | None, _int_or(
         "auto", None, text="an integer >= 1, 'auto' or null (the whole prompt)")] = "auto"
     """onnx draft: the first feed of each request reads at most the last N tokens of the text (the prompt's end,

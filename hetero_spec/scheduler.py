@@ -25,8 +25,9 @@ from .draft.base import Draft
 from .errors import EngineClosedError, PromptTooLongError, QueueFullError, RequestError
 from .metrics import Stats
 from .runtime.cpus import pinned_thread
-from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, exponential_noise, logits_to_probs,
-                       position_uniforms, rejection_accept, rejection_next, verify_coupled, verify_greedy)
+from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, coupled_weights, exponential_noise,
+                       logits_to_probs, position_uniforms, rejection_accept, rejection_next, verify_coupled,
+                       verify_greedy)
 from .tuning.controller import RowPlan, StreamControl
 
 if TYPE_CHECKING:
@@ -91,10 +92,10 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
     base = len(ids)
     if params.greedy:
         accepted, next_token = verify_greedy(draft.ids, out)
-    elif params.coupled:  # a position's probabilities only where it is reached (~0.45 ms each at 152k tokens)
+    elif params.coupled:  # a position's weights only where it is reached
         if out.shape[0] != len(draft.ids) + 1:
             raise ValueError(f"logits must be [k+1={len(draft.ids) + 1}, vocab], got shape {out.shape}")
-        accepted, next_token = verify_coupled(draft.ids, lambda i: logits_to_probs(out[i:i + 1], params)[0],
+        accepted, next_token = verify_coupled(draft.ids, lambda i: coupled_weights(out[i], params),
                                               lambda i: exponential_noise(params.seed, base + i, out.shape[1]))
     else:
         p = logits_to_probs(out, params)  # [k + 1, vocab]

@@ -14,7 +14,8 @@ import torch
 from scipy import stats as sps
 
 from hetero_spec.draft.onnx_drafter import OnnxDrafter
-from hetero_spec.sampling import SamplingParams, coupled_choice, exponential_noise, logits_to_probs, verify_coupled
+from hetero_spec.sampling import (SamplingParams, coupled_choice, coupled_weights, exponential_noise, logits_to_probs,
+                                  verify_coupled)
 from tests.conftest import _hf_model
 
 
@@ -36,6 +37,28 @@ def test_noise_is_keyed_by_full_seed_and_position():
     for bad in (-1, 2**64):
         with pytest.raises(ValueError, match="seed"):
             exponential_noise(bad, 0, 4)
+
+
+def test_noise_is_drawn_once_and_shared_read_only():
+    """The draft and the target of one process ask for the same positions: one draw, which no caller may change."""
+    a = exponential_noise(12, 345, 100)
+    assert exponential_noise(12, 345, 100) is a and not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0] = 1.0
+
+
+def test_coupled_weights_choose_what_the_probabilities_choose():
+    """argmax(w / E) with the unnormalised float32 weights picks the token argmax(p / E) picks, over 3,000 rows
+    of 1,000 logits and their noise; with top-k or top-p the weights are the probabilities themselves."""
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=0.7, seed=1, sampling="coupled")
+    for pos in range(3000):
+        x = (rng.standard_normal(1000) * rng.uniform(0.5, 6)).astype(np.float32)
+        w, e = coupled_weights(x, params), exponential_noise(1, pos, 1000)
+        assert w.dtype == np.float32 and w.max() == 1.0
+        assert coupled_choice(w, e) == coupled_choice(logits_to_probs(x[None], params)[0], e)
+    for cut in (SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_p=0.5)):
+        np.testing.assert_array_equal(coupled_weights(x, cut), logits_to_probs(x[None], cut)[0])
 
 
 def test_noise_moments():
@@ -147,6 +170,16 @@ def test_chi_square_detects_a_wrong_sampler():
     """Control: emitting the draft's coupled choice unverified follows q, and the same test fails it."""
     counts, _ = _coupled_first_tokens(np.where(P > 0, Q, 0.0) / Q[P > 0].sum(), verify=False)
     assert _chi2_pvalue(counts, P) < 1e-6
+
+
+def test_coupled_weights_sample_the_distribution():
+    """20,000 seeds: argmax(coupled_weights / E) at temperature 0.5 follows softmax(logits / 0.5) (chi-square)."""
+    logits = np.log(np.where(P > 0, P, 1e-300)).astype(np.float32) * 0.5  # softmax(logits / 0.5) = P
+    params = SamplingParams(temperature=0.5, sampling="coupled")
+    counts = np.zeros(7, dtype=np.int64)
+    for seed in range(N_SEEDS):
+        counts[coupled_choice(coupled_weights(logits, params), exponential_noise(seed, 0, 7))] += 1
+    assert _chi2_pvalue(counts, P) > 1e-3
 
 
 def test_q_equal_to_p_accepts_everything():

@@ -426,3 +426,31 @@ def test_a_draft_error_never_changes_the_output(llama_target, monkeypatch):
             outs = list(pool.map(lambda p: eng.generate(p, max_new_tokens=12), prompts))
     assert [o.token_ids for o in outs] == want
     assert outs[0].stats["extra"]["draft_errors"] >= 1 and "draft_errors" not in outs[1].stats["extra"]
+
+
+def test_the_head_keeps_code_by_count_and_the_rest_by_merge_rank(tmp_path, monkeypatch):
+    """draft/head.head_tokens: the special tokens, then CODE_SHARE of the rest the most frequent in the standard
+    library's source (tokens seen there only), then the rest by the BPE merge that made them (the alphabet first);
+    merge_order falls back to ids where the tokenizer has no merges."""
+    import json
+
+    import numpy as np
+
+    from hetero_spec.draft import head
+
+    vocab = {"a": 0, "b": 1, "c": 2, "d": 3, "bc": 4, "ab": 5, "abc": 6, "dd": 7, "<eos>": 8, "zz": 9}
+    merges = [["a", "b"], "b c", ["ab", "c"], ["d", "d"]]  # ab (rank 0), bc (1), abc (2), dd (3); zz: no merge
+    tok = {"model": {"type": "BPE", "vocab": vocab, "merges": merges},
+           "added_tokens": [{"id": 8, "content": "<eos>"}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert head.merge_order(tmp_path / "tokenizer.json", 10) == [0, 1, 2, 3, 5, 4, 6, 7, 8, 9]
+    (tmp_path / "plain.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": []}}))
+    assert head.merge_order(tmp_path / "plain.json", 4) == [0, 1, 2, 3]
+    counts = np.array([0, 0, 0, 0, 5, 0, 9, 7, 0, 1])  # the corpus saw abc, dd, bc and zz
+    monkeypatch.setattr(head, "token_counts", lambda path, files=None: counts)
+    monkeypatch.setattr(head, "CODE_SHARE", 0.5)
+    # 7 rows: <eos>; 3 of the other 6 by count (abc, dd, bc); then by merge rank a, b, c
+    assert head.head_tokens(tmp_path, 7, 10).tolist() == sorted([8, 6, 7, 4, 0, 1, 2])
+    monkeypatch.setattr(head, "CODE_SHARE", 1.0)  # all by count while the corpus has them, then merge rank
+    assert head.head_tokens(tmp_path, 7, 10).tolist() == sorted([8, 6, 7, 4, 9, 0, 1])
+    assert head.head_tokens(tmp_path, 20, 10).tolist() == list(range(10))  # never more than the vocabulary

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..onnx_decoder import OnnxDecoder
-from ..sampling import (STREAM_DRAFT, SamplingParams, coupled_choice, exponential_noise, logits_to_probs,
-                        position_uniforms, sample_from)
+from ..sampling import (STREAM_DRAFT, SamplingParams, coupled_choice, coupled_weights, exponential_noise,
+                        logits_to_probs, position_uniforms, sample_from)
 from .base import Draft
 
 
@@ -165,9 +165,10 @@ class OnnxDrafter:
         target uses there (q stays home: None); rejection: a draw from q keyed by (seed, position)."""
         if self.params.greedy:
             return int(np.argmax(logits_row)), None
-        q = logits_to_probs(logits_row[None], self.params)[0]
         if self.params.coupled:
-            return coupled_choice(q, exponential_noise(self.params.seed, position, q.shape[0])), None
+            w = coupled_weights(logits_row, self.params)
+            return coupled_choice(w, exponential_noise(self.params.seed, position, w.shape[0])), None
+        q = logits_to_probs(logits_row[None], self.params)[0]
         return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
 
     def propose(self, k: int) -> Draft:
