@@ -105,7 +105,9 @@ def main() -> None:
     with Engine.from_config(args.config, overrides={"draft.head": None, "draft.candidates": ["onnx"]}) as eng:
         target_dir, draft_dir, cfg = Path(eng.target.model_dir), Path(eng.config.draft.model), eng.config
     kernels, threads = cfg.runtime.kernels, cfg.target.threads
-    target = OnnxDecoder(target_dir, threads=threads, role="target", kernels=kernels)
+    # spin="run": pool threads stop spinning when a run returns, as in the engine, so that one session's idle
+    # threads never slow the next session's run (the decoders are timed in turn)
+    target = OnnxDecoder(target_dir, threads=threads, role="target", kernels=kernels, spin="run")
     tok = load_tokenizer(cfg.target.model)
     chat = [list(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)) for q in mtbench_questions(args.chat)]
@@ -113,7 +115,7 @@ def main() -> None:
                  "code": target_outputs(target, humaneval_prompt_ids(cfg, args.code), args.max_new_tokens)}
     vocab = target.vocab_width
     drafts = {h: OnnxDecoder(head.cached_pruned(draft_dir, h) if h else draft_dir, threads=cfg.draft.threads,
-                             role="draft", kernels=kernels, vocab_width=vocab) for h in HEADS}
+                             role="draft", kernels=kernels, vocab_width=vocab, spin="run") for h in HEADS}
     timed = pass_costs({"target": target, **drafts}, {"target": (1, 2, 3, 4, 5, 7), **{h: (1,) for h in drafts}},
                        args.reps)
     verify = {k: timed["target", k] for k in (1, 2, 3, 4, 5, 7)}
