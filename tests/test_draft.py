@@ -451,6 +451,6 @@ def test_the_head_keeps_code_by_count_and_the_rest_by_merge_rank(tmp_path, monke
     monkeypatch.setattr(head, "CODE_SHARE", 0.5)
     # 7 rows: <eos>; 3 of the other 6 by count (abc, dd, bc); then by merge rank a, b, c
     assert head.head_tokens(tmp_path, 7, 10).tolist() == sorted([8, 6, 7, 4, 0, 1, 2])
-    monkeypatch.setattr(head, "CODE_SHARE", 1.0)  # all by count while the corpus has them, then merge rank
-    assert head.head_tokens(tmp_path, 7, 10).tolist() == sorted([8, 6, 7, 4, 9, 0, 1])
+    # all by count while the corpus has them, then merge rank
+    assert head.head_tokens(tmp_path, 7, 10, code_share=1.0).tolist() == sorted([8, 6, 7, 4, 9, 0, 1])
     assert head.head_tokens(tmp_path, 20, 10).tolist() == list(range(10))  # never more than the vocabulary

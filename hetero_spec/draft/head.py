@@ -71,14 +71,15 @@ def merge_order(tokenizer_json: Path, vocab: int) -> list[int]:
     return sorted(range(vocab), key=lambda t: (made.get(t, -1 if t in alphabet else last), t))
 
 
-def head_tokens(export_dir: Path, n_tokens: int, vocab: int) -> np.ndarray:
-    """The head's n_tokens rows below `vocab`, sorted: the special tokens, then CODE_SHARE of the rest the most
-    frequent in the standard library's source (those seen there), then the first by merge rank not yet kept."""
+def head_tokens(export_dir: Path, n_tokens: int, vocab: int, code_share: float | None = None) -> np.ndarray:
+    """The head's n_tokens rows below `vocab`, sorted: the special tokens, then code_share (default CODE_SHARE) of
+    the rest the most frequent in the standard library's source (those seen there), then the first by merge rank
+    not yet kept."""
     counts = token_counts(export_dir / "tokenizer.json")[:vocab]
     special = _special_ids(export_dir, vocab)
     room = max(0, n_tokens - len(special))
     by_count = [int(t) for t in np.argsort(-counts, kind="stable") if counts[t] > 0 and int(t) not in special]
-    keep = special | set(by_count[:int(room * CODE_SHARE)])
+    keep = special | set(by_count[:int(room * (CODE_SHARE if code_share is None else code_share))])
     for t in merge_order(export_dir / "tokenizer.json", vocab):
         if len(keep) >= min(n_tokens, vocab):
             break
