@@ -181,6 +181,12 @@ class DraftConfig(_Section):
     tokens' time). null: the whole prompt. `auto`: 32 in process when draft.candidates has the n-gram lookup next
     to the model (which then drafts only some rounds; draft/select.py), else the whole prompt. Proposals never
     change the output, only its speed."""
+    second_choices: int = Field(default=0, ge=0, le=16)
+    """onnx draft in process: the first N tokens of each model draft also carry the draft's second choice, and the
+    target verifies the chain and those siblings in one pass, a token tree (each token attends to its own
+    ancestors only). Where the target rejects a draft token but takes its second choice, the round keeps one token
+    more. Needs an ONNX target whose attention takes a bias (builder exports with GroupQueryAttention; else 0 is
+    used) and greedy or coupled sampling. 0: a chain. The output is the target's either way (tested)."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of the n-gram proposer (draft.kind = ngram)."""
     catchup_skip: int = Field(default=4, ge=1)

@@ -319,7 +319,9 @@ class Engine:
         window = prompt_window(draft.prompt_window, draft.candidates, "in_process")
         drafter = OnnxDrafter(draft.model, providers=draft.providers, threads=draft.threads,
                               vocab_width=self.target.vocab_width, spin="run", prompt_window=window,
-                              catchup_skip=catchup_skip, kernels=self.config.runtime.kernels)
+                              catchup_skip=catchup_skip, kernels=self.config.runtime.kernels,
+                              second_choices=draft.second_choices if getattr(self.target, "supports_tree", False)
+                              else 0)
         drafter.enable_batching(slots)
         return LocalSource(drafter, together=OnnxDrafter.propose_batch)
 

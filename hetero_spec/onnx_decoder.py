@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from . import kernels as kernels_mod
-from .draft.export import LOGITS_FROM_MODEL
+from .draft.export import RUNNER_MODEL
 from .draft.head import HEAD_TOKENS
 from .errors import ConfigError, ModelLoadError
 
@@ -203,8 +203,8 @@ class OnnxDecoder:
                  spin: bool | str = True, prefill_threads: int | None = None, block_dir: Path | None = None,
                  kernels: str = "onnxruntime"):
         model_dir = Path(model_dir)
-        # draft/export.add_logits_from's graph, else the export's own
-        path = next((p for p in (model_dir / LOGITS_FROM_MODEL, model_dir / "model.onnx") if p.is_file()), None)
+        # draft/export.add_runner_graph's graph, else the export's own
+        path = next((p for p in (model_dir / RUNNER_MODEL, model_dir / "model.onnx") if p.is_file()), None)
         if path is None:
             raise ModelLoadError(f"{role} model directory {str(model_dir)!r} has no model.onnx (an export: "
                                  "`hetero-spec export --model HF_DIR --out DIR`)")
@@ -277,6 +277,10 @@ class OnnxDecoder:
         # `logits_from` [1] (export.add_logits_from): logits from that position on, so a prefill or a catch-up pays
         # the LM head for its last position only
         self.has_logits_from = "logits_from" in inputs
+        # `position_ids` and `attention_bias` wired into the attention (export.add_tree_inputs): a pass can verify a
+        # token tree (append_tree); every run then feeds a bias, zeros where nothing is masked
+        self.has_tree = "attention_bias" in inputs and "position_ids" in inputs
+        self.bias_dtype = _ORT_DTYPES.get(inputs["attention_bias"].type, np.float32) if self.has_tree else None
         self._zero = np.zeros(1, dtype=np.int64)  # logits_from of a run that wants every position (stays bound)
         first = inputs[self.past_names[0]] if self.past_names else None
         genai_path = model_dir / "genai_config.json"
@@ -319,15 +323,62 @@ class OnnxDecoder:
         feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
                  "position_ids": np.arange(state.n_past, total, dtype=np.int64)[None],
                  "logits_from": np.asarray([n_new - rows], dtype=np.int64)}
-        session = self._session_for(n_new, wide)
-        if self.shared:
-            logits = self._run_shared(state, feeds, rows, session)
-        else:
-            if total > self._ones.shape[1]:
-                self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
-            logits = self._run_copy(state, feeds | {"attention_mask": self._ones[:, :total]}, session)
+        logits = self._run(state, feeds, rows, self._session_for(n_new, wide))
         state.n_past += n_new
         return self.fit_width(logits[0, -1:] if last_only else logits[0])
+
+    def append_tree(self, state: DecoderState, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """Run a token tree after the state's past in one pass (a graph with has_tree): tokens[i]'s parent is
+        tokens[parents[i]] (parents[i] < i), or the cached past where parents[i] is -1. Each token takes the position
+        of its depth and attends to the past and its own ancestors only, so its logits are those of the chain from
+        the root to it. Returns logits [len(tokens), vocab_width]. The cache holds every token at n_past + its index:
+        keep a path with move() and rewind()."""
+        if not self.has_tree:
+            raise ValueError(f"{self.graph_path} takes no attention_bias: it cannot verify a token tree")
+        n_new, past = len(tokens), state.n_past
+        depth, ancestors = [0] * n_new, np.zeros((n_new, n_new), dtype=bool)
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"token {i}'s parent must come before it, got {parent}")
+            if parent >= 0:
+                depth[i], ancestors[i] = depth[parent] + 1, ancestors[parent]
+            ancestors[i, i] = True
+        feeds = {"input_ids": np.asarray([tokens], dtype=np.int64),
+                 "position_ids": (past + np.asarray(depth, dtype=np.int64))[None],
+                 "logits_from": self._zero}
+        width = self._bias_width(state, past + n_new)
+        bias = np.zeros((1, 1, n_new, width), dtype=self.bias_dtype)
+        bias[0, 0, :, past:past + n_new][~ancestors] = -np.inf
+        logits = self._run(state, feeds, n_new, self.session, bias)
+        state.n_past += n_new
+        return self.fit_width(logits[0])
+
+    def move(self, state: DecoderState, src: int, dst: int) -> None:
+        """Copy cached position src to position dst in every KV buffer (a tree's kept path, append_tree)."""
+        for buf in state.cache:
+            buf[:, :, dst] = buf[:, :, src]
+
+    def _bias_width(self, state: DecoderState, total: int) -> int:
+        """The attention_bias's last dimension: the attention's total length, the mask's width (shared layout:
+        the buffers' capacity, once ensured for total)."""
+        if self.shared:
+            state.pool.ensure(total)
+            return state.pool.capacity
+        return total
+
+    def _run(self, state: DecoderState, feeds: dict[str, np.ndarray], rows: int, session,
+             bias: np.ndarray | None = None) -> np.ndarray:
+        """One run of feeds' tokens after the state's past, in either layout; bias: the attention_bias (zeros by
+        default, where the graph takes one)."""
+        total = state.n_past + feeds["input_ids"].shape[1]
+        if self.has_tree:
+            feeds["attention_bias"] = bias if bias is not None else _zeros(
+                (1, 1, feeds["input_ids"].shape[1], self._bias_width(state, total)), self.bias_dtype)
+        if self.shared:
+            return self._run_shared(state, feeds, rows, session)
+        if total > self._ones.shape[1]:
+            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
+        return self._run_copy(state, feeds | {"attention_mask": self._ones[:, :total]}, session)
 
     def _session_for(self, n_new: int, wide: bool):
         """The session a run of n_new tokens goes to: the block graph from block_from tokens on, else a wide run's
@@ -415,6 +466,8 @@ class OnnxDecoder:
             # backed by the arrays' memory: what a later run reads is their value then
             feeds = {"input_ids": ids, "position_ids": positions, "logits_from": self._zero,
                      "attention_mask": state.mask}
+            if self.has_tree:  # as wide as the mask: both are rebound when the buffers grow
+                feeds["attention_bias"] = _zeros((1, 1, 1, state.mask.shape[1]), self.bias_dtype)
             state.step = (ids, positions, self._bind_io(state.binding, feeds, 1, 1))
         ids, positions, logits = state.step
         ids[0, 0], positions[0, 0] = token, state.n_past
@@ -473,6 +526,8 @@ class OnnxDecoder:
         binding = pool.binding(start, stop)
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.asarray(past, dtype=np.int64)[:, None],
                  "logits_from": self._zero}
+        if self.has_tree:
+            feeds["attention_bias"] = _zeros((1, 1, 1, mask.shape[1]), self.bias_dtype)
         logits = self._bind_io(binding, feeds, stop - start, 1)
         self.session.run_with_iobinding(binding)
         for state in states:
@@ -494,6 +549,14 @@ class OnnxDecoder:
         out = np.full((*logits.shape[:-1], self.vocab_width), -np.inf, dtype=logits.dtype)
         out[..., self._head_cols] = logits[..., self._head_in]
         return out
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A read-only array of zeros (an attention_bias that masks nothing), made once per shape."""
+    out = np.zeros(shape, dtype=dtype)
+    out.flags.writeable = False
+    return out
 
 
 class KvPool:

@@ -25,9 +25,9 @@ from .draft.base import Draft
 from .errors import EngineClosedError, PromptTooLongError, QueueFullError, RequestError
 from .metrics import Stats
 from .runtime.cpus import pinned_thread
-from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, coupled_weights, exponential_noise,
-                       logits_to_probs, position_uniforms, rejection_accept, rejection_next, verify_coupled,
-                       verify_greedy)
+from .sampling import (STREAM_ACCEPT, STREAM_TARGET, SamplingParams, coupled_choice, coupled_weights,
+                       exponential_noise, logits_to_probs, position_uniforms, rejection_accept, rejection_next,
+                       verify_coupled, verify_greedy)
 from .tuning.controller import RowPlan, StreamControl
 
 if TYPE_CHECKING:
@@ -90,6 +90,8 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
     by the absolute position of the token they decide, so seeded output does not depend on where round boundaries
     fall, nor on which requests shared the pass. Coupled sampling ignores draft.probs (None is fine)."""
     base = len(ids)
+    if draft.alts:
+        return _decide_tree(target, state, params, base, draft, out)
     if params.greedy:
         accepted, next_token = verify_greedy(draft.ids, out)
     elif params.coupled:  # a position's weights only where it is reached
@@ -105,6 +107,37 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
                                     position_uniforms(params.seed, base + accepted, STREAM_TARGET)[0])
     target.rollback(state, base + accepted)
     return accepted, next_token
+
+
+def _decide_tree(target: Verifier, state: Any, params: SamplingParams, base: int, draft: Draft,
+                 out: Any) -> tuple[int, int]:
+    """decide_block for a token tree (greedy or coupled): `out` holds the nodes [ids[-1], *draft.ids, *alt tokens]
+    (argmax ids, or logits). Down the chain, the target's token after node n (at absolute position base + n, as
+    target-only decoding picks it) is compared with draft.ids[n], then with the second choice for n; a second choice
+    taken ends the block with the target's token after it, and its cached position moves into place."""
+    k = len(draft.ids)
+
+    def choice(node: int, position: int) -> int:
+        if params.greedy:
+            return int(out[node])
+        return coupled_choice(coupled_weights(out[node], params), exponential_noise(params.seed, position,
+                                                                                    out.shape[1]))
+
+    alts = {j: (a, token) for a, (j, token) in enumerate(draft.alts)}
+    for n in range(k + 1):
+        y = choice(n, base + n)
+        if n < k and draft.ids[n] == y:
+            continue
+        if n in alts and alts[n][1] == y:
+            node = k + 1 + alts[n][0]
+            next_token = choice(node, base + n + 1)
+            target.move(state, base - 1 + node, base + n)  # node i was cached at base - 1 + i
+            target.rollback(state, base + n + 1)
+            draft.took_alt = n
+            return n + 1, next_token
+        target.rollback(state, base + n)
+        return n, y
+    raise AssertionError("unreachable")
 
 
 def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: int, context_len: int,
@@ -358,8 +391,7 @@ class Scheduler:
                     seq.stats.time_wait_s += share
         # 3) verify
         verify_started = time.monotonic()
-        outs = target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
-                                   [s.params.greedy for s in seqs])
+        outs = self._verify(target, seqs, drafts)
         span = (verify_started, time.monotonic())
         verify_s = span[1] - span[0]
         self.batch_sizes.append(len(seqs))
@@ -378,6 +410,28 @@ class Scheduler:
         if source is not None:
             costs = source.costs()
             controller.observe_costs(costs.token_s, costs.transfer_s)
+
+    @staticmethod
+    def _verify(target: Verifier, seqs: list[Seq], drafts: list[Draft]) -> list:
+        """The round's pass(es): rows with second choices verify as token trees (one per pass) where the target can
+        and their sampling allows (greedy, coupled); elsewhere the second choices are dropped."""
+        trees = getattr(target, "supports_tree", False)
+        for seq, draft in zip(seqs, drafts):
+            if draft.alts and not (trees and (seq.params.greedy or seq.params.coupled)):
+                draft.alts = []
+        tree_rows = [i for i, d in enumerate(drafts) if d.alts]
+        if not tree_rows:
+            return target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
+                                       [s.params.greedy for s in seqs])
+        rest = [i for i in range(len(seqs)) if i not in tree_rows]
+        outs: list = [None] * len(seqs)
+        for i, out in zip(rest, target.verify_batch([(seqs[i].state, seqs[i].ids[-1], drafts[i].ids) for i in rest],
+                                                    [seqs[i].params.greedy for i in rest]) if rest else []):
+            outs[i] = out
+        for i in tree_rows:
+            outs[i] = target.verify_tree(seqs[i].state, seqs[i].ids[-1], drafts[i].ids, drafts[i].alts,
+                                         seqs[i].params.greedy)
+        return outs
 
     def _plain_run(self, eng: Engine, seq: Seq, row: RowPlan | None = None) -> None:
         """One greedy request runs alone and nothing drafts this round (no draft source; or a local one that the
@@ -422,15 +476,21 @@ class Scheduler:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
         accepted, next_token = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), accepted)
+        # the chain's own acceptance: what the controller models (a second choice taken is a bonus token on top)
+        chain = accepted if draft.took_alt is None else draft.took_alt
+        stats.second_choices += len(draft.alts)
+        stats.second_choices_taken += draft.took_alt is not None
         if eng.source is not None:
-            eng.controller.observe(seq.control, len(draft.ids), accepted, verify_s if n_rows == 1 else None, row,
+            eng.controller.observe(seq.control, len(draft.ids), chain, verify_s if n_rows == 1 else None, row,
                                    draft_s=draft_s)
         if draft.shadow:
             eng.controller.observe_shadow(*draft.shadow)
-        emitted, seq.generated = commit_tokens(seq.ids, [*draft.ids[:accepted], next_token], req, seq.generated,
-                                               eng.target.context_len, stats)
+        emitted, seq.generated = commit_tokens(seq.ids, [*draft.accepted_ids(accepted), next_token], req,
+                                               seq.generated, eng.target.context_len, stats)
         if not stats.finish_reason and eng.source is not None:
-            eng.source.commit(seq, accepted, next_token)
+            # a second choice taken: the source kept `chain` of its tokens, then the text went on without it
+            # (it reads the token after the second choice from seq.ids, as after rounds it did not draft)
+            eng.source.commit(seq, chain, next_token if draft.took_alt is None else seq.ids[-2])
         stats.new_tokens = seq.generated
         stats.time_total_s = time.perf_counter() - seq.t_start
         if n_rows > 1:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hetero_spec import Engine
+from hetero_spec.draft.export import RUNNER_MODEL
 from hetero_spec.errors import ConfigError
 from hetero_spec.onnx_decoder import OnnxDecoder
 from hetero_spec.target.export_cache import cached_block_export, cached_export
@@ -46,7 +47,7 @@ def test_the_block_graph_is_made_once_with_int8_weights_and_the_target_s_inputs(
     assert "DynamicQuantizeMatMul" in ops and "MatMul" not in ops
     fp32 = cached_export(llama_target, "fp32")
     assert {i.name for i in graph.input} == {i.name for i in onnx.load(
-        str(fp32 / "model.logits_from.onnx"), load_external_data=False).graph.input}
+        str(fp32 / RUNNER_MODEL), load_external_data=False).graph.input}
     assert json.loads((block_dir / "genai_config.json").read_text()) == json.loads(
         (fp32 / "genai_config.json").read_text())
     stamp = (block_dir / "model.onnx").stat().st_mtime_ns

@@ -155,24 +155,56 @@ def test_a_prefill_on_more_threads_writes_the_cache_the_decoding_session_reads(m
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
 def test_last_only_runs_the_lm_head_on_one_position_and_changes_nothing_else(model_dir, shared, tmp_path):
-    """Exports get an input `logits_from` (draft/export.add_logits_from): a last_only run returns the last row
-    alone, equal to that row of a full run, and leaves the same cache; a graph without the input (an export made
-    before it) runs as before."""
+    """Exports get an input `logits_from` (the runner graph, draft/export.add_runner_graph): a last_only run returns
+    the last row alone, equal to that row of a full run, and leaves the same cache; a graph without the input (an
+    export made before it) runs as before."""
     import shutil
 
-    from hetero_spec.draft.export import add_logits_from
+    from hetero_spec.draft.export import RUNNER_MODEL, add_runner_graph
 
     dec = OnnxDecoder(model_dir, shared_buffer=shared)
-    assert dec.has_logits_from and not add_logits_from(model_dir)  # the fixture's export has it already
+    assert dec.has_logits_from and not add_runner_graph(model_dir)  # the fixture's export has it already
     old_dir = tmp_path / "old"
     shutil.copytree(model_dir, old_dir)
-    (old_dir / "model.logits_from.onnx").unlink()  # an export made before: model.onnx alone
+    (old_dir / RUNNER_MODEL).unlink()  # an export made before: model.onnx alone
     old = OnnxDecoder(old_dir, shared_buffer=shared)
-    assert not old.has_logits_from
+    assert not old.has_logits_from and not old.has_tree
     a, b = dec.new_state(), old.new_state()
     last, full = dec.append(a, PROMPT, last_only=True), old.append(b, PROMPT)
     assert last.shape == (1, full.shape[1]) and full.shape[0] == len(PROMPT)
     np.testing.assert_allclose(last[0], full[-1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dec.append(a, BLOCK), old.append(b, BLOCK), rtol=1e-5, atol=1e-5)  # same cache
     np.testing.assert_allclose(dec.append(a, [3]), old.append(b, [3]), rtol=1e-5, atol=1e-5)  # a step after
-    assert add_logits_from(old_dir) and OnnxDecoder(old_dir).has_logits_from  # an old export upgraded
+    assert add_runner_graph(old_dir) and OnnxDecoder(old_dir).has_logits_from  # an old export upgraded
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copy"])
+def test_a_token_tree_verifies_each_path_as_its_own_chain(model_dir, shared):
+    """append_tree: a root, two chains and a branch off the first (parents in topological order) in one pass; each
+    token's logits equal those of the chain from the root to it, run alone; a kept path moved into place (move +
+    rewind) leaves the cache that chain leaves, so the next step's logits agree too."""
+    dec = OnnxDecoder(model_dir, shared_buffer=shared)
+    assert dec.has_tree
+    tree = dec.new_state()
+    dec.append(tree, PROMPT)
+    past = tree.n_past
+    #        0   1   2   3   4   5   6
+    tokens = [40, 41, 50, 42, 51, 43, 60]
+    parents = [-1, 0, 0, 1, 2, 3, 1]  # chains 40-41-42-43 and 40-50-51; 60 branches off 41
+    out = dec.append_tree(tree, tokens, parents)
+    assert out.shape[0] == len(tokens) and tree.n_past == past + len(tokens)
+    for path in ([0, 1, 3, 5], [0, 2, 4], [0, 1, 6]):
+        chain = dec.new_state()
+        dec.append(chain, PROMPT)
+        ref = dec.append(chain, [tokens[i] for i in path])
+        np.testing.assert_allclose(out[path], ref, rtol=1e-4, atol=1e-4)
+    # keep the path 40-50-51 (nodes 0, 2, 4): move nodes 2 and 4 to past + 1 and past + 2
+    for depth, node in enumerate([2, 4], 1):
+        dec.move(tree, past + node, past + depth)
+    dec.rewind(tree, past + 3)
+    chain = dec.new_state()
+    dec.append(chain, PROMPT + [40, 50, 51])
+    np.testing.assert_allclose(dec.append(tree, [7]), dec.append(chain, [7]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dec.append(tree, [8, 9]), dec.append(chain, [8, 9]), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="parent"):
+        dec.append_tree(tree, [1, 2], [-1, 1])

@@ -205,7 +205,7 @@ def test_worker_start_failure_is_clear(tmp_path, llama_target, llama_copy_onnx):
     broken.mkdir()
     for f in llama_copy_onnx.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
-    for graph in broken.glob("*.onnx"):  # model.onnx and model.logits_from.onnx (draft/export.add_logits_from)
+    for graph in broken.glob("*.onnx"):  # model.onnx and model.runner.onnx (draft/export.add_runner_graph)
         graph.write_bytes(b"not an onnx model")
     before = set(_children(os.getpid()))
     with pytest.raises(WorkerStartError, match="failed to load"):

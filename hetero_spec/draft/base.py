@@ -6,7 +6,7 @@ asked are always allowed, and no call raises because a draft is slow, wrong or g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -28,6 +28,17 @@ class Draft:
     shadow: tuple[int, int] | None = None
     #: a lookup's draft: the length of the context's suffix it matched (draft selection keeps acceptance per length)
     match: int = 0
+    #: second choices, verified in the same pass as a token tree where the target can (supports_tree): (j, token)
+    #: offers `token` in place of ids[j] (a sibling of ids[j]: same parent, same position); j increasing, one per j
+    alts: list[tuple[int, int]] = field(default_factory=list)
+    #: set by the verification (scheduler.decide_block): the j whose second choice was accepted, else None
+    took_alt: int | None = None
+
+    def accepted_ids(self, n_accepted: int) -> list[int]:
+        """The n_accepted tokens the verification kept: ids[:n_accepted], its last a second choice if took_alt."""
+        if self.took_alt is None:
+            return self.ids[:n_accepted]
+        return [*self.ids[:self.took_alt], dict(self.alts)[self.took_alt]]
 
 
 @dataclass

@@ -20,8 +20,10 @@ from ..errors import HeteroSpecError
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 PROVIDERS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx", "qnn")
 LOG_NAME = "export.log"  # the builder's full output, inside the output directory
-#: the graph with `logits_from`, next to model.onnx and reading the same weights file (OnnxDecoder prefers it)
-LOGITS_FROM_MODEL = "model.logits_from.onnx"
+#: the graph our runner loads (OnnxDecoder prefers it): model.onnx with the inputs `logits_from` (add_logits_from)
+#: and, where its attention allows, `position_ids` and `attention_bias` (add_tree_inputs); next to model.onnx and
+#: reading the same weights file
+RUNNER_MODEL = "model.runner.onnx"
 
 # Builder output that starts a stage worth a progress line (substring -> what the user reads), in the builder's
 # order; each is shown once. Cosmetic only: a builder that words them otherwise just shows fewer stages.
@@ -77,22 +79,62 @@ def export_draft(model_dir: str | Path, out_dir: str | Path, precision: str = "f
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file() and not (out_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
-    add_logits_from(out_dir)
+    add_runner_graph(out_dir)
     return out_dir
 
 
-def add_logits_from(out_dir: Path) -> bool:
-    """Give the exported graph an input `logits_from` (int64 [1]): the LM head runs on the positions from there on
-    (a Slice of its input), so a prefill of n tokens computes one row of logits, not n (OnnxDecoder feeds n - 1;
-    a verification 0). On the real 1.5B target the LM head was 330 ms of a 2.05 s prefill of 118 tokens. Writes
-    LOGITS_FROM_MODEL beside model.onnx (the weights file is shared); False when it is there or there is no `logits`."""
+def add_runner_graph(out_dir: Path) -> bool:
+    """Write RUNNER_MODEL beside model.onnx (the weights file is shared): model.onnx with add_logits_from and
+    add_tree_inputs. model.onnx stays as the builder wrote it, for onnxruntime-genai (which never feeds them). False
+    when it is there already or the graph has no `logits`."""
     import onnx
-    from onnx import TensorProto, helper
-    path, dest = Path(out_dir) / "model.onnx", Path(out_dir) / LOGITS_FROM_MODEL
+    path, dest = Path(out_dir) / "model.onnx", Path(out_dir) / RUNNER_MODEL
     if dest.is_file():
         return False
     model = onnx.load(str(path), load_external_data=False)
-    graph = model.graph
+    if not add_logits_from(model.graph):
+        return False
+    add_tree_inputs(model.graph)
+    tmp = dest.with_suffix(".tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, dest)
+    return True
+
+
+#: the inputs add_tree_inputs gives a graph
+TREE_INPUTS = ("position_ids", "attention_bias")
+
+
+def add_tree_inputs(graph) -> bool:
+    """Give every GroupQueryAttention its optional inputs `position_ids` (int64 [batch, seq]: each token's rotary
+    position) and `attention_bias` ([batch, 1, seq, total], added to the attention scores), as graph inputs of those
+    names, so that one pass can verify a token tree: tokens at the same depth share a position, and each sees only
+    its ancestors (OnnxDecoder.append_tree). False (graph unchanged) where the graph has other attention, already
+    takes a `position_ids`, or its attention uses those inputs already."""
+    from onnx import TensorProto, helper
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    taken = {i.name for i in graph.input} & set(TREE_INPUTS)
+    if not attention or taken or any(len(n.input) > 9 and any(n.input[9:11]) for n in attention):
+        return False
+    past = next((i for i in graph.input if i.name.startswith("past_key_values.")), None)
+    dtype = past.type.tensor_type.elem_type if past is not None else TensorProto.FLOAT
+    graph.input.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]))
+    graph.input.append(helper.make_tensor_value_info("attention_bias", dtype,
+                                                     ["bias_batch", 1, "sequence_length", "total_sequence_length"]))
+    for node in attention:
+        inputs = list(node.input) + [""] * max(0, 11 - len(node.input))
+        inputs[9], inputs[10] = TREE_INPUTS
+        del node.input[:]
+        node.input.extend(inputs)
+    return True
+
+
+def add_logits_from(graph) -> bool:
+    """Give the graph an input `logits_from` (int64 [1]): the LM head runs on the positions from there on
+    (a Slice of its input), so a prefill of n tokens computes one row of logits, not n (OnnxDecoder feeds n - 1;
+    a verification 0). On the real 1.5B target the LM head was 330 ms of a 2.05 s prefill of 118 tokens. False
+    (graph unchanged) where there is no `logits`."""
+    from onnx import TensorProto, helper
     head = next((n for n in graph.node if "logits" in n.output), None)
     out = next((o for o in graph.output if o.name == "logits"), None)
     if head is None or out is None:
@@ -106,9 +148,6 @@ def add_logits_from(out_dir: Path) -> bool:
         name="/lm_head/logits_from/Slice"))
     head.input[0] = sliced
     out.type.tensor_type.shape.dim[1].dim_param = "logits_length"
-    tmp = dest.with_suffix(".tmp")
-    onnx.save(model, str(tmp))
-    os.replace(tmp, dest)  # model.onnx stays as the builder wrote it, for onnxruntime-genai (which never feeds it)
     return True
 
 

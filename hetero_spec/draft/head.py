@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..target.export_cache import build_once, cache_root, stamp_key
-from .export import LOGITS_FROM_MODEL
+from .export import RUNNER_MODEL
 
 HEAD_TOKENS = "head_tokens.npy"  # the token id of each logit the pruned head outputs, in order
 HEAD_SOURCE = "head_source.txt"  # the export the copy was pruned from
@@ -101,7 +101,7 @@ def prune_head(export_dir: Path, out_dir: Path, n_tokens: int) -> Path:
     rows of `head_tokens`; the weights file is linked, not copied, and the head's rows go inline in model.onnx."""
     import onnx
     from onnx import numpy_helper
-    graph_file = LOGITS_FROM_MODEL if (export_dir / LOGITS_FROM_MODEL).is_file() else "model.onnx"
+    graph_file = RUNNER_MODEL if (export_dir / RUNNER_MODEL).is_file() else "model.onnx"
     model = onnx.load(str(export_dir / graph_file), load_external_data=False)  # the copy's only graph
     graph = model.graph
     head = next((node for node in graph.node if "logits" in node.output), None)
@@ -130,7 +130,7 @@ def prune_head(export_dir: Path, out_dir: Path, n_tokens: int) -> Path:
     next(o for o in graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value = len(keep)
     onnx.save(model, str(out_dir / "model.onnx"))
     for path in export_dir.iterdir():  # the weights and the tokenizer files: linked where the filesystem allows
-        if path.is_file() and path.name not in ("model.onnx", LOGITS_FROM_MODEL) and not (out_dir / path.name).exists():
+        if path.is_file() and path.name not in ("model.onnx", RUNNER_MODEL) and not (out_dir / path.name).exists():
             try:
                 os.link(path, out_dir / path.name)
             except OSError:

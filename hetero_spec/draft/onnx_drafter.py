@@ -22,17 +22,20 @@ class OnnxDrafter:
 
     def __init__(self, model_dir: Path, providers: list[str] | None = None, threads: int = 1,
                  vocab_width: int | None = None, spin: bool | str = True, prompt_window: int | None = None,
-                 catchup_skip: int | None = None, kernels: str = "onnxruntime"):
+                 catchup_skip: int | None = None, kernels: str = "onnxruntime", second_choices: int = 0):
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"prompt_window must be >= 1 (got {prompt_window})")
         self._attach(OnnxDecoder(model_dir, providers=providers, threads=threads, vocab_width=vocab_width,
                                  spin=spin, kernels=kernels), None, prompt_window, catchup_skip)
+        #: draft.second_choices: the first N tokens of a draft (propose, greedy or coupled) carry the second choice
+        self.second_choices = second_choices
 
     def spawn(self) -> OnnxDrafter:
         """A drafter for another request on the same loaded model (one session, a state per request; a slot of
         the batched buffer once enable_batching was called, so that `propose_batch` can step it with others)."""
         new = OnnxDrafter.__new__(OnnxDrafter)
         new._attach(self.decoder, self._pool, self.prompt_window, self.catchup_skip)
+        new.second_choices = self.second_choices
         return new
 
     def enable_batching(self, slots: int) -> None:
@@ -171,21 +174,36 @@ class OnnxDrafter:
         q = logits_to_probs(logits_row[None], self.params)[0]
         return sample_from(q, position_uniforms(self.params.seed, position, STREAM_DRAFT)[0]), q
 
+    def _second(self, logits_row: np.ndarray, position: int, first: int) -> int | None:
+        """The runner-up to `first` under _choose's rule at that position (argmax; coupled: argmax of w / E with the
+        same noise); None where no other token is possible."""
+        if self.params.greedy:
+            score = logits_row
+        else:
+            w = coupled_weights(logits_row, self.params)
+            score = w / exponential_noise(self.params.seed, position, w.shape[0])
+        top = np.argpartition(score, -2)[-2:]
+        second = int(top[0] if int(top[1]) == first else top[1])
+        possible = np.isfinite(score[second]) and (self.params.greedy or score[second] > 0)
+        return second if second != first and possible else None
+
     def propose(self, k: int) -> Draft:
-        """Draft up to k tokens: `extend`, with the drafts kept out of `ids` until commit says which stay."""
+        """Draft up to k tokens: `extend`, with the drafts kept out of `ids` until commit says which stay; greedy or
+        coupled, the first second_choices tokens carry their runner-up in Draft.alts."""
         base = len(self.ids)
-        draft = self.extend(k)
+        draft = self.extend(k, self.second_choices if self.params.greedy or self.params.coupled else 0)
         del self.ids[base:]
         self._proposed = draft.ids
         return draft
 
     # -- stream mode (the pipelined worker): draft ahead, assuming acceptance; truncate on correction --
-    def extend(self, n_tokens: int) -> Draft:
-        """Append n_tokens of the draft's own tokens to `ids` (feeding each one), as if all were accepted."""
-        base, probs = len(self.ids), []
+    def extend(self, n_tokens: int, second_choices: int = 0) -> Draft:
+        """Append n_tokens of the draft's own tokens to `ids` (feeding each one), as if all were accepted; the
+        first second_choices of them with their runner-up in Draft.alts."""
+        base, probs, alts = len(self.ids), [], []
         self.last_catchup_s = 0.0
         for i in range(todo := max(min(n_tokens, self.context_len - base), 0)):
-            if i and self.params.greedy:  # the rest: each step feeds the last draft token alone
+            if i and i >= second_choices and self.params.greedy:  # the rest: each step feeds the last draft token
                 fed = len(self.ids) - 1
                 self.ids.extend(self.decoder.greedy_steps(self.state, self.ids[-1], todo - i))
                 self._at.extend(range(fed, len(self.ids) - 1))
@@ -196,10 +214,12 @@ class OnnxDrafter:
             if started:  # feeding a prompt or a backlog of committed tokens: not a per-token drafting cost
                 self.last_catchup_s = time.perf_counter() - started
             tok, q = self._choose(logits, len(self.ids))
+            if i < second_choices and (second := self._second(logits, len(self.ids), tok)) is not None:
+                alts.append((i, second))
             self.ids.append(tok)
             if q is not None:
                 probs.append(q)
-        return Draft(ids=self.ids[base:], probs=np.stack(probs) if probs else None)
+        return Draft(ids=self.ids[base:], probs=np.stack(probs) if probs else None, alts=alts)
 
     def truncate(self, length: int) -> None:
         """Forget tokens from position `length` on (and their cache entries)."""

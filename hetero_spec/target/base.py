@@ -5,6 +5,10 @@ states' blocks (`verify_batch`).
 
 Cache invariant: the state caches every committed token but the last, which is fed at the start of the next pass
 together with the draft block: verify `[last, d1..dk]`, then roll back to what was accepted.
+
+A verifier whose `supports_tree` is true also has `verify_tree(state, last_token, draft_ids, alts, greedy)` (the
+chain and second choices beside it in one pass: onnx_backend.OnnxTarget.verify_tree) and `move(state, src, dst)`
+(a kept node's cached position into place); the loop asks for neither where it is false or missing.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
                   execution_provider: str = "cpu") -> Path:
     """The ONNX export of model_dir at `precision` for the builder's `execution_provider` (its `-e`: the graph
     differs per provider; fp16 needs a GPU one), exported now if the cache has none for this checkpoint."""
-    from ..draft.export import LOGITS_FROM_MODEL, add_logits_from, export_draft
+    from ..draft.export import RUNNER_MODEL, add_runner_graph, export_draft
     entry = entry_dir(model_dir, precision, root, execution_provider)
 
     def export(scratch: Path, say: Callable[[str], None]) -> None:
@@ -106,12 +106,12 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
         (scratch / SOURCE_NAME).write_text(json.dumps(source_stamp(model_dir, precision, execution_provider), indent=2))
 
     entry = build_once(entry, _complete, export, f"{role}: using the cached ONNX export {entry}", progress)
-    if not (entry / LOGITS_FROM_MODEL).is_file():  # an entry exported before logits_from existed
+    if not (entry / RUNNER_MODEL).is_file():  # an entry exported before the runner graph existed
         try:
             with open(entry.parent / f"{entry.name}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if add_logits_from(entry):
-                    log.info("%s: gave the cached export an input logits_from (prefill: one row of logits)", role)
+                if add_runner_graph(entry):
+                    log.info("%s: gave the cached export its runner graph (%s)", role, RUNNER_MODEL)
         except OSError as exc:  # a read-only cache: the export runs as it is (full logits in a prefill)
             log.warning("%s: cannot upgrade the cached export %s: %s", role, entry, exc)
     return entry
@@ -119,7 +119,7 @@ def cached_export(model_dir: Path, precision: str = "fp32", root: Path | None = 
 
 #: the block graph's precision (target.block_graph): int8 weights per output column, activations quantized per tensor
 #: at run time (ONNX Runtime's DynamicQuantizeMatMul, its u8s8 QGEMM: VNNI, AMX where the CPU has it)
-BLOCK_PRECISION = "int8-block"
+BLOCK_PRECISION = "int8-block-runner"
 
 
 def cached_block_export(model_dir: Path, root: Path | None = None,
@@ -128,7 +128,7 @@ def cached_block_export(model_dir: Path, root: Path | None = None,
     weights int8 per column (_quantize_int8), made once and cached. The graph keeps the fp32 export's inputs
     (logits_from too: its LM head runs after the Slice), outputs and KV cache layout, so both sessions share one
     cache."""
-    from ..draft.export import LOGITS_FROM_MODEL
+    from ..draft.export import RUNNER_MODEL
     fp32 = cached_export(model_dir, "fp32", root, progress)
     entry = entry_dir(model_dir, BLOCK_PRECISION, root)
 
@@ -136,7 +136,7 @@ def cached_block_export(model_dir: Path, root: Path | None = None,
         say(f"quantizing the target's fp32 export {fp32} to int8 weights (the block graph) once, into the cache "
             f"{entry}")
         scratch.mkdir(parents=True)
-        _quantize_int8(fp32 / LOGITS_FROM_MODEL, scratch / "model.onnx")
+        _quantize_int8(fp32 / RUNNER_MODEL, scratch / "model.onnx")
         for path in fp32.iterdir():  # genai_config.json (the KV shapes), the tokenizer files
             if path.is_file() and not path.name.startswith("model.") and path.name != SOURCE_NAME:
                 shutil.copy2(path, scratch / path.name)

@@ -92,6 +92,26 @@ class OnnxTarget:
         # greedy: the argmax is taken at once, so a step's logits are read where the run wrote them
         return _outputs(self.forward(state, [last_token, *draft_ids], scratch=greedy), greedy)
 
+    @property
+    def supports_tree(self) -> bool:
+        """Whether verify_tree can run: the graph takes position_ids and attention_bias (export.add_tree_inputs).
+        A tree's pass runs on the target's own graph, never on a block graph."""
+        return self.decoder.has_tree
+
+    def verify_tree(self, state: DecoderState, last_token: int, draft_ids: list[int], alts: list[tuple[int, int]],
+                    greedy: bool) -> list | np.ndarray:
+        """verify() of a chain with second choices, one pass: the nodes [last_token, *draft_ids, *alt tokens],
+        alt (j, token) a sibling of draft_ids[j] (its parent is node j). The result covers every node, in that
+        order; the cache holds node i at n_cached + i until the caller keeps a path (move, rollback)."""
+        k = len(draft_ids)
+        parents = [-1, *range(k), *(j for j, _ in alts)]
+        logits = self.decoder.append_tree(state, [last_token, *draft_ids, *(t for _, t in alts)], parents)
+        return _outputs(logits, greedy)
+
+    def move(self, state: DecoderState, src: int, dst: int) -> None:
+        """Copy cached position src to dst (a token tree's kept node into the place its path gives it)."""
+        self.decoder.move(state, src, dst)
+
     def greedy_steps(self, state: DecoderState, last_token: int, n: int) -> list[int]:
         return self.decoder.greedy_steps(state, last_token, n)
 
