@@ -396,7 +396,7 @@ class Scheduler:
         verify_s = span[1] - span[0]
         self.batch_sizes.append(len(seqs))
         if source is not None:  # what a pass costs matters only where something drafts
-            controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 for d in drafts),
+            controller.observe_pass(len(seqs), len(seqs) * max(len(d.ids) + 1 + len(d.alts) for d in drafts),
                                     not any(d.ids for d in drafts), verify_s)
         for seq, row, draft, out in zip(seqs, rows, drafts, outs):
             try:  # 4) accept, commit + stop checks; 5) observe

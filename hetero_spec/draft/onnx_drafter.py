@@ -182,8 +182,10 @@ class OnnxDrafter:
         else:
             w = coupled_weights(logits_row, self.params)
             score = w / exponential_noise(self.params.seed, position, w.shape[0])
-        top = np.argpartition(score, -2)[-2:]
-        second = int(top[0] if int(top[1]) == first else top[1])
+        kept = score[first]
+        score[first] = -np.inf  # argmax of the rest (argpartition over 152k scores took 7 ms, argmax 0.1)
+        second = int(np.argmax(score))
+        score[first] = kept  # logits_row may be the caller's buffer
         possible = np.isfinite(score[second]) and (self.params.greedy or score[second] > 0)
         return second if second != first and possible else None
 

@@ -141,7 +141,7 @@ def rewrite_graph(src: Path, dest: Path, progress=None) -> int:
     import onnx
     from onnx import helper, numpy_helper
 
-    from ..target.export_cache import _initializer, inline_external
+    from ..target.export_cache import _initializer, external_data_name, inline_external
     model = onnx.load(str(src), load_external_data=False)  # the weights are mapped one at a time (_initializer)
     graph, folder = model.graph, Path(src).parent
     weights = {t.name: t for t in graph.initializer}
@@ -178,7 +178,7 @@ def rewrite_graph(src: Path, dest: Path, progress=None) -> int:
     if replaced and not any(op.domain == DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     onnx.save_model(model, str(dest), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=f"{Path(dest).name}.data", size_threshold=1024)
+                    location=external_data_name(Path(dest)), size_threshold=1024)
     return replaced
 
 

@@ -156,6 +156,12 @@ def _initializer(tensor, folder: Path):
                      shape=tuple(tensor.dims))
 
 
+def external_data_name(dest: Path) -> str:
+    """The name of dest's external data file: unique to its folder, because onnx.save_model refuses a name that
+    exists relative to the *working directory* (a model.onnx.data where the user runs us would fail the save)."""
+    return f"{dest.name}.{dest.parent.name}.data"
+
+
 def inline_external(tensor, folder: Path) -> None:
     """An initializer stored in an external data file (under folder) read into the tensor itself, as raw bytes, so
     that saving the graph elsewhere writes it to the new graph's own data file (4-bit types too). No-op otherwise."""
@@ -208,7 +214,7 @@ def _quantize_int8(src: Path, dest: Path) -> None:
     if not any(op.domain == "com.microsoft" for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save_model(model, str(dest), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=f"{Path(dest).name}.data", size_threshold=1024)
+                    location=external_data_name(Path(dest)), size_threshold=1024)
 
 
 def build_once(entry: Path, complete: Callable[[Path], bool], build: Callable[[Path, Callable[[str], None]], None],
