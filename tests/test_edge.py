@@ -116,15 +116,17 @@ def test_the_edge_walkthrough_runs_as_written(tmp_path, llama_target):
         wait_for(lambda: _curl(health).json().get("draft") == "ok", "the worker to be ready")
         assert _curl(health).status_code == 200
         # drafts verified: an event to wait for, since a proposal that misses its round's deadline is not waited for
-        def drafted_over(before: float) -> bool:  # one more request, its output the reference's: drafts verified?
-            assert _curl(completion).json()["choices"][0]["text"] == reference
-            return _metric(_curl(metrics).text, "hetero_spec_draft_tokens_total") > before
+        def drafted_over(before: float, metric: str = "hetero_spec_draft_tokens_total") -> bool:
+            assert _curl(completion).json()["choices"][0]["text"] == reference  # one more request, as the target's
+            return _metric(_curl(metrics).text, metric) > before
 
-        wait_for(lambda: drafted_over(0), "a draft to be verified")
+        # the first verified drafts may all miss (drafted ahead on a guess the target's token then broke): wait for
+        # an accepted one, an event, rather than assert it of the first round that drafted
+        wait_for(lambda: drafted_over(0, "hetero_spec_accepted_tokens_total"), "a draft token to be accepted")
         shown = _curl(metrics).text
         pattern = re.search(r"grep -E '(.*?)'", metrics).group(1)
         assert [line for line in shown.splitlines() if re.match(pattern, line)], "the doc's grep finds nothing"
-        assert _metric(shown, "hetero_spec_accepted_tokens_total") > 0
+        assert _metric(shown, "hetero_spec_draft_tokens_total") >= _metric(shown, "hetero_spec_accepted_tokens_total") > 0
         # 6. the link drops: the target answers alone, /health says so with a 503; the worker back, drafting again
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
