@@ -1,10 +1,11 @@
-"""Arms of one config on MT-Bench's first turns, every arm's Engine in this one process, interleaved per prompt
-(the order rotating), --repeats passes; fixed-length outputs. Prints each run, then per arm the median over
-(prompt, pass) of the first arm's time / its time, and the ratio of the summed times; likewise against --base.
+"""Arms of one config on MT-Bench's first turns or HumanEval's prompts, every arm's Engine in this one process,
+interleaved per prompt (the order rotating), --repeats passes; fixed-length outputs. Prints each run, then per
+arm the median over (prompt, pass) of the first arm's time / its time, and the ratio of the summed times; likewise
+against --base.
 
-    python scripts/arms_mtbench.py --config configs/qwen2.5-coder-1.5b.yaml --questions 16 --repeats 2 \\
-        --arm 'alone=draft.kind=none,draft.candidates=[]' --arm chain= \\
-        --arm 'tree2=draft.second_choices=2' --base chain
+    python scripts/arms.py --config configs/qwen2.5-coder-1.5b.yaml --prompts mt-bench:16 --repeats 2 \\
+        --arm 'alone=draft.kind=none,draft.candidates=[]' --arm chain=draft.second_choices=0 --arm tree2= \\
+        --base chain
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from hetero_spec.bench.prompts import load_tokenizer, mtbench_questions
+    from hetero_spec.bench.prompts import humaneval_prompt_ids, load_tokenizer, mtbench_questions, parse_prompts_arg
     from hetero_spec.config import load_config, parse_override
     from hetero_spec.engine import Engine
 
@@ -28,18 +29,25 @@ def main() -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--arm", action="append", required=True, help="NAME=key=value,key=value (empty: the config)")
     ap.add_argument("--base", help="an arm to compare the others with, besides the first")
-    ap.add_argument("--questions", type=int, default=16, help="MT-Bench questions, spread over the categories")
+    ap.add_argument("--prompts", type=parse_prompts_arg, default=("mt-bench", 16),
+                    help="mt-bench:N (first turns of N questions, spread over the categories) or humaneval:N")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
 
     config = load_config(args.config)
-    tok = load_tokenizer(config.target.model)
-    questions = mtbench_questions(args.questions)
-    prompts = [(q["category"], list(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
-                                                            add_generation_prompt=True, tokenize=True,
-                                                            return_dict=False))) for q in questions]
+    if not isinstance(args.prompts, tuple):
+        ap.error("--prompts: mt-bench:N or humaneval:N")
+    suite, count = args.prompts
+    if suite == "humaneval":
+        prompts = [("humaneval", ids) for ids in humaneval_prompt_ids(config, count or 8)]
+    else:
+        tok = load_tokenizer(config.target.model)
+        prompts = [(q["category"], list(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                                                add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False)))
+                   for q in mtbench_questions(count or 16)]
     arms = {}
     for spec in args.arm:
         name, _, sets = spec.partition("=")
