@@ -417,7 +417,9 @@ class Scheduler:
         and their sampling allows (greedy, coupled); elsewhere the second choices are dropped."""
         trees = getattr(target, "supports_tree", False)
         for seq, draft in zip(seqs, drafts):
-            if draft.alts and not (trees and (seq.params.greedy or seq.params.coupled)):
+            # a tree's siblings take cache positions after its chain's: never past the context
+            fits = len(seq.ids) + len(draft.ids) + len(draft.alts) <= target.context_len
+            if draft.alts and not (trees and fits and (seq.params.greedy or seq.params.coupled)):
                 draft.alts = []
         tree_rows = [i for i, d in enumerate(drafts) if d.alts]
         if not tree_rows:

@@ -80,3 +80,17 @@ def test_stop_token_and_max_new_tokens_inside_a_tree_round(llama_copy_onnx):
         first = ref.token_ids.index(stop)
         out = tree.generate(PROMPTS[0], max_new_tokens=MAX_NEW, gamma=2, temperature=0.0, stop_token_ids=[stop])
         assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_a_tree_never_caches_past_the_context(llama_copy_onnx):
+    """Near the context's end the siblings would take positions past it: the round verifies the chain alone, and
+    the output still ends at the context as the target alone's does."""
+    alone, tree = _engines(llama_copy_onnx, llama_copy_onnx)
+    with alone, tree:
+        tree.source.proposer.__class__ = SecondBest
+        ctx = tree.target.context_len
+        prompt = list(range(10, 10 + ctx - 13))
+        ref = alone.generate(prompt, max_new_tokens=100, temperature=0.0)
+        out = tree.generate(prompt, max_new_tokens=100, gamma=4, temperature=0.0)
+        assert out.token_ids == ref.token_ids and out.finish_reason == "context" == ref.finish_reason
+        assert len(prompt) + len(out.token_ids) == ctx and out.stats["second_choices_taken"] > 0
