@@ -144,6 +144,10 @@ class NgramConfig(_Section):
     """Longest suffix n-gram looked up in the context."""
     min_n: int = Field(default=1, ge=1)
     """Shortest suffix n-gram tried before giving up (no proposal that round)."""
+    branches: int = Field(default=0, ge=0, le=8)
+    """Besides the continuation of the suffix's latest earlier occurrence (the chain), up to N more continuations,
+    of its occurrences before that and of shorter suffixes', verified in the same pass as branches of a token tree
+    (shared prefixes merged; draft.second_choices has the conditions). 0: the chain alone."""
 
 
 class DraftConfig(_Section):

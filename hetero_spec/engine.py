@@ -309,7 +309,9 @@ class Engine:
         from .draft.onnx_drafter import OnnxDrafter
         draft = config.draft
         if kind == "ngram":
-            return LocalSource(NgramProposer(max_n=draft.ngram.max_n, min_n=draft.ngram.min_n))
+            trees = getattr(self.target, "supports_tree", False)
+            return LocalSource(NgramProposer(max_n=draft.ngram.max_n, min_n=draft.ngram.min_n,
+                                             branches=draft.ngram.branches if trees else 0))
         if kind == "corpus":
             from .draft.corpus import CorpusProposer, cached_table
             if not (tok := Path(self.target.model_dir) / "tokenizer.json").is_file():

@@ -19,8 +19,8 @@ class Stats:
     time_verify_s: float = 0.0
     time_total_s: float = 0.0
     time_wait_s: float = 0.0  # two-process: the target waiting for draft tokens
-    second_choices: int = 0  # draft tokens' second choices verified beside them (a token tree)
-    second_choices_taken: int = 0  # ... of which the target took one (each ends its round one token longer)
+    tree_tokens: int = 0  # tokens verified beside the drafts' chains (token trees: second choices, other branches)
+    tree_taken: int = 0  # rounds whose kept tokens left the chain for another branch
     finish_reason: str = ""
     proposer: str = "none"
     gamma: int | str = 0  # the configured gamma, or "auto" (the choices are in extra.gamma_auto)

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetero_spec.scheduler")
 #: the target alone, one greedy request: a round runs steps for about this long, at most PLAIN_STEPS_MAX of them
 PLAIN_RUN_S, PLAIN_STEPS_MAX = 0.01, 8
+#: a token tree's pass takes at most this many tokens (its branches are cut to fit): hetero_spec's 4-bit kernel
+#: multiplies up to 8 rows per sweep of the weights, so 8 tokens cost about one step and 9 about two
+TREE_MAX_TOKENS = 8
 
 
 class Engine(Protocol):
@@ -112,10 +115,14 @@ def decide_block(target: Verifier, state: Any, params: SamplingParams, ids: list
 def _decide_tree(target: Verifier, state: Any, params: SamplingParams, base: int, draft: Draft,
                  out: Any) -> tuple[int, int]:
     """decide_block for a token tree (greedy or coupled): `out` holds the nodes [ids[-1], *draft.ids, *alt tokens]
-    (argmax ids, or logits). Down the chain, the target's token after node n (at absolute position base + n, as
-    target-only decoding picks it) is compared with draft.ids[n], then with the second choice for n; a second choice
-    taken ends the block with the target's token after it, and its cached position moves into place."""
+    (argmax ids, or logits). From the root, the target's token after the current node (at absolute position
+    base + depth, as target-only decoding picks it) is looked for among the node's children, the chain's first; a
+    child that has it becomes the current node. The block ends with the target's token after the last node kept;
+    where the path left the chain, its nodes' cached positions move into place (draft.path, draft.chain_kept)."""
     k = len(draft.ids)
+    children: dict[int, dict[int, int]] = {n: {draft.ids[n]: n + 1} for n in range(k)}  # node -> token -> child
+    for a, (parent, token) in enumerate(draft.alts):
+        children.setdefault(parent, {}).setdefault(token, k + 1 + a)
 
     def choice(node: int, position: int) -> int:
         if params.greedy:
@@ -123,21 +130,18 @@ def _decide_tree(target: Verifier, state: Any, params: SamplingParams, base: int
         return coupled_choice(coupled_weights(out[node], params), exponential_noise(params.seed, position,
                                                                                     out.shape[1]))
 
-    alts = {j: (a, token) for a, (j, token) in enumerate(draft.alts)}
-    for n in range(k + 1):
-        y = choice(n, base + n)
-        if n < k and draft.ids[n] == y:
-            continue
-        if n in alts and alts[n][1] == y:
-            node = k + 1 + alts[n][0]
-            next_token = choice(node, base + n + 1)
-            target.move(state, base - 1 + node, base + n)  # node i was cached at base - 1 + i
-            target.rollback(state, base + n + 1)
-            draft.took_alt = n
-            return n + 1, next_token
-        target.rollback(state, base + n)
-        return n, y
-    raise AssertionError("unreachable")
+    node, path = 0, []
+    while (child := children.get(node, {}).get(y := choice(node, base + len(path)))) is not None:
+        node = child
+        path.append(node)
+    chain = next((d for d, n in enumerate(path) if n != d + 1), len(path))
+    if chain < len(path):  # node i was cached at base - 1 + i; the path's d-th token belongs at base + d
+        for depth in range(chain, len(path)):
+            target.move(state, base - 1 + path[depth], base + depth)
+        draft.path = [draft.ids[n - 1] if n <= k else draft.alts[n - k - 1][1] for n in path]
+        draft.chain_kept = chain
+    target.rollback(state, base + len(path))
+    return len(path), y
 
 
 def commit_tokens(ids: list[int], tokens: list[int], req: Request, generated: int, context_len: int,
@@ -421,6 +425,7 @@ class Scheduler:
             fits = len(seq.ids) + len(draft.ids) + len(draft.alts) <= target.context_len
             if draft.alts and not (trees and fits and (seq.params.greedy or seq.params.coupled)):
                 draft.alts = []
+            del draft.alts[max(0, TREE_MAX_TOKENS - 1 - len(draft.ids)):]  # a prefix: parents stay before children
         tree_rows = [i for i, d in enumerate(drafts) if d.alts]
         if not tree_rows:
             return target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
@@ -478,10 +483,10 @@ class Scheduler:
             seq.trace.append((span[0], span[1], len(seq.ids), len(draft.ids)))
         accepted, next_token = decide_block(eng.target, seq.state, req.params, seq.ids, draft, out)
         stats.record_round(len(draft.ids), accepted)
-        # the chain's own acceptance: what the controller models (a second choice taken is a bonus token on top)
-        chain = accepted if draft.took_alt is None else draft.took_alt
-        stats.second_choices += len(draft.alts)
-        stats.second_choices_taken += draft.took_alt is not None
+        # the chain's own acceptance: what the controller models (a branch taken is a bonus on top)
+        chain = accepted if draft.path is None else draft.chain_kept
+        stats.tree_tokens += len(draft.alts)
+        stats.tree_taken += draft.path is not None
         if eng.source is not None:
             eng.controller.observe(seq.control, len(draft.ids), chain, verify_s if n_rows == 1 else None, row,
                                    draft_s=draft_s)
@@ -490,9 +495,9 @@ class Scheduler:
         emitted, seq.generated = commit_tokens(seq.ids, [*draft.accepted_ids(accepted), next_token], req,
                                                seq.generated, eng.target.context_len, stats)
         if not stats.finish_reason and eng.source is not None:
-            # a second choice taken: the source kept `chain` of its tokens, then the text went on without it
-            # (it reads the token after the second choice from seq.ids, as after rounds it did not draft)
-            eng.source.commit(seq, chain, next_token if draft.took_alt is None else seq.ids[-2])
+            # a branch taken: the source kept `chain` of its tokens, then the text went on without it (it reads the
+            # rest of the branch and the token after it from seq.ids, as after rounds it did not draft)
+            eng.source.commit(seq, chain, next_token if draft.path is None else draft.path[chain])
         stats.new_tokens = seq.generated
         stats.time_total_s = time.perf_counter() - seq.t_start
         if n_rows > 1:

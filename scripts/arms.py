@@ -69,8 +69,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - started)
                 s = out.stats
                 print(f"{rep} {i:2d} {category:<10} {name:<8} {times[name][-1]:6.3f} s  acceptance "
-                      f"{s['acceptance_rate']}  tokens/round {s['tokens_per_round']}  second choices "
-                      f"{s['second_choices_taken']}/{s['second_choices']}", flush=True)
+                      f"{s['acceptance_rate']}  tokens/round {s['tokens_per_round']}  tree taken/tokens "
+                      f"{s['tree_taken']}/{s['tree_tokens']}", flush=True)
     for base in dict.fromkeys([names[0], args.base or names[0]]):
         for name in names:
             if name != base:

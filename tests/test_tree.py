@@ -49,9 +49,9 @@ def test_second_choices_taken_keep_the_target_s_output(llama_copy_onnx, temperat
                 out = tree.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, temperature=temperature, seed=seed)
                 assert out.token_ids == ref.token_ids
                 stats = out.stats
-                assert stats["second_choices"] > 0 and stats["second_choices_taken"] > 0
+                assert stats["tree_tokens"] > 0 and stats["tree_taken"] > 0
                 # every drafting round took its swapped second choice: 2 tokens a round (the choice and the next)
-                assert stats["second_choices_taken"] >= stats["rounds"] - 2
+                assert stats["tree_taken"] >= stats["rounds"] - 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "coupled"])
@@ -63,7 +63,7 @@ def test_second_choices_of_a_random_draft_keep_the_target_s_output(llama_copy_on
             for gamma in (2, 4):
                 out = tree.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, temperature=temperature, seed=seed)
                 assert out.token_ids == ref.token_ids
-                assert out.stats["second_choices"] > 0
+                assert out.stats["tree_tokens"] > 0
 
 
 def test_stop_token_and_max_new_tokens_inside_a_tree_round(llama_copy_onnx):
@@ -93,4 +93,84 @@ def test_a_tree_never_caches_past_the_context(llama_copy_onnx):
         ref = alone.generate(prompt, max_new_tokens=100, temperature=0.0)
         out = tree.generate(prompt, max_new_tokens=100, gamma=4, temperature=0.0)
         assert out.token_ids == ref.token_ids and out.finish_reason == "context" == ref.finish_reason
-        assert len(prompt) + len(out.token_ids) == ctx and out.stats["second_choices_taken"] > 0
+        assert len(prompt) + len(out.token_ids) == ctx and out.stats["tree_taken"] > 0
+
+
+def test_ngram_branches_merge_other_continuations_into_a_tree():
+    """draft.ngram.branches: the chain continues the suffix's latest earlier occurrence; other occurrences, then
+    shorter suffixes', become branches, shared prefixes merged, an occurrence already used (or one whose shorter
+    suffix ends where a used one does) skipped, at most `branches` of them."""
+    from hetero_spec.draft.ngram import NgramProposer
+    from hetero_spec.sampling import SamplingParams
+    text = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 7, 9, 2, 8, 9, 1, 2]
+    plain, tree = NgramProposer(max_n=3), NgramProposer(max_n=3, branches=3)
+    for p in (plain, tree):
+        p.begin(text, SamplingParams())
+    chain, grown = plain.propose(3), tree.propose(3)
+    assert chain.ids == grown.ids == [3, 7, 9] and chain.alts == [] and grown.match == 3
+    # [5, 6, 9] (the suffix's older occurrence), [3, 4, 9] off the chain's first node (via [1, 2]), [8, 9, 1] (via [2])
+    assert grown.alts == [(0, 5), (4, 6), (5, 9), (1, 4), (7, 9), (0, 8), (9, 9), (10, 1)]
+    tree.branches = 1
+    assert tree.propose(3).alts == [(0, 5), (4, 6), (5, 9)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "coupled"])
+def test_ngram_branches_keep_the_target_s_output(llama_copy_onnx, temperature):
+    """Lookup branches taken (the text repeats with different continuations): output equal to the target alone's;
+    a pass never takes more than TREE_MAX_TOKENS tokens. Coupled with top_k 1: the fixture's random target samples
+    nearly uniformly, so only a one-token support makes its tokens follow the text (the coupled path all the same:
+    weights, noise, and the walk by the coupled choice)."""
+    top_k = 1 if temperature else 0
+    from hetero_spec import scheduler
+    alone = Engine.from_config(_cfg(llama_copy_onnx, "none"))
+    tree = Engine.from_config(_cfg(llama_copy_onnx, "ngram", **{"draft.ngram": {"max_n": 3, "branches": 4},
+                                                                 "speculation.sampling": "coupled"}))
+    widest = []
+    verify_tree = tree.target.verify_tree
+
+    def spy(state, last, ids, alts, greedy):
+        widest.append(1 + len(ids) + len(alts))
+        return verify_tree(state, last, ids, alts, greedy)
+
+    tree.target.verify_tree = spy
+    prompt = [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 12, 13, 5, 6]
+    with alone, tree:
+        taken = 0
+        for seed, gamma in enumerate((2, 3, 4, 7)):
+            ref = alone.generate(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=seed, top_k=top_k)
+            out = tree.generate(prompt, max_new_tokens=MAX_NEW, gamma=gamma, temperature=temperature, seed=seed,
+                                top_k=top_k)
+            assert out.token_ids == ref.token_ids
+            taken += out.stats["tree_taken"]
+            assert out.stats["tree_tokens"] > 0 or gamma == 7  # 1 + 7 tokens fill the pass: no room for branches
+        assert taken > 0 and max(widest) <= scheduler.TREE_MAX_TOKENS
+
+
+def test_the_walk_keeps_a_branch_two_nodes_deep_and_moves_both_into_place():
+    """scheduler._decide_tree on a fake target: the chain's first token kept, then a branch off it two nodes deep;
+    both branch nodes' cached positions move to the places the path gives them, then the cache is cut after them."""
+    from hetero_spec.draft.base import Draft
+    from hetero_spec.sampling import SamplingParams
+    from hetero_spec.scheduler import decide_block
+
+    class Target:
+        def __init__(self):
+            self.calls = []
+
+        def move(self, state, src, dst):
+            self.calls.append(("move", src, dst))
+
+        def rollback(self, state, n_keep):
+            self.calls.append(("rollback", n_keep))
+
+    ids = list(range(100, 110))  # base 10: the pass fed ids[-1] at 9, then its nodes at 10, 11, ...
+    a, b, c, x, y, z = 1, 2, 3, 4, 5, 6
+    draft = Draft(ids=[a, b, c], alts=[(1, x), (4, y), (0, 9)])  # node 4: x after a; node 5: y after x; node 6
+    out = {0: a, 1: x, 2: 0, 3: 0, 4: y, 5: z, 6: 0}  # the target's token after each node
+    target = Target()
+    accepted, next_token = decide_block(target, None, SamplingParams(), ids, draft, [out[i] for i in range(7)])
+    assert (accepted, next_token) == (3, z) and draft.accepted_ids(accepted) == [a, x, y] and draft.chain_kept == 1
+    assert target.calls == [("move", 13, 11), ("move", 14, 12), ("rollback", 13)]
+    chain = Draft(ids=[a, b, c], alts=[(1, x)])
+    assert decide_block(Target(), None, SamplingParams(), ids, chain, [a, b, c, 7, 0]) == (3, 7)
+    assert chain.path is None and chain.accepted_ids(3) == [a, b, c]

@@ -28,17 +28,19 @@ class Draft:
     shadow: tuple[int, int] | None = None
     #: a lookup's draft: the length of the context's suffix it matched (draft selection keeps acceptance per length)
     match: int = 0
-    #: second choices, verified in the same pass as a token tree where the target can (supports_tree): (j, token)
-    #: offers `token` in place of ids[j] (a sibling of ids[j]: same parent, same position); j increasing, one per j
+    #: more tokens verified in the same pass, a token tree, where the target can (supports_tree): (parent, token),
+    #: a node whose parent is node `parent`, the nodes numbered 0 (the last committed token), 1..k (ids) and then
+    #: k + 1 + a for alts[a]; a parent comes before its children. (j, token) with j < k is a second choice for
+    #: ids[j] (its sibling); a parent among the alts continues another branch. Siblings have distinct tokens.
     alts: list[tuple[int, int]] = field(default_factory=list)
-    #: set by the verification (scheduler.decide_block): the j whose second choice was accepted, else None
-    took_alt: int | None = None
+    #: set by the verification (scheduler.decide_block) where the kept path left the chain: its tokens
+    path: list[int] | None = None
+    #: ... and how many of the chain's tokens it kept before it left
+    chain_kept: int = 0
 
     def accepted_ids(self, n_accepted: int) -> list[int]:
-        """The n_accepted tokens the verification kept: ids[:n_accepted], its last a second choice if took_alt."""
-        if self.took_alt is None:
-            return self.ids[:n_accepted]
-        return [*self.ids[:self.took_alt], dict(self.alts)[self.took_alt]]
+        """The n_accepted tokens the verification kept: ids[:n_accepted], or the path it took through the tree."""
+        return self.ids[:n_accepted] if self.path is None else self.path
 
 
 @dataclass

@@ -33,39 +33,71 @@ class Lookup:
 class NgramProposer(Lookup):
     name = "ngram"
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    def __init__(self, max_n: int = 3, min_n: int = 1, branches: int = 0):
         self.max_n, self.min_n = max_n, min_n  # min_n <= max_n: checked with the config (Engine)
+        self.branches = branches  # draft.ngram.branches: more continuations, as a token tree's branches
         self._reset([])
 
     def spawn(self) -> NgramProposer:
         """A proposer of the same settings for another request (the request scheduler gives each its own)."""
-        return NgramProposer(max_n=self.max_n, min_n=self.min_n)
+        return NgramProposer(max_n=self.max_n, min_n=self.min_n, branches=self.branches)
 
     def _reset(self, ids: list[int]) -> None:
         self.ids, self._last = [], []
-        #: n -> n-gram -> (latest start, the start before it; -1 when none)
-        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
+        #: n -> n-gram -> its latest starts, the latest first (2 + branches of them)
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {
             n: {} for n in range(self.min_n, self.max_n + 1)}
         self._extend(ids)
 
     def _extend(self, tokens: list[int]) -> None:
-        ids, index = self.ids, self._index
+        ids, index, keep = self.ids, self._index, 1 + self.branches
         for tok in tokens:
             ids.append(int(tok))
             end = len(ids)
             for size, table in index.items():
                 if end >= size:
                     key = tuple(ids[end - size:end])
-                    table[key] = (end - size, table.get(key, (-1,))[0])  # the latest start becomes the one before
+                    table[key] = (end - size, *table.get(key, ())[:keep])
 
     def propose(self, k: int) -> Draft:
-        ids, self._last, match = self.ids, [], 0
+        """The continuation of the longest suffix that occurred before (its latest earlier occurrence); with
+        branches, up to that many other continuations as a token tree's branches (Draft.alts): the same suffix's
+        earlier occurrences first, then shorter suffixes', each merged into the tree where it shares a prefix."""
+        ids, self._last, match, used = self.ids, [], 0, -1
+        starts: list[tuple[int, int]] = []  # (start, size) of every occurrence found, longest suffixes first
         for size in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            start = self._index[size].get(tuple(ids[-size:]), (-1, -1))[1]  # [0] is the suffix itself
-            if start >= 0 and (cont := ids[start + size:start + size + k]):
-                self._last, match = cont, size
+            found = [(start, size) for start in self._index[size].get(tuple(ids[-size:]), ())[1:]]  # [0]: the suffix
+            if not match and found and (cont := ids[found[0][0] + size:found[0][0] + size + k]):
+                self._last, match, used = cont, size, found[0][0] + size
+            starts += found
+            if not self.branches and match:
                 break
-        return Draft(ids=list(self._last), match=match)
+        draft = Draft(ids=list(self._last), match=match)
+        if self.branches and match:
+            self._grow(draft, starts, k, used)
+        return draft
+
+    def _grow(self, draft: Draft, starts: list[tuple[int, int]], k: int, chain_at: int) -> None:
+        """Merge the continuations at `starts` into draft's tree (the chain's continues ids[chain_at:]), until
+        `branches` of them added a node."""
+        ids, chain = self.ids, len(draft.ids)
+        children = {n: {draft.ids[n]: n + 1} for n in range(chain)}  # node -> token -> node (Draft.alts' numbering)
+        used, added = {chain_at}, 0
+        for start, size in starts:
+            if added >= self.branches:
+                break
+            if start + size in used:  # a shorter suffix of an occurrence already taken continues the same way
+                continue
+            used.add(start + size)
+            node, grew = 0, False
+            for token in ids[start + size:start + size + k]:
+                nxt = children.setdefault(node, {}).get(token)
+                if nxt is None:
+                    draft.alts.append((node, token))
+                    nxt = children[node][token] = chain + len(draft.alts)
+                    grew = True
+                node = nxt
+            added += grew
 
     def sync(self, ids: list[int]) -> None:
         """Take the committed text as it is now (another proposer drafted meanwhile): append what is new, or
