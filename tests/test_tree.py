@@ -174,3 +174,34 @@ def test_the_walk_keeps_a_branch_two_nodes_deep_and_moves_both_into_place():
     chain = Draft(ids=[a, b, c], alts=[(1, x)])
     assert decide_block(Target(), None, SamplingParams(), ids, chain, [a, b, c, 7, 0]) == (3, 7)
     assert chain.path is None and chain.accepted_ids(3) == [a, b, c]
+
+
+def test_a_tree_cut_to_a_shorter_gamma_keeps_the_branches_within_it():
+    """Draft.cut (draft selection asks a lookup at the row's cap, then drafts the plan's gamma): the chain and the
+    branches that hang from kept nodes within the depth stay, renumbered; deeper nodes and their children go."""
+    from hetero_spec.draft.base import Draft
+    draft = Draft(ids=[1, 2, 3, 4], alts=[(0, 5), (5, 6), (6, 7), (2, 8), (3, 9), (1, 10)])
+    # nodes: 1-4 the chain; 5: 5 after root; 6: 6 after 5; 7: 7 after 6 (depth 3); 8: 8 after node 2 (depth 3);
+    # 9: 9 after node 3 (depth 4); 10: 10 after node 1 (depth 2)
+    assert draft.cut(4) == (draft.ids, draft.alts)
+    assert draft.cut(2) == ([1, 2], [(0, 5), (3, 6), (1, 10)])
+    assert draft.cut(3) == ([1, 2, 3], [(0, 5), (4, 6), (5, 7), (2, 8), (1, 10)])
+    assert draft.cut(1) == ([1], [(0, 5)])
+
+
+def test_draft_selection_passes_a_lookup_s_branches_cut_to_the_plan_s_gamma():
+    """SelectingSource asks the lookup at the row's cap (offers), then drafts the plan's gamma: the branches come
+    through, cut to that depth."""
+    from types import SimpleNamespace
+
+    from hetero_spec.draft.ngram import NgramProposer
+    from hetero_spec.draft.source import LocalSource, SelectingSource
+    from hetero_spec.sampling import SamplingParams
+    from hetero_spec.tuning.controller import RowPlan
+    text = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 7, 9, 2, 8, 9, 1, 2]
+    source = SelectingSource({"ngram": LocalSource(NgramProposer(max_n=3, branches=3))})
+    seq = SimpleNamespace(id=1, ids=list(text), params=SamplingParams(), prompt_ids=list(text))
+    source.begin(seq)
+    assert source.offers([seq], [3]) == [["ngram@3"]]
+    (draft,) = source.propose([seq], [RowPlan(k=2, strategy="ngram@3")], 0.0)
+    assert draft.ids == [3, 7] and draft.alts == [(0, 5), (3, 6), (1, 4), (0, 8), (6, 9)]

@@ -38,6 +38,20 @@ class Draft:
     #: ... and how many of the chain's tokens it kept before it left
     chain_kept: int = 0
 
+    def cut(self, k: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, alts) of this draft cut to depth k: the chain's first k tokens, and the alts that hang from what
+        is kept within that depth, renumbered."""
+        if len(self.ids) <= k:
+            return list(self.ids), list(self.alts)
+        old = len(self.ids)
+        depth, index = {n: n for n in range(k + 1)}, {n: n for n in range(k + 1)}  # kept node -> depth, new number
+        alts: list[tuple[int, int]] = []
+        for a, (parent, token) in enumerate(self.alts):
+            if parent in index and depth[parent] < k:
+                alts.append((index[parent], token))
+                depth[old + 1 + a], index[old + 1 + a] = depth[parent] + 1, k + len(alts)
+        return self.ids[:k], alts
+
     def accepted_ids(self, n_accepted: int) -> list[int]:
         """The n_accepted tokens the verification kept: ids[:n_accepted], or the path it took through the tree."""
         return self.ids[:n_accepted] if self.path is None else self.path

@@ -180,7 +180,11 @@ class SelectingSource:
                     for n, c in self.cands.items() if n not in self.lookups}
             found = self._found.pop(seq.id, {})
             self._chosen[seq.id] = name
-            out.append(Draft(found[name].ids[:max(1, row.k)]) if name in self.lookups else made.get(name, Draft([])))
+            if name in self.lookups:  # proposed at the row's cap: cut to the plan's gamma, branches too
+                ids, alts = found[name].cut(max(1, row.k))
+                out.append(Draft(ids, alts=alts))
+            else:
+                out.append(made.get(name, Draft([])))
         return out
 
     def commit(self, seq: Seq, n_accepted: int, next_token: int) -> None:
