@@ -426,18 +426,15 @@ class Scheduler:
             if draft.alts and not (trees and fits and (seq.params.greedy or seq.params.coupled)):
                 draft.alts = []
             del draft.alts[max(0, TREE_MAX_TOKENS - 1 - len(draft.ids)):]  # a prefix: parents stay before children
-        tree_rows = [i for i, d in enumerate(drafts) if d.alts]
-        if not tree_rows:
-            return target.verify_batch([(s.state, s.ids[-1], d.ids) for s, d in zip(seqs, drafts)],
-                                       [s.params.greedy for s in seqs])
-        rest = [i for i in range(len(seqs)) if i not in tree_rows]
+        chains = [i for i, d in enumerate(drafts) if not d.alts]
         outs: list = [None] * len(seqs)
-        for i, out in zip(rest, target.verify_batch([(seqs[i].state, seqs[i].ids[-1], drafts[i].ids) for i in rest],
-                                                    [seqs[i].params.greedy for i in rest]) if rest else []):
-            outs[i] = out
-        for i in tree_rows:
-            outs[i] = target.verify_tree(seqs[i].state, seqs[i].ids[-1], drafts[i].ids, drafts[i].alts,
-                                         seqs[i].params.greedy)
+        if chains:
+            rows = [(seqs[i].state, seqs[i].ids[-1], drafts[i].ids) for i in chains]
+            for i, out in zip(chains, target.verify_batch(rows, [seqs[i].params.greedy for i in chains])):
+                outs[i] = out
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            if draft.alts:
+                outs[i] = target.verify_tree(seq.state, seq.ids[-1], draft.ids, draft.alts, seq.params.greedy)
         return outs
 
     def _plain_run(self, eng: Engine, seq: Seq, row: RowPlan | None = None) -> None:

@@ -63,18 +63,18 @@ class NgramProposer(Lookup):
         """The continuation of the longest suffix that occurred before (its latest earlier occurrence); with
         branches, up to that many other continuations as a token tree's branches (Draft.alts): the same suffix's
         earlier occurrences first, then shorter suffixes', each merged into the tree where it shares a prefix."""
-        ids, self._last, match, used = self.ids, [], 0, -1
+        ids, self._last, match, chain_at = self.ids, [], 0, -1
         starts: list[tuple[int, int]] = []  # (start, size) of every occurrence found, longest suffixes first
         for size in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             found = [(start, size) for start in self._index[size].get(tuple(ids[-size:]), ())[1:]]  # [0]: the suffix
             if not match and found and (cont := ids[found[0][0] + size:found[0][0] + size + k]):
-                self._last, match, used = cont, size, found[0][0] + size
+                self._last, match, chain_at = cont, size, found[0][0] + size
             starts += found
             if not self.branches and match:
                 break
         draft = Draft(ids=list(self._last), match=match)
         if self.branches and match:
-            self._grow(draft, starts, k, used)
+            self._grow(draft, starts, k, chain_at)
         return draft
 
     def _grow(self, draft: Draft, starts: list[tuple[int, int]], k: int, chain_at: int) -> None:
